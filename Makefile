@@ -1,0 +1,26 @@
+# One command sets up and runs the demo, one runs the tests. Both create .venv on first use.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# The CPU build of torch; pip finds it in the machine's local wheels (see DEVELOPERS.md).
+TORCH_SPEC ?= torch==2.13.0
+export OMP_NUM_THREADS ?= 1
+
+.PHONY: setup demo test clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --disable-pip-version-check "$(TORCH_SPEC)"
+	$(PY) -m pip install -q --disable-pip-version-check -e ".[test]"
+	touch $@
+
+demo: setup
+	$(VENV)/bin/deepspeed --num_gpus 4 examples/multimodal_demo.py --deepspeed_config configs/example.json
+
+test: setup
+	$(PY) -m pytest -q tests
+
+clean:
+	rm -rf $(VENV) build *.egg-info

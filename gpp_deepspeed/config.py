@@ -1,0 +1,63 @@
+"""The ``"graph_pipeline"`` section of a DeepSpeed JSON config.
+
+DeepSpeed silently accepts typos in its own ``"pipeline"`` dict; this section does not: an unknown
+key is a :class:`~gpp_deepspeed.errors.GPPConfigError` that names it.
+
+Example::
+
+    {
+      "train_micro_batch_size_per_gpu": 4,
+      "gradient_accumulation_steps": 8,
+      "graph_pipeline": {"schedule": "1f1b", "validate_schedule": true}
+    }
+"""
+
+from typing import Any, Literal, Mapping
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from .errors import GPPConfigError
+
+__all__ = ["CONFIG_KEY", "GraphPipelineConfig", "parse_graph_pipeline_config"]
+
+CONFIG_KEY = "graph_pipeline"
+
+
+class GraphPipelineConfig(BaseModel):
+    """Settings of the graph pipeline engine, read from ``config["graph_pipeline"]``."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    schedule: Literal["1f1b", "gpipe"] = "1f1b"
+    """Training schedule: ``"1f1b"`` is the branch-aware synchronous 1F1B (PipeDream-Flush on a
+    DAG, GraphPipe's default); ``"gpipe"`` runs every forward before any backward (more
+    activation memory, useful as a baseline)."""
+
+    validate_schedule: bool = True
+    """Check every stage's instruction list for deadlock and buffer misuse before running it."""
+
+    print_stage_graph: bool = True
+    """Print the stage graph (layers per stage, tensors per stage edge) on global rank 0."""
+
+
+def parse_graph_pipeline_config(ds_config: Mapping[str, Any] | None) -> GraphPipelineConfig:
+    """Validate the ``graph_pipeline`` section of a DeepSpeed config dict.
+
+    >>> parse_graph_pipeline_config({"graph_pipeline": {"schedule": "gpipe"}}).schedule
+    'gpipe'
+    """
+    section = (ds_config or {}).get(CONFIG_KEY, {})
+    if not isinstance(section, Mapping):
+        raise GPPConfigError(f'config["{CONFIG_KEY}"] must be a JSON object, got {type(section).__name__}')
+    try:
+        return GraphPipelineConfig(**section)
+    except ValidationError as exc:
+        problems = []
+        for err in exc.errors():
+            key = ".".join(str(p) for p in err["loc"])
+            if err["type"] == "extra_forbidden":
+                valid = ", ".join(GraphPipelineConfig.model_fields)
+                problems.append(f'unknown key "{CONFIG_KEY}.{key}" (valid keys: {valid})')
+            else:
+                problems.append(f'"{CONFIG_KEY}.{key}": {err["msg"]}')
+        raise GPPConfigError("invalid DeepSpeed config: " + "; ".join(problems)) from None

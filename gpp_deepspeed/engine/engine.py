@@ -1,0 +1,273 @@
+"""GraphPipelineEngine: DeepSpeed's PipelineEngine running a DAG of stages.
+
+It subclasses ``PipelineEngine`` and extends its instruction dispatch table (the pattern of
+DeepSpeed's own ``dualpipev.py``); ZeRO-1, bf16, gradient clipping, data parallelism, loss
+aggregation and checkpoints are DeepSpeed's. What changes:
+
+* "first stage" means "reads graph inputs from the batch" (there may be several), and "last
+  stage" means the output stage, which reads labels and computes the loss;
+* transfers go along stage edges between any two stages (:mod:`.p2p`), several tensors per edge;
+* every buffer keeps its own loss and output gradients, because stages run out of lock-step;
+* the schedule is :func:`gpp_deepspeed.schedule.build_schedule`'s action list for this stage,
+  validated (deadlock, buffer reuse) before it runs.
+
+Buffers per micro-batch slot: ``loaded`` (graph inputs read from the batch), ``received``
+(``{TensorRef: value}`` from other stages), ``inputs`` (the flat tuple given to the stage's forward),
+``outputs``, ``grads`` (``{(port, tensor): summed gradient}``) and ``losses``.
+"""
+
+from __future__ import annotations
+
+
+
+import torch
+from deepspeed.runtime.pipe import schedule as ds
+from deepspeed.runtime.pipe.engine import PipelineEngine
+from deepspeed.utils import logger
+
+from ..config import GraphPipelineConfig
+from ..errors import GPPConfigError
+from ..schedule.generators import build_schedule
+from ..schedule.ir import Action, ActionKind, format_schedule
+from ..schedule.validate import validate_schedule
+from .flat import flatten, unflatten
+from .instructions import (GraphPipeSchedule, RecvActivationFrom, RecvGradFrom, SendActivationTo, SendGradTo,
+                           WaitSends)
+from .module import GraphPipelineModule
+from .p2p import EdgeTransport
+
+__all__ = ["GraphPipelineEngine"]
+
+_EXTRA_BUFFERS = ("loaded", "received", "grads", "losses")
+
+
+class GraphPipelineEngine(PipelineEngine):
+    """Trains a :class:`GraphPipelineModule`; built by :func:`gpp_deepspeed.initialize`."""
+
+    def __init__(self, *args, gpp_config: GraphPipelineConfig | None = None, **kwargs):
+        # The parent's __init__ warms up p2p along stage ids 0..S-1 with is_first/last_stage() in
+        # their linear sense; the DAG meaning applies once construction is over.
+        self._dag_ready = False
+        super().__init__(*args, **kwargs)
+        if not isinstance(self.module, GraphPipelineModule):
+            raise GPPConfigError("GraphPipelineEngine needs a GraphPipelineModule")
+        if self.is_pipe_partitioned or self.is_grad_partitioned:
+            raise GPPConfigError('"pipeline.pipe_partitioned" and "pipeline.grad_partitioned" (tensor-parallel '
+                                 "activation partitioning) are not supported by the graph pipeline; set them false")
+        self.gpp_config = gpp_config or GraphPipelineConfig()
+        self.spec = self.module.stage_spec
+        self.stage_graph = self.module.partition.stage_graph
+        self.transport = EdgeTransport(self.grid, self.device)
+        self._out_index = {ref: i for i, ref in enumerate(self.spec.out_ports)}
+        self._schedules: dict[tuple[int, bool], tuple[list[Action], int]] = {}
+        for key in _EXTRA_BUFFERS:
+            self.pipe_buffers[key] = [None] * self.num_pipe_buffers
+        self.module.engine_attached = True
+        self._dag_ready = True
+        if self.gpp_config.print_stage_graph and self.global_rank == 0:
+            print(self.module.partition.describe(), flush=True)
+
+    # -- roles ------------------------------------------------------------------------------------
+
+    def is_first_stage(self):
+        """True if this stage reads graph inputs from the batch."""
+        if not self._dag_ready:
+            return super().is_first_stage()
+        return bool(self.spec.loads)
+
+    def is_last_stage(self):
+        """True if this is the output stage (labels, loss)."""
+        if not self._dag_ready:
+            return super().is_last_stage()
+        return self.stage_id == self.stage_graph.output_stage
+
+    def _loss_stage_global_rank(self):
+        return self.grid.stage_to_global(self.stage_graph.output_stage)
+
+    # -- schedules ----------------------------------------------------------------------------------
+
+    def _num_buffers(self, stage: int, micro_batches: int, train: bool) -> int:
+        if not train:
+            return min(micro_batches, 2)
+        if self.gpp_config.schedule == "gpipe":
+            return micro_batches
+        return max(1, min(micro_batches, self.stage_graph.depth(stage)))
+
+    def graph_schedule(self, micro_batches: int, *, train: bool) -> tuple[list[Action], int]:
+        """This stage's actions for one batch and its buffer count (validated once per shape)."""
+        key = (micro_batches, train)
+        if key not in self._schedules:
+            loading = {s.stage_idx for s in self.module.partition.stages if s.loads}
+            loading.add(self.stage_graph.output_stage)
+            full = build_schedule(self.stage_graph, micro_batches, name=self.gpp_config.schedule, train=train,
+                                  loading_stages=loading)
+            buffers = {s: self._num_buffers(s, micro_batches, train) for s in full}
+            if self.gpp_config.validate_schedule:
+                validate_schedule(full, self.stage_graph, micro_batches, train=train, num_buffers=buffers)
+            if self.global_rank == 0:
+                logger.debug("graph pipeline schedule:\n%s", format_schedule(full))
+            self._schedules[key] = (full[self.stage_id], buffers[self.stage_id])
+        return self._schedules[key]
+
+    def _graph_pipe_schedule(self, micro_batches: int, train: bool) -> GraphPipeSchedule:
+        actions, buffers = self.graph_schedule(micro_batches, train=train)
+        return GraphPipeSchedule(actions, micro_batches=micro_batches, stages=self.num_stages,
+                                 stage_id=self.stage_id, num_buffers=buffers)
+
+    def _train_schedule(self):
+        return self._graph_pipe_schedule(self.micro_batches, True)
+
+    def _inference_schedule(self, micro_batches):
+        return self._graph_pipe_schedule(micro_batches, False)
+
+    def reset_activation_shape(self):
+        super().reset_activation_shape()
+        self.transport.reset_layouts()
+
+    # -- data -------------------------------------------------------------------------------------
+
+    def _split_inputs(self, inputs) -> dict[str, torch.Tensor]:
+        names = self.module.graph.input_names
+        values = (inputs, ) if torch.is_tensor(inputs) else inputs
+        if not isinstance(values, (tuple, list)) or len(values) != len(names) or not all(
+                torch.is_tensor(v) for v in values):
+            got = (f"a {type(inputs).__name__} of {len(values)}" if isinstance(values, (tuple, list)) else
+                   f"a {type(inputs).__name__}")
+            raise GPPConfigError(f"the batch inputs must be {len(names)} tensor(s) {list(names)} "
+                                 f"(a tensor when there is one input, else a tuple in that order), got {got}")
+        return dict(zip(names, values))
+
+    def _exec_load_micro_batch(self, buffer_id):
+        batch = self._next_batch()
+        if not isinstance(batch, (tuple, list)) or len(batch) != 2:
+            raise GPPConfigError(f"data_iter must yield (inputs, labels) pairs, got {type(batch).__name__}"
+                                 + (f" of {len(batch)} elements" if isinstance(batch, (tuple, list)) else ""))
+        inputs, labels = batch
+        if self.spec.loads:
+            values = self._split_inputs(inputs)
+            loaded = {}
+            for name in self.spec.loads:
+                t = values[name].clone().detach().to(self.device)
+                if self._reentrant_activation_checkpointing():
+                    t.requires_grad = t.is_floating_point()
+                loaded[name] = t
+            self.pipe_buffers["loaded"][buffer_id] = loaded
+        if self.is_last_stage():
+            if torch.is_tensor(labels):
+                labels = labels.to(self.device)
+            elif isinstance(labels, (tuple, list)):
+                labels = tuple(x.to(self.device).detach() for x in labels)
+            self.pipe_buffers["labels"][buffer_id] = labels
+
+    # -- compute ----------------------------------------------------------------------------------
+
+    def _exec_forward_pass(self, buffer_id):
+        loaded = self.pipe_buffers["loaded"][buffer_id] or {}
+        received = self.pipe_buffers["received"][buffer_id] or {}
+        values = [loaded[ref.node] if ref.index is None and ref.node in loaded else received[ref]
+                  for ref in self.spec.in_ports]
+        flat, self.module._in_arity = flatten(values)
+        self.pipe_buffers["inputs"][buffer_id] = tuple(flat)
+        super()._exec_forward_pass(buffer_id)
+        if self.is_last_stage() and torch.is_grad_enabled():
+            self.pipe_buffers["losses"][buffer_id] = self.loss
+        if not torch.is_grad_enabled():
+            # No backward follows: drop what only the backward would read.
+            for key in ("inputs", "loaded", "received", "labels"):
+                self.pipe_buffers[key][buffer_id] = None
+            if self.is_last_stage():
+                self.pipe_buffers["outputs"][buffer_id] = None
+
+    def _exec_backward_pass(self, buffer_id):
+        if self.is_last_stage():
+            self.loss = self.pipe_buffers["losses"][buffer_id]
+            self.pipe_buffers["losses"][buffer_id] = None
+            super()._exec_backward_pass(buffer_id)  # DeepSpeed's backward(loss), scaled by 1/GAS
+        else:
+            self._backward_from_grads(buffer_id)
+        for key in ("outputs", "output_tensors", "grads", "labels"):
+            self.pipe_buffers[key][buffer_id] = None
+
+    def _backward_from_grads(self, buffer_id):
+        """One autograd pass from every output that received a gradient (summed over readers)."""
+        flat, _ = flatten(self.pipe_buffers["outputs"][buffer_id])
+        grads = self.pipe_buffers["grads"][buffer_id] or {}
+        pairs = [(flat[i], g) for i, g in sorted(grads.items()) if flat[i].requires_grad]
+        if not pairs:
+            return
+        if self.using_bf16_optimizer:
+            self.optimizer.clear_lp_grads()
+        self._running_engine_backward = True
+        try:
+            torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
+        finally:
+            self._running_engine_backward = False
+        if self.using_bf16_optimizer and not self._config.bfloat16_config.immediate_grad_update:
+            self.optimizer.update_hp_grads(clear_lp_grads=False)
+
+    # -- transfers --------------------------------------------------------------------------------
+
+    def _flat_ports(self, buffer_id, refs):
+        outputs = self.pipe_buffers["outputs"][buffer_id]
+        return flatten([outputs[self._out_index[ref]] for ref in refs])
+
+    def _exec_send_activations_to(self, buffer_id, peer):
+        edge = self.stage_graph.edge(self.stage_id, peer)
+        flat, arity = self._flat_ports(buffer_id, edge.tensors)
+        self.transport.send((self.stage_id, peer), peer, arity, flat, always_layout=self.dynamic_shape)
+        if not torch.is_grad_enabled() and peer == self.stage_graph.succs(self.stage_id)[-1]:
+            self.pipe_buffers["outputs"][buffer_id] = None
+
+    def _exec_recv_activations_from(self, buffer_id, peer):
+        edge = self.stage_graph.edge(peer, self.stage_id)
+        layout = self.transport.recv_layout((peer, self.stage_id), peer, always_layout=self.dynamic_shape)
+        tensors = self.transport.recv_tensors(peer, layout.specs)
+        for t in tensors:
+            t.requires_grad = t.is_floating_point() and torch.is_grad_enabled()
+        received = self.pipe_buffers["received"][buffer_id] or {}
+        received.update(zip(edge.tensors, unflatten(tensors, layout.arity)))
+        self.pipe_buffers["received"][buffer_id] = received
+
+    def _exec_send_grads_to(self, buffer_id, peer):
+        edge = self.stage_graph.edge(peer, self.stage_id)
+        flat, _ = flatten([self.pipe_buffers["received"][buffer_id][ref] for ref in edge.tensors])
+        # A tensor this stage did not use still gets a (zero) gradient: the producer waits for one.
+        grads = [t.grad if t.grad is not None else torch.zeros_like(t) for t in flat if t.is_floating_point()]
+        self.transport.send_tensors(peer, grads)
+        if peer == self.stage_graph.preds(self.stage_id)[-1]:
+            for key in ("inputs", "loaded", "received"):
+                self.pipe_buffers[key][buffer_id] = None
+
+    def _exec_recv_grads_from(self, buffer_id, peer):
+        edge = self.stage_graph.edge(self.stage_id, peer)
+        outputs = self.pipe_buffers["outputs"][buffer_id]
+        positions = []  # flat output positions of this edge's floating-point tensors
+        for ref in edge.tensors:
+            port = self._out_index[ref]
+            start = sum(1 if torch.is_tensor(v) else len(v) for v in outputs[:port])
+            value = outputs[port]
+            for k, t in enumerate((value, ) if torch.is_tensor(value) else value):
+                if t.is_floating_point():
+                    positions.append((start + k, t))
+        got = self.transport.recv_tensors(peer, [(tuple(t.shape), t.dtype) for _, t in positions])
+        grads: dict[int, torch.Tensor] = self.pipe_buffers["grads"][buffer_id] or {}
+        for (pos, _), g in zip(positions, got):
+            grads[pos] = g if pos not in grads else grads[pos] + g
+        self.pipe_buffers["grads"][buffer_id] = grads
+
+    def _exec_wait_sends(self):
+        self.transport.wait_sends()
+
+    _INSTRUCTION_MAP = {
+        **PipelineEngine._INSTRUCTION_MAP,
+        ds.LoadMicroBatch: _exec_load_micro_batch,
+        ds.ForwardPass: _exec_forward_pass,
+        ds.BackwardPass: _exec_backward_pass,
+        SendActivationTo: _exec_send_activations_to,
+        RecvActivationFrom: _exec_recv_activations_from,
+        SendGradTo: _exec_send_grads_to,
+        RecvGradFrom: _exec_recv_grads_from,
+        WaitSends: _exec_wait_sends,
+    }
+
+

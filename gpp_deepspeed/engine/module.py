@@ -1,0 +1,239 @@
+"""GraphPipelineModule: a DeepSpeed ``PipelineModule`` whose stages form a DAG.
+
+Every rank validates the layer graph and computes the same partition *before* the parent
+constructor runs (it creates process groups, i.e. communicates), so bad input fails on every rank
+with a clear message and no rank waits for another. The layers are then renumbered stage by stage
+so each stage holds a contiguous index range; that keeps DeepSpeed's ``_build``, tied-weight
+groups, ``stage_owner`` and per-layer checkpoint files working unchanged.
+
+Representative signature of a stage's forward (called by :class:`GraphPipelineEngine`)::
+
+    outputs = module((*loaded_inputs, *received_tensors))   # flat tuple, see StageSpec.in_ports
+    # -> tuple aligned with StageSpec.out_ports, or the model output on the output stage
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Mapping, Sequence
+
+import torch
+from torch import nn
+from deepspeed import comm as dist
+from deepspeed.accelerator import get_accelerator
+from deepspeed.runtime.activation_checkpointing import checkpointing
+from deepspeed.runtime.pipe.module import LayerSpec, PipelineModule, TiedLayerSpec
+
+from ..errors import GPPError, PartitionError
+from ..graph.ir import LayerGraph, TensorRef, build_layer_graph
+from ..graph.partition import balanced_partition, sequential_partition
+from ..graph.stages import Partition, StageSpec, derive_partition
+from ..spec import LayerEntry, call_layer, normalize_layers, resolve
+from .flat import flatten, unflatten
+
+__all__ = ["GraphPipelineModule", "PARTITION_METHODS"]
+
+PARTITION_METHODS = ("parameters", "uniform", "sequential", "type:<regex>", "{layer_name: stage_idx}")
+
+
+class GraphPipelineModule(PipelineModule):
+    """A ``PipelineModule`` over a DAG of layers, cut into a DAG of stages.
+
+    Parameters beyond ``PipelineModule``'s:
+
+    input_names
+        Names of the graph inputs, in the order batches provide them.
+    output
+        The layer whose output goes to ``loss_fn`` (default: the last layer of the list).
+    partition_method
+        ``"parameters"`` (default) or ``"uniform"``: balanced by parameter or layer count, keeping
+        independent branches on separate stages; ``"sequential"``: the chain baseline, the list order
+        cut into contiguous stages as DeepSpeed does; ``"type:<regex>"``: balance the layers whose
+        class matches; or an explicit ``{layer_name: stage_idx}`` mapping.
+    """
+
+    def __init__(self, layers: Sequence[Any], *, input_names: Sequence[str] = ("input", ), output: str | None = None,
+                 num_stages: int | None = None, topology=None, loss_fn=None, partition_method: Any = "parameters",
+                 base_seed: int = 1234, seed_layers: bool = False, seed_fn=None, activation_checkpoint_interval: int = 0,
+                 activation_checkpoint_func=checkpointing.checkpoint, checkpointable_layers=None,
+                 dynamic_shape: bool = False):
+        entries = normalize_layers(layers, input_names, base_seed=base_seed)
+        graph = build_layer_graph(input_names, [(e.name, e.inputs) for e in entries], output=output)
+        if not dist.is_initialized():
+            dist.init_distributed(dist_backend=get_accelerator().communication_backend_name())
+        stages = _stage_count(num_stages, topology, dist.get_world_size())
+        partition = derive_partition(graph, _assign(graph, entries, stages, partition_method), num_stages=stages)
+        by_name = {e.name: e for e in entries}
+        # Plain attributes may be set before nn.Module.__init__; the parent's __init__ needs them.
+        self.graph: LayerGraph = graph
+        self.partition: Partition = partition
+        self._entries: list[LayerEntry] = [by_name[n] for n in partition.layer_order]
+        self._in_arity: list[int] | None = None
+        self.engine_attached = False
+        super().__init__(layers=[e.layer for e in self._entries], num_stages=num_stages, topology=topology,
+                         loss_fn=loss_fn, seed_layers=seed_layers, seed_fn=seed_fn, base_seed=base_seed,
+                         partition_method="graph", activation_checkpoint_interval=activation_checkpoint_interval,
+                         activation_checkpoint_func=activation_checkpoint_func,
+                         checkpointable_layers=checkpointable_layers, dynamic_shape=dynamic_shape)
+        self.stage_spec: StageSpec = partition.stages[self.stage_id]
+        self._local_entries = self._entries[self._local_start:self._local_stop]
+
+    # -- partitioning and building (called by PipelineModule.__init__) --------------------------
+
+    def _partition_layers(self, method="graph"):
+        self.parts = self.partition.bounds
+        self._set_bounds(start=self.parts[self.stage_id], stop=self.parts[self.stage_id + 1])
+
+    def _build(self):
+        # The parent seeds layer i with seed_fn(base_seed + i) when seed_layers is set: route that
+        # to each entry's own seed (by name), whatever the user's forward-time seeding settings.
+        user = (self.seed_layers, self.seed_fn)
+        self.seed_layers, self.seed_fn = True, self._seed_for_build
+        try:
+            super()._build()
+        finally:
+            self.seed_layers, self.seed_fn = user
+
+    def _seed_for_build(self, seed: int) -> None:
+        torch.manual_seed(self._entries[seed - self.base_seed].seed)
+
+    # -- stage forward ------------------------------------------------------------------------
+
+    @property
+    def is_output_stage(self) -> bool:
+        return self.stage_id == self.partition.stage_graph.output_stage
+
+    def forward(self, inputs):
+        if not self.engine_attached:
+            raise GPPError("a GraphPipelineModule runs only inside GraphPipelineEngine: build the engine with "
+                           "gpp_deepspeed.initialize(...), not deepspeed.initialize(...)")
+        flat = (inputs, ) if torch.is_tensor(inputs) else tuple(inputs)
+        arity = self._in_arity or [-1] * len(flat)
+        env: dict[TensorRef, Any] = dict(zip(self.stage_spec.in_ports, unflatten(flat, arity)))
+        self.micro_offset += 1
+        if self.activation_checkpoint_interval > 0:
+            self._run_checkpointed(env)
+        else:
+            self._run(env, range(len(self._local_entries)))
+        if self.is_output_stage:
+            return resolve(env, TensorRef(self.graph.output))
+        return tuple(resolve(env, ref) for ref in self.stage_spec.out_ports)
+
+    def _run(self, env: dict, local_idxs) -> None:
+        for i in local_idxs:
+            entry = self._local_entries[i]
+            if self.seed_layers:
+                seed = self.base_seed * (self.micro_offset + 1) + i + self._local_start
+                (self.seed_fn or torch.manual_seed)(seed)
+            args = [resolve(env, TensorRef.parse(r)) for r in entry.inputs]
+            env[TensorRef(entry.name)] = call_layer(entry, self.forward_funcs[i], args)
+
+    def _run_checkpointed(self, env: dict) -> None:
+        """Run chunks of ``activation_checkpoint_interval`` consecutive layers under the checkpoint
+        function; a chunk takes the values it reads from outside and returns those read after it."""
+        num = len(self._local_entries)
+        interval = self.activation_checkpoint_interval
+        for chunk, checkpointable in zip(range(0, num, interval), self.is_checkpointable_results):
+            idxs = range(chunk, min(chunk + interval, num))
+            if not checkpointable:
+                self._run(env, idxs)
+                continue
+            reads, writes = self._chunk_io(idxs)
+            flat_in, in_arity = flatten([resolve(env, r) for r in reads])
+            out_arity: list[int] = []
+
+            def run_chunk(*flat, _idxs=idxs, _reads=reads, _writes=writes, _in_arity=in_arity):
+                local = dict(zip(_reads, unflatten(flat, _in_arity)))
+                self._run(local, _idxs)
+                flat_out, arity = flatten([local[TensorRef(n)] for n in _writes])
+                out_arity[:] = arity
+                return tuple(flat_out)
+
+            outs = self.activation_checkpoint_func(run_chunk, *flat_in)
+            outs = (outs, ) if torch.is_tensor(outs) else outs
+            env.update(zip((TensorRef(n) for n in writes), unflatten(tuple(outs), out_arity)))
+
+    def _chunk_io(self, idxs) -> tuple[list[TensorRef], list[str]]:
+        names = {self._local_entries[i].name for i in idxs}
+        reads: list[TensorRef] = []
+        for i in idxs:
+            for r in map(TensorRef.parse, self._local_entries[i].inputs):
+                if r.node not in names and r not in reads:
+                    reads.append(r)
+        later = {TensorRef.parse(r).node for j in range(idxs.stop, len(self._local_entries))
+                 for r in self._local_entries[j].inputs}
+        later |= {r.node for r in self.stage_spec.out_ports} | {self.graph.output}
+        return reads, [self._local_entries[i].name for i in idxs if self._local_entries[i].name in later]
+
+    # -- naming ---------------------------------------------------------------------------------
+
+    def local_layer_names(self) -> tuple[str, ...]:
+        return self.stage_spec.layers
+
+    def graph_state_dict(self) -> dict[str, torch.Tensor]:
+        """This stage's parameters and buffers named as in :class:`~gpp_deepspeed.GraphModel`."""
+        out: dict[str, torch.Tensor] = {}
+        for entry, fn in zip(self._local_entries, self.forward_funcs):
+            key = entry.tie_key
+            module = self.tied_modules[key] if key is not None else fn
+            if not isinstance(module, nn.Module):
+                continue
+            prefix = f"tied.{key}." if key is not None else f"layers.{entry.name}."
+            out.update({prefix + k: v for k, v in module.state_dict().items()})
+        return out
+
+
+def _stage_count(num_stages: int | None, topology, world_size: int) -> int:
+    if topology is not None:
+        stages = topology.get_dim("pipe")
+        if topology.world_size() != world_size:
+            raise PartitionError(f"the topology has {topology.world_size()} ranks but the world size is {world_size}")
+        return stages
+    if num_stages is None:
+        raise PartitionError("give num_stages or topology")
+    if not isinstance(num_stages, int) or num_stages < 1:
+        raise PartitionError(f"num_stages must be a positive integer, got {num_stages!r}")
+    if world_size % num_stages:
+        raise PartitionError(f"num_stages ({num_stages}) must divide the world size ({world_size}): each "
+                             "pipeline replica needs one rank per stage")
+    return num_stages
+
+
+def _assign(graph: LayerGraph, entries: list[LayerEntry], num_stages: int, method: Any) -> dict[str, int]:
+    if isinstance(method, Mapping):
+        return dict(method)
+    if not isinstance(method, str):
+        raise PartitionError(f"partition_method must be one of {PARTITION_METHODS}, got {method!r}")
+    name = method.lower()
+    if name == "uniform":
+        weights = [1] * len(entries)
+    elif name in ("parameters", "sequential"):
+        weights = [_count_params(e) for e in entries]
+    elif name.startswith("type:"):
+        pattern = re.compile(method.split(":", 1)[1], re.IGNORECASE)
+        weights = [int(bool(pattern.search(_type_name(e.layer)))) for e in entries]
+        if not any(weights):
+            raise PartitionError(f'partition_method "{method}" matches no layer class')
+    else:
+        raise PartitionError(f'unknown partition_method "{method}"; valid: {PARTITION_METHODS}')
+    cut = sequential_partition if name == "sequential" else balanced_partition
+    return cut(graph, num_stages, weights=weights)
+
+
+def _count_params(entry: LayerEntry) -> int:
+    layer = entry.layer
+    if isinstance(layer, LayerSpec):
+        # Built on the meta device: the count costs no memory and no initialisation.
+        with torch.device("meta"):
+            layer = layer.build()
+    if isinstance(layer, nn.Module):
+        return sum(p.numel() for p in layer.parameters() if p.requires_grad)
+    return 0
+
+
+def _type_name(layer: Any) -> str:
+    if isinstance(layer, LayerSpec):
+        return layer.typename.__name__
+    if isinstance(layer, nn.Module):
+        return type(layer).__name__
+    return getattr(layer, "__name__", type(layer).__name__)

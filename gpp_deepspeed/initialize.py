@@ -1,0 +1,78 @@
+"""``gpp_deepspeed.initialize``: ``deepspeed.initialize`` that builds a GraphPipelineEngine.
+
+``deepspeed.initialize`` hard-codes its pipeline engine class (``PipelineEngine``, or DualPipeV's),
+so this function mirrors its pipeline branch with :class:`GraphPipelineEngine`, after validating
+the ``"graph_pipeline"`` config section on every rank. Any other model goes to
+``deepspeed.initialize`` unchanged.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import deepspeed
+from deepspeed import comm as dist
+from deepspeed.accelerator import get_accelerator
+from deepspeed.runtime.config import DeepSpeedConfig
+from deepspeed.runtime import zero
+from deepspeed.runtime.tensor_parallel.init_utils import load_ds_config
+from deepspeed.constants import TORCH_DISTRIBUTED_DEFAULT_PORT
+
+from .config import CONFIG_KEY, parse_graph_pipeline_config
+from .engine.engine import GraphPipelineEngine
+from .engine.module import GraphPipelineModule
+from .errors import GPPConfigError
+
+__all__ = ["initialize"]
+
+
+def _load_config(args, config, config_params) -> dict[str, Any]:
+    if config is None:
+        config = config_params
+    from_args = getattr(args, "deepspeed_config", None)
+    if from_args is not None:
+        if config is not None:
+            raise GPPConfigError("a DeepSpeed config was given both as --deepspeed_config and as config=...")
+        config = from_args
+    if config is None:
+        raise GPPConfigError("DeepSpeed needs a config: pass config=<path or dict> or --deepspeed_config")
+    if not isinstance(config, dict):
+        config = load_ds_config(config)
+    return dict(config)
+
+
+def initialize(args=None, model=None, optimizer=None, model_parameters=None, training_data=None, lr_scheduler=None,
+               distributed_port: int = TORCH_DISTRIBUTED_DEFAULT_PORT, mpu=None, dist_init_required=None,
+               collate_fn=None, config=None, mesh_param=None, config_params=None):
+    """Initialize DeepSpeed; returns ``(engine, optimizer, training_dataloader, lr_scheduler)``.
+
+    Takes what ``deepspeed.initialize`` takes. For a :class:`GraphPipelineModule` the engine is a
+    :class:`GraphPipelineEngine`; the config's ``"graph_pipeline"`` section is validated first.
+    """
+    if not isinstance(model, GraphPipelineModule):
+        return deepspeed.initialize(args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
+                                    training_data=training_data, lr_scheduler=lr_scheduler,
+                                    distributed_port=distributed_port, mpu=mpu, dist_init_required=dist_init_required,
+                                    collate_fn=collate_fn, config=config, mesh_param=mesh_param,
+                                    config_params=config_params)
+    if mpu is not None:
+        raise GPPConfigError("mpu must be None with a GraphPipelineModule: its topology defines the groups")
+    config = _load_config(args, config, config_params)
+    gpp_config = parse_graph_pipeline_config(config)
+    ds_config = {k: v for k, v in config.items() if k != CONFIG_KEY}
+    if args is not None and getattr(args, "deepspeed_config", None) is not None:
+        args.deepspeed_config = None  # the config travels as a dict from here on
+
+    zero.partition_parameters.shutdown_init_context()
+    dist.init_distributed(dist_backend=get_accelerator().communication_backend_name(),
+                          distributed_port=distributed_port, dist_init_required=dist_init_required)
+    mpu = model.mpu()
+    config_class = DeepSpeedConfig(ds_config, mpu)
+    deepspeed.set_optimizer_flags(config_class, model)
+    engine = GraphPipelineEngine(args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
+                                 training_data=training_data, lr_scheduler=lr_scheduler, mpu=mpu,
+                                 dist_init_required=dist_init_required, collate_fn=collate_fn, config=ds_config,
+                                 config_class=config_class, gpp_config=gpp_config)
+    zero.partition_parameters.restore_init_context()
+    engine._configure_python_gc()
+    return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler

@@ -1,0 +1,72 @@
+"""GraphModel: a layer DAG as a plain ``nn.Module`` on one device.
+
+It is the single-device twin of a :class:`~gpp_deepspeed.GraphPipelineModule` built from the same
+layer list: same layers, same build seeds, same computation. Use it for evaluation, export and
+debugging, and as the reference that pipelined training must match.
+
+Parameters are named ``layers.<layer name>.<param>`` (and ``tied.<key>.<param>`` for tied layers),
+the names :meth:`GraphPipelineModule.graph_state_dict` uses, so pipelined weights load into it.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Sequence
+
+import torch
+from torch import nn
+from deepspeed.runtime.pipe.module import TiedLayerSpec
+
+from .graph.ir import LayerGraph, TensorRef, build_layer_graph
+from .spec import LayerEntry, build_entry, call_layer, normalize_layers, resolve
+
+__all__ = ["GraphModel"]
+
+
+class GraphModel(nn.Module):
+    """The layer DAG on one device: ``forward(*inputs)`` returns the output layer's value.
+
+    Plain ``nn.Module`` entries of the list are deep-copied, so the twin never shares weights with
+    a pipelined model built from the same list.
+    """
+
+    def __init__(self, layers: Sequence[Any], *, input_names: Sequence[str] = ("input", ), output: str | None = None,
+                 base_seed: int = 1234):
+        super().__init__()
+        self.entries: list[LayerEntry] = normalize_layers(layers, input_names, base_seed=base_seed)
+        self.graph: LayerGraph = build_layer_graph(input_names, [(e.name, e.inputs) for e in self.entries],
+                                                   output=output)
+        self.layers = nn.ModuleDict()
+        self.tied = nn.ModuleDict()
+        self._funcs: dict[str, Any] = {}
+        for entry in self.entries:
+            key = entry.tie_key
+            if key is not None:
+                if key not in self.tied:
+                    self.tied[key] = build_entry(entry)
+                spec: TiedLayerSpec = entry.layer
+                module = self.tied[key]
+                self._funcs[entry.name] = module if spec.forward_fn is None else _bind(spec.forward_fn, module)
+                continue
+            layer = build_entry(entry)
+            if isinstance(entry.layer, nn.Module):
+                layer = copy.deepcopy(layer)
+            if isinstance(layer, nn.Module):
+                self.layers[entry.name] = layer
+            self._funcs[entry.name] = layer
+        self._by_name = {e.name: e for e in self.entries}
+
+    def forward(self, *inputs: torch.Tensor) -> Any:
+        if len(inputs) != len(self.graph.input_names):
+            raise TypeError(f"GraphModel takes {len(self.graph.input_names)} inputs "
+                            f"({list(self.graph.input_names)}), got {len(inputs)}")
+        env: dict[TensorRef, Any] = {TensorRef(n): x for n, x in zip(self.graph.input_names, inputs)}
+        for name in self.graph.order:
+            entry = self._by_name[name]
+            args = [resolve(env, TensorRef.parse(r)) for r in entry.inputs]
+            env[TensorRef(name)] = call_layer(entry, self._funcs[name], args)
+        return env[TensorRef(self.graph.output)]
+
+
+def _bind(forward_fn, module):
+    return lambda *args: forward_fn(module, *args)

@@ -1,0 +1,16 @@
+"""The schedule as data: IR, generators, lowering passes, validator and simulator.
+
+Nothing in this package imports torch.distributed or deepspeed.
+"""
+
+from .ir import Action, ActionKind, Schedule, format_schedule
+from .generators import (SCHEDULES, add_epilogue, add_load, add_send_recv, build_schedule, forward_only,
+                         get_schedule, gpipe, lower, one_f_one_b, warmup_forwards)
+from .validate import Timeline, default_duration, simulate, validate_schedule
+
+__all__ = [
+    "Action", "ActionKind", "Schedule", "format_schedule",
+    "SCHEDULES", "add_epilogue", "add_load", "add_send_recv", "build_schedule", "forward_only", "get_schedule",
+    "gpipe", "lower", "one_f_one_b", "warmup_forwards",
+    "Timeline", "default_duration", "simulate", "validate_schedule",
+]

@@ -1,0 +1,109 @@
+"""The schedule IR: per-stage action lists, the one representation that the engine executes and
+that the validator, simulator and printer read.
+
+Glossary
+--------
+action
+    One instruction of one stage: ``Action(stage_idx, kind, mb_idx, peer)``. Its string form is
+    compatible with torch.distributed.pipelining's for the chain-shaped subset (``"2F0"``,
+    ``"1SEND_F1"``) and adds the peer stage of a DAG edge after ``@`` (``"1SEND_F1@3"``).
+schedule
+    ``dict[stage_idx, list[Action]]``: every stage's instructions for one batch, in program order.
+
+Representative forms::
+
+    0LOAD0  0F0  0SEND_F0@2  2RECV_F0@0  2F0  2B0  2SEND_B0@0  0RECV_B0@2  0B0
+    0WAIT_SENDS  0REDUCE_TIED  0REDUCE_GRAD  0STEP
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from enum import Enum
+
+from ..errors import ScheduleError
+
+__all__ = ["ActionKind", "Action", "Schedule", "format_schedule"]
+
+
+class ActionKind(str, Enum):
+    """What an action does. Values are the wire form used in :meth:`Action.__str__`."""
+
+    LOAD = "LOAD"                # read a micro-batch (graph inputs this stage needs, labels if output stage)
+    FORWARD = "F"
+    BACKWARD = "B"
+    SEND_F = "SEND_F"            # send this stage's activations of a micro-batch to ``peer``
+    RECV_F = "RECV_F"            # receive the activations of a micro-batch from ``peer``
+    SEND_B = "SEND_B"            # send the gradients of received activations back to ``peer``
+    RECV_B = "RECV_B"            # receive the gradients of sent activations from ``peer``
+    WAIT_SENDS = "WAIT_SENDS"    # wait until every asynchronous send has completed
+    REDUCE_TIED = "REDUCE_TIED"  # all-reduce gradients of tied layers across the stages sharing them
+    REDUCE_GRAD = "REDUCE_GRAD"  # all-reduce gradients across data-parallel replicas of the stage
+    STEP = "STEP"                # optimizer step
+
+    @property
+    def has_mb(self) -> bool:
+        return self in _MB_KINDS
+
+    @property
+    def has_peer(self) -> bool:
+        return self in _PEER_KINDS
+
+
+_MB_KINDS = frozenset({ActionKind.LOAD, ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.SEND_F,
+                       ActionKind.RECV_F, ActionKind.SEND_B, ActionKind.RECV_B})
+_PEER_KINDS = frozenset({ActionKind.SEND_F, ActionKind.RECV_F, ActionKind.SEND_B, ActionKind.RECV_B})
+# Longest kinds first so that "SEND_F" is not read as "S" + ...
+_KIND_ALTERNATIVES = "|".join(sorted((re.escape(k.value) for k in ActionKind), key=len, reverse=True))
+_ACTION_RE = re.compile(rf"^(\d+)({_KIND_ALTERNATIVES})(\d*)(?:@(\d+))?$")
+
+
+@dataclass(frozen=True, slots=True)
+class Action:
+    """One instruction of one stage.
+
+    >>> a = Action(1, ActionKind.SEND_F, 0, peer=3)
+    >>> str(a)
+    '1SEND_F0@3'
+    >>> Action.parse(str(a)) == a
+    True
+    """
+
+    stage_idx: int
+    kind: ActionKind
+    mb_idx: int | None = None
+    peer: int | None = None
+
+    def __post_init__(self):
+        if self.kind.has_mb != (self.mb_idx is not None):
+            raise ScheduleError(f"{self.kind.name} {'needs' if self.kind.has_mb else 'takes no'} micro-batch index")
+        if self.kind.has_peer != (self.peer is not None):
+            raise ScheduleError(f"{self.kind.name} {'needs' if self.kind.has_peer else 'takes no'} peer stage")
+
+    def __str__(self) -> str:
+        text = f"{self.stage_idx}{self.kind.value}"
+        if self.mb_idx is not None:
+            text += str(self.mb_idx)
+        if self.peer is not None:
+            text += f"@{self.peer}"
+        return text
+
+    def __repr__(self) -> str:
+        return str(self)
+
+    @classmethod
+    def parse(cls, text: str) -> "Action":
+        m = _ACTION_RE.match(text.strip())
+        if not m:
+            raise ScheduleError(f'cannot parse action "{text}"')
+        stage, kind, mb, peer = m.groups()
+        return cls(int(stage), ActionKind(kind), int(mb) if mb else None, int(peer) if peer else None)
+
+
+Schedule = dict[int, list[Action]]
+
+
+def format_schedule(schedule: Schedule) -> str:
+    """One line per stage: ``stage 0: 0LOAD0 0F0 0SEND_F0@2 ...``."""
+    return "\n".join(f"stage {s}: " + " ".join(str(a) for a in schedule[s]) for s in sorted(schedule))

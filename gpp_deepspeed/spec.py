@@ -1,0 +1,141 @@
+"""Layer specifications: how a user's layer list becomes named graph nodes.
+
+A :class:`GraphLayerSpec` is a DeepSpeed ``LayerSpec`` with a unique name and named inputs. Any
+other entry of the list (``LayerSpec``, ``TiedLayerSpec``, an ``nn.Module`` or a callable) behaves as
+in DeepSpeed: it takes the previous entry's output as its one argument, so an unchanged DeepSpeed
+layer list is a chain.
+
+Every layer is built under its own seed, so a pipelined model and its single-device twin start
+from identical weights whatever the partition:
+
+* a ``GraphLayerSpec`` named ``n``: ``base_seed + crc32(n)``;
+* any other entry at list index ``i``: ``base_seed + i``, DeepSpeed's ``seed_layers=True`` rule, so a
+  plain layer list starts exactly as ``PipelineModule(..., seed_layers=True)`` does;
+* a ``TiedLayerSpec``: the seed of the first entry with its key, so every copy is identical.
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import nn
+from deepspeed.runtime.pipe.module import LayerSpec, TiedLayerSpec
+
+from .errors import GraphError
+from .graph.ir import TensorRef
+
+__all__ = ["GraphLayerSpec", "LayerEntry", "normalize_layers", "layer_seed", "call_layer", "build_entry"]
+
+
+class GraphLayerSpec(LayerSpec):
+    """A DeepSpeed ``LayerSpec`` with a unique ``name`` and the names of its ``inputs``.
+
+    Each input is a graph input (from ``input_names``), another layer's name, or ``"name:i"`` for
+    element ``i`` of a layer that returns a tuple. The layer's forward gets them positionally::
+
+        GraphLayerSpec("fuse", Concat, inputs=["text_block", "image_block"])  # Concat.forward(a, b)
+    """
+
+    def __init__(self, name: str, typename: type, *module_args, inputs: Sequence[str] = (), **module_kwargs):
+        super().__init__(typename, *module_args, **module_kwargs)
+        if isinstance(inputs, str):
+            inputs = [inputs]
+        self.name = name
+        self.inputs = tuple(str(i) for i in inputs)
+
+    def __repr__(self) -> str:
+        return f"GraphLayerSpec({self.name!r}, {super().__repr__()}, inputs={list(self.inputs)})"
+
+
+@dataclass(frozen=True)
+class LayerEntry:
+    """One entry of the layer list as a graph node.
+
+    ``packed`` entries (plain DeepSpeed entries) take their inputs as one argument, a tensor or a
+    tuple, as DeepSpeed's sequential forward does; ``GraphLayerSpec`` entries take them positionally.
+    """
+
+    name: str
+    layer: Any
+    inputs: tuple[str, ...]
+    seed: int
+    packed: bool
+
+    @property
+    def tie_key(self) -> str | None:
+        return self.layer.key if isinstance(self.layer, TiedLayerSpec) else None
+
+
+def layer_seed(base_seed: int, name: str) -> int:
+    """The build seed of a ``GraphLayerSpec`` named ``name``.
+
+    >>> layer_seed(1234, "head") == layer_seed(1234, "head")
+    True
+    """
+    return base_seed + zlib.crc32(name.encode()) % (2**31)
+
+
+def normalize_layers(layers: Sequence[Any], input_names: Sequence[str], *, base_seed: int) -> list[LayerEntry]:
+    """Turn a user's layer list into named entries with explicit inputs and build seeds."""
+    if isinstance(input_names, str):
+        raise GraphError(f"input_names must be a list of names, got the string {input_names!r}")
+    layers = list(layers)
+    if not layers:
+        raise GraphError("the layer list is empty")
+    tie_seed: dict[str, int] = {}
+    entries = []
+    previous: tuple[str, ...] = tuple(input_names)
+    for idx, layer in enumerate(layers):
+        if isinstance(layer, GraphLayerSpec):
+            entry = LayerEntry(layer.name, layer, layer.inputs, layer_seed(base_seed, str(layer.name)), packed=False)
+        elif isinstance(layer, (LayerSpec, nn.Module)) or callable(layer):
+            seed = base_seed + idx
+            if isinstance(layer, TiedLayerSpec):
+                seed = tie_seed.setdefault(layer.key, seed)
+            entry = LayerEntry(f"layer{idx}", layer, previous, seed, packed=True)
+        else:
+            raise GraphError(f"entry {idx} of the layer list is a {type(layer).__name__}, not a LayerSpec, "
+                             "nn.Module or callable")
+        entries.append(entry)
+        previous = (entry.name, )
+    return entries
+
+
+def build_entry(entry: LayerEntry) -> Any:
+    """Build an entry's module under its seed (specs), or return it as is (modules, callables)."""
+    if isinstance(entry.layer, LayerSpec):
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(entry.seed)
+            return entry.layer.build()
+    return entry.layer
+
+
+def call_layer(entry: LayerEntry, fn: Callable, args: Sequence[Any]) -> Any:
+    """Call a layer with its inputs in its calling convention."""
+    if entry.packed:
+        return fn(args[0] if len(args) == 1 else tuple(args))
+    return fn(*args)
+
+
+def resolve(env: dict[TensorRef, Any], ref: TensorRef) -> Any:
+    """The value of ``ref`` in an environment of received ports and whole layer outputs."""
+    if ref in env:
+        return env[ref]
+    whole = env[TensorRef(ref.node)]
+    if ref.index is None:
+        return whole
+    if not isinstance(whole, (tuple, list)) or ref.index >= len(whole):
+        raise GraphError(f'"{ref}" selects element {ref.index} of layer "{ref.node}", whose output is '
+                         f"{_describe(whole)}")
+    return whole[ref.index]
+
+
+def _describe(value: Any) -> str:
+    if torch.is_tensor(value):
+        return f"a tensor of shape {tuple(value.shape)}"
+    if isinstance(value, (tuple, list)):
+        return f"a {type(value).__name__} of {len(value)} elements"
+    return f"a {type(value).__name__}"

@@ -1,0 +1,76 @@
+"""Start real torch.distributed processes for a test, bounded by a timeout.
+
+Each rank is a ``python`` process with the environment a launcher gives (``RANK``, ``LOCAL_RANK``,
+``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``). If any rank fails, or the time runs out, every
+rank is killed, so a test fails fast instead of hanging.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass
+class Result:
+    returncodes: list[int | None]
+    outputs: list[str]
+    seconds: float
+    timed_out: bool
+
+    @property
+    def ok(self) -> bool:
+        return not self.timed_out and all(rc == 0 for rc in self.returncodes)
+
+    def report(self) -> str:
+        tails = "\n".join(f"--- rank {r} (rc {rc}) ---\n{out[-4000:]}"
+                          for r, (rc, out) in enumerate(zip(self.returncodes, self.outputs)))
+        return f"timed_out={self.timed_out} after {self.seconds:.1f}s\n{tails}"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(world_size: int, script: str | Path, *args: str, timeout: float = 300, log_dir: Path) -> Result:
+    """Run ``script`` on ``world_size`` local ranks; kill all of them on a failure or at ``timeout``."""
+    port = free_port()
+    log_dir.mkdir(parents=True, exist_ok=True)
+    procs, logs = [], []
+    start = time.monotonic()
+    for rank in range(world_size):
+        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                   LOCAL_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                   OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests")]))
+        log = open(log_dir / f"rank{rank}.log", "w+")
+        logs.append(log)
+        procs.append(subprocess.Popen([sys.executable, str(script), *args], env=env, stdout=log,
+                                      stderr=subprocess.STDOUT, cwd=str(ROOT)))
+    timed_out = False
+    while any(p.poll() is None for p in procs):
+        failed = any(p.poll() not in (None, 0) for p in procs)
+        if failed or time.monotonic() - start > timeout:
+            timed_out = not failed
+            time.sleep(0.5 if failed else 0)  # let a failing rank's peers print what they saw
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+            break
+        time.sleep(0.1)
+    for p in procs:
+        p.wait()
+    outputs = []
+    for log in logs:
+        log.seek(0)
+        outputs.append(log.read())
+        log.close()
+    return Result([p.returncode for p in procs], outputs, time.monotonic() - start, timed_out)

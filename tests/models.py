@@ -1,0 +1,153 @@
+"""Small multi-branch models for the tests, as layer lists, with their data.
+
+Each builder returns a :class:`Case` model: the layer list, the graph input names and shapes, the
+number of classes, and the explicit partitions that force a shape (a skip that crosses two stage
+boundaries, a tensor fanned out to three stages) at a given stage count.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from torch import nn
+from deepspeed.pipe import LayerSpec
+
+from gpp_deepspeed import GraphLayerSpec
+
+
+class Block(nn.Module):
+    """Linear + tanh with a residual: enough non-linearity for gradients to differ per layer."""
+
+    def __init__(self, dim):
+        super().__init__()
+        self.lin = nn.Linear(dim, dim)
+
+    def forward(self, x):
+        return x + torch.tanh(self.lin(x))
+
+
+class Concat(nn.Module):
+    def forward(self, *xs):
+        return torch.cat(xs, dim=-1)
+
+
+class Add(nn.Module):
+    def forward(self, *xs):
+        out = xs[0]
+        for x in xs[1:]:
+            out = out + x
+        return out
+
+
+class Split(nn.Module):
+    """Returns a tuple: consumers read it as "name:0" and "name:1"."""
+
+    def __init__(self, dim):
+        super().__init__()
+        self.lin = nn.Linear(dim, 2 * dim)
+
+    def forward(self, x):
+        a, b = self.lin(x).chunk(2, dim=-1)
+        return torch.tanh(a), b
+
+
+@dataclass
+class ModelCase:
+    layers: list
+    input_names: tuple[str, ...]
+    input_dims: tuple[int, ...]
+    num_classes: int
+    partitions: dict[int, dict[str, int]] = field(default_factory=dict)  # num_stages -> explicit mapping
+
+
+D = 8
+
+
+def chain() -> ModelCase:
+    """A plain DeepSpeed layer list (no names): the drop-in path."""
+    layers = [LayerSpec(nn.Linear, 6, D)] + [LayerSpec(Block, D) for _ in range(4)] + [LayerSpec(nn.Linear, D, 3)]
+    return ModelCase(layers, ("input", ), (6, ), 3)
+
+
+def diamond() -> ModelCase:
+    layers = [
+        GraphLayerSpec("stem", nn.Linear, 6, D, inputs=["x"]),
+        GraphLayerSpec("split", Split, D, inputs=["stem"]),
+        GraphLayerSpec("left", Block, D, inputs=["split:0"]),
+        GraphLayerSpec("right", Block, D, inputs=["split:1"]),
+        GraphLayerSpec("merge", Add, inputs=["left", "right"]),
+        GraphLayerSpec("head", nn.Linear, D, 3, inputs=["merge"]),
+    ]
+    parts = {4: {"stem": 0, "split": 0, "left": 1, "right": 2, "merge": 3, "head": 3}}
+    return ModelCase(layers, ("x", ), (6, ), 3, parts)
+
+
+def four_branch() -> ModelCase:
+    layers = []
+    for b in range(4):
+        layers += [GraphLayerSpec(f"proj{b}", nn.Linear, 6, D, inputs=["x"]),
+                   GraphLayerSpec(f"block{b}", Block, D, inputs=[f"proj{b}"])]
+    layers += [GraphLayerSpec("cat", Concat, inputs=[f"block{b}" for b in range(4)]),
+               GraphLayerSpec("head", nn.Linear, 4 * D, 3, inputs=["cat"])]
+    return ModelCase(layers, ("x", ), (6, ), 3)
+
+
+def skip() -> ModelCase:
+    """``l1``'s output skips over the stages of l2 and l3 straight to the merge."""
+    layers = [
+        GraphLayerSpec("l1", nn.Linear, 6, D, inputs=["x"]),
+        GraphLayerSpec("l2", Block, D, inputs=["l1"]),
+        GraphLayerSpec("l3", Block, D, inputs=["l2"]),
+        GraphLayerSpec("l4", Block, D, inputs=["l3"]),
+        GraphLayerSpec("res", Add, inputs=["l4", "l1"]),
+        GraphLayerSpec("head", nn.Linear, D, 3, inputs=["res"]),
+    ]
+    parts = {3: {"l1": 0, "l2": 1, "l3": 1, "l4": 2, "res": 2, "head": 2},
+             4: {"l1": 0, "l2": 1, "l3": 2, "l4": 3, "res": 3, "head": 3}}
+    return ModelCase(layers, ("x", ), (6, ), 3, parts)
+
+
+def fanout3() -> ModelCase:
+    """``a``'s output is read by three other stages."""
+    layers = [
+        GraphLayerSpec("a", nn.Linear, 6, D, inputs=["x"]),
+        GraphLayerSpec("b", Block, D, inputs=["a"]),
+        GraphLayerSpec("c", Block, D, inputs=["a"]),
+        GraphLayerSpec("d", Block, D, inputs=["a"]),
+        GraphLayerSpec("merge", Add, inputs=["b", "c", "d"]),
+        GraphLayerSpec("head", nn.Linear, D, 3, inputs=["merge"]),
+    ]
+    parts = {3: {"a": 0, "b": 1, "c": 2, "d": 2, "merge": 2, "head": 2},
+             4: {"a": 0, "b": 1, "c": 2, "d": 3, "merge": 3, "head": 3}}
+    return ModelCase(layers, ("x", ), (6, ), 3, parts)
+
+
+def three_input() -> ModelCase:
+    layers = [
+        GraphLayerSpec("px", nn.Linear, 6, D, inputs=["x"]),
+        GraphLayerSpec("py", nn.Linear, 5, D, inputs=["y"]),
+        GraphLayerSpec("pz", nn.Linear, 4, D, inputs=["z"]),
+        GraphLayerSpec("bx", Block, D, inputs=["px"]),
+        GraphLayerSpec("cat", Concat, inputs=["bx", "py", "pz"]),
+        GraphLayerSpec("head", nn.Linear, 3 * D, 3, inputs=["cat"]),
+    ]
+    return ModelCase(layers, ("x", "y", "z"), (6, 5, 4), 3)
+
+
+MODELS: dict[str, Callable[[], ModelCase]] = {
+    "chain": chain, "diamond": diamond, "four_branch": four_branch, "skip": skip, "fanout3": fanout3,
+    "three_input": three_input,
+}
+
+
+def make_batches(model: ModelCase, *, step: int, dp_rank: int, micro_batches: int, micro_batch_size: int):
+    """Deterministic micro-batches ``[(inputs, labels)]`` for one step of one data-parallel replica."""
+    g = torch.Generator().manual_seed(1000 * step + dp_rank + 7)
+    batches = []
+    for _ in range(micro_batches):
+        xs = tuple(torch.randn(micro_batch_size, d, generator=g) for d in model.input_dims)
+        y = torch.randint(0, model.num_classes, (micro_batch_size, ), generator=g)
+        batches.append((xs[0] if len(xs) == 1 else xs, y))
+    return batches

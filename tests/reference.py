@@ -1,0 +1,41 @@
+"""The independent reference: the same model trained on one device with plain PyTorch.
+
+:func:`train_reference` trains :class:`gpp_deepspeed.GraphModel` on exactly the micro-batches that
+every data-parallel replica of the pipeline sees, with the arithmetic of synchronous pipeline
+training written out by hand: the gradient of a step is the mean over all micro-batches of all
+replicas, clipped by global norm when asked, then one SGD step.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from gpp_deepspeed import GraphModel
+from models import MODELS, make_batches
+
+
+def train_reference(case: dict, *, dp: int, steps=None):
+    mc = MODELS[case["model"]]()
+    model = GraphModel(mc.layers, input_names=mc.input_names)
+    opt = torch.optim.SGD(model.parameters(), lr=case["lr"], momentum=0.9)
+    loss_fn = nn.CrossEntropyLoss()
+    m = case["gas"]
+    losses = []
+    for step in (steps if steps is not None else range(case["steps"])):
+        opt.zero_grad()
+        total = 0.0
+        for r in range(dp):
+            for x, y in make_batches(mc, step=step, dp_rank=r, micro_batches=m, micro_batch_size=case["mbs"]):
+                loss = loss_fn(model(*(x if isinstance(x, tuple) else (x, ))), y)
+                (loss / (m * dp)).backward()
+                total += loss.item()
+        if case.get("clip"):
+            torch.nn.utils.clip_grad_norm_(model.parameters(), case["clip"])
+        opt.step()
+        losses.append(total / (m * dp))
+    with torch.no_grad():
+        evals = [loss_fn(model(*(x if isinstance(x, tuple) else (x, ))), y).item()
+                 for r in range(dp)
+                 for x, y in make_batches(mc, step=100, dp_rank=r, micro_batches=m, micro_batch_size=case["mbs"])]
+    return losses, sum(evals) / len(evals), model.state_dict()

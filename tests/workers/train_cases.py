@@ -1,0 +1,99 @@
+"""Worker: train each case of a JSON case list on this rank and save what the test compares.
+
+Run by ``tests/dist.py`` on every rank: ``python train_cases.py CASES.json OUT_DIR``. For each case
+it writes ``OUT_DIR/<id>.rank<r>.pt`` with the per-step losses, the eval loss and this stage's
+parameters (named as in GraphModel).
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+from torch import nn
+
+import deepspeed
+import gpp_deepspeed
+from deepspeed.pipe import PipelineModule
+from gpp_deepspeed import GraphPipelineModule
+from models import MODELS, make_batches
+
+
+def ds_config(case, dp):
+    cfg = {
+        "train_micro_batch_size_per_gpu": case["mbs"],
+        "gradient_accumulation_steps": case["gas"],
+        "train_batch_size": case["mbs"] * case["gas"] * dp,
+        "zero_optimization": {"stage": case["zero"]},
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 10**6,
+        "graph_pipeline": {"schedule": case.get("schedule", "1f1b"), "print_stage_graph": False},
+    }
+    if case.get("bf16"):
+        cfg["bf16"] = {"enabled": True}
+    if case.get("clip"):
+        cfg["gradient_clipping"] = case["clip"]
+    return cfg
+
+
+def build(case, world_size):
+    mc = MODELS[case["model"]]()
+    dp = world_size // case["stages"]
+    if case.get("deepspeed_module"):
+        module = PipelineModule(mc.layers, num_stages=case["stages"], loss_fn=nn.CrossEntropyLoss(),
+                                partition_method="uniform", seed_layers=True)
+    else:
+        method = mc.partitions[case["stages"]] if case["partition"] == "explicit" else case["partition"]
+        module = GraphPipelineModule(mc.layers, input_names=mc.input_names, num_stages=case["stages"],
+                                     loss_fn=nn.CrossEntropyLoss(), partition_method=method,
+                                     activation_checkpoint_interval=case.get("ckpt_interval", 0))
+    params = [p for p in module.parameters() if p.requires_grad]
+    opt = torch.optim.SGD(params, lr=case["lr"], momentum=0.9)
+    init = deepspeed.initialize if case.get("deepspeed_module") else gpp_deepspeed.initialize
+    engine, _, _, _ = init(model=module, optimizer=opt, model_parameters=params, config=ds_config(case, dp))
+    return mc, module, engine
+
+
+def train(engine, mc, case, steps):
+    dp_rank = engine.grid.data_parallel_id
+    losses = []
+    for step in steps:
+        it = iter(make_batches(mc, step=step, dp_rank=dp_rank, micro_batches=case["gas"], micro_batch_size=case["mbs"]))
+        losses.append(engine.train_batch(data_iter=it).item())
+    return losses
+
+
+def run_case(case, out, rank, world_size):
+    mc, module, engine = build(case, world_size)
+    result = {"stage": engine.stage_id, "dp": engine.grid.data_parallel_id}
+    if case.get("checkpoint"):
+        ckpt = str(out / f"ckpt_{case['id']}")
+        train(engine, mc, case, range(2))
+        engine.save_checkpoint(ckpt, tag="t2")
+        result["uninterrupted"] = train(engine, mc, case, range(2, 4))
+        mc, module, engine = build(case, world_size)
+        engine.load_checkpoint(ckpt, tag="t2")
+        result["resumed"] = train(engine, mc, case, range(2, 4))
+    else:
+        result["losses"] = train(engine, mc, case, range(case["steps"]))
+        it = iter(make_batches(mc, step=100, dp_rank=engine.grid.data_parallel_id, micro_batches=case["gas"],
+                               micro_batch_size=case["mbs"]))
+        result["eval"] = engine.eval_batch(it).item()
+        if isinstance(module, GraphPipelineModule):
+            result["state"] = {k: v.detach().float().clone() for k, v in module.graph_state_dict().items()}
+    torch.save(result, out / f"{case['id']}.rank{rank}.pt")
+
+
+def main():
+    cases = json.loads(Path(sys.argv[1]).read_text())
+    out = Path(sys.argv[2])
+    deepspeed.init_distributed(dist_backend="gloo")
+    rank, world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    for case in cases:
+        run_case(case, out, rank, world_size)
+        torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
