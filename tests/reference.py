@@ -3,7 +3,7 @@
 :func:`train_reference` trains :class:`gpp_deepspeed.GraphModel` on exactly the micro-batches that
 every data-parallel replica of the pipeline sees, with the arithmetic of synchronous pipeline
 training written out by hand: the gradient of a step is the mean over all micro-batches of all
-replicas, clipped by global norm when asked, then one SGD step.
+replicas, clipped by global norm (DeepSpeed's default, 1.0, unless the case says otherwise), then one SGD step.
 """
 
 from __future__ import annotations
@@ -18,7 +18,10 @@ from models import MODELS, make_batches
 def train_reference(case: dict, *, dp: int, steps=None):
     mc = MODELS[case["model"]]()
     model = GraphModel(mc.layers, input_names=mc.input_names)
-    opt = torch.optim.SGD(model.parameters(), lr=case["lr"], momentum=0.9)
+    if case.get("optimizer") == "adam":
+        opt = torch.optim.Adam(model.parameters(), lr=case["lr"])
+    else:
+        opt = torch.optim.SGD(model.parameters(), lr=case["lr"], momentum=case.get("momentum", 0.9))
     loss_fn = nn.CrossEntropyLoss()
     m = case["gas"]
     losses = []
@@ -30,8 +33,8 @@ def train_reference(case: dict, *, dp: int, steps=None):
                 loss = loss_fn(model(*(x if isinstance(x, tuple) else (x, ))), y)
                 (loss / (m * dp)).backward()
                 total += loss.item()
-        if case.get("clip"):
-            torch.nn.utils.clip_grad_norm_(model.parameters(), case["clip"])
+        if case.get("clip", 1.0) > 0:  # DeepSpeed's default gradient_clipping is 1.0
+            torch.nn.utils.clip_grad_norm_(model.parameters(), case.get("clip", 1.0))
         opt.step()
         losses.append(total / (m * dp))
     with torch.no_grad():

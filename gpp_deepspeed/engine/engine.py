@@ -21,6 +21,7 @@ from __future__ import annotations
 
 
 import torch
+from deepspeed import comm as dist
 from deepspeed.runtime.pipe import schedule as ds
 from deepspeed.runtime.pipe.engine import PipelineEngine
 from deepspeed.utils import logger
@@ -204,6 +205,26 @@ class GraphPipelineEngine(PipelineEngine):
             self._running_engine_backward = False
         if self.using_bf16_optimizer and not self._config.bfloat16_config.immediate_grad_update:
             self.optimizer.update_hp_grads(clear_lp_grads=False)
+
+    def clip_fp32_gradients(self):
+        """Clip by the global gradient norm over every stage of the pipeline.
+
+        DeepSpeed's ``clip_grad_norm_`` only counts gradients on model-parallel rank 0, which under
+        pipeline parallelism is stage 0 alone, so ZeRO-0 clipping (on by default, 1.0) saw a fraction
+        of the norm. Here each stage adds its squared norm (tied copies counted once) and the sum is
+        all-reduced over the pipeline, as ``torch.nn.utils.clip_grad_norm_`` would compute it on one
+        device.
+        """
+        params = [p for p in self.module.parameters() if p.grad is not None]
+        local = torch.zeros(1, dtype=torch.float32, device=self.device)
+        for p in params:
+            if not getattr(p, "ds_pipe_replicated", False):
+                local += p.grad.detach().float().pow(2).sum()
+        dist.all_reduce(local, group=self.grid.get_model_parallel_group())
+        clip_coef = self.gradient_clipping() / (local.sqrt() + 1e-6)
+        if clip_coef.item() < 1.0:
+            for p in params:
+                p.grad.detach().mul_(clip_coef.to(p.grad.dtype))
 
     # -- transfers --------------------------------------------------------------------------------
 

@@ -24,15 +24,17 @@ def ds_config(case, dp):
         "train_micro_batch_size_per_gpu": case["mbs"],
         "gradient_accumulation_steps": case["gas"],
         "train_batch_size": case["mbs"] * case["gas"] * dp,
-        "zero_optimization": {"stage": case["zero"]},
+        "zero_optimization": {"stage": case["zero"], **case.get("zero_extra", {})},
         "zero_allow_untested_optimizer": True,
         "steps_per_print": 10**6,
         "graph_pipeline": {"schedule": case.get("schedule", "1f1b"), "print_stage_graph": False},
     }
+    if case.get("optimizer") == "adam":
+        cfg["optimizer"] = {"type": "Adam", "params": {"lr": case["lr"], "torch_adam": True, "adam_w_mode": False}}
     if case.get("bf16"):
         cfg["bf16"] = {"enabled": True}
-    if case.get("clip"):
-        cfg["gradient_clipping"] = case["clip"]
+    # DeepSpeed 0.19.8 clips at 1.0 unless told otherwise; the reference applies the same.
+    cfg["gradient_clipping"] = case.get("clip", 1.0)
     return cfg
 
 
@@ -48,7 +50,7 @@ def build(case, world_size):
                                      loss_fn=nn.CrossEntropyLoss(), partition_method=method,
                                      activation_checkpoint_interval=case.get("ckpt_interval", 0))
     params = [p for p in module.parameters() if p.requires_grad]
-    opt = torch.optim.SGD(params, lr=case["lr"], momentum=0.9)
+    opt = None if case.get("optimizer") == "adam" else torch.optim.SGD(params, lr=case["lr"], momentum=case.get("momentum", 0.9))
     init = deepspeed.initialize if case.get("deepspeed_module") else gpp_deepspeed.initialize
     engine, _, _, _ = init(model=module, optimizer=opt, model_parameters=params, config=ds_config(case, dp))
     return mc, module, engine

@@ -1,0 +1,65 @@
+"""Unit tests of the "graph_pipeline" config section: pure, CPU-only."""
+
+from __future__ import annotations
+
+import pytest
+
+from gpp_deepspeed.config import CONFIG_KEY, GraphPipelineConfig, parse_graph_pipeline_config
+from gpp_deepspeed.errors import GPPConfigError
+
+
+@pytest.mark.parametrize("ds_config", [None, {}, {"train_micro_batch_size_per_gpu": 4}, {"graph_pipeline": {}}])
+def test_parse_graph_pipeline_config_uses_defaults_when_the_section_is_absent_or_empty(ds_config):
+    cfg = parse_graph_pipeline_config(ds_config)
+    assert cfg == GraphPipelineConfig()
+    assert (cfg.schedule, cfg.validate_schedule, cfg.print_stage_graph) == ("1f1b", True, True)
+
+
+def test_parse_graph_pipeline_config_reads_every_valid_setting():
+    cfg = parse_graph_pipeline_config({
+        "train_micro_batch_size_per_gpu": 4,
+        "gradient_accumulation_steps": 8,
+        "graph_pipeline": {"schedule": "gpipe", "validate_schedule": False, "print_stage_graph": False},
+    })
+    assert (cfg.schedule, cfg.validate_schedule, cfg.print_stage_graph) == ("gpipe", False, False)
+    assert CONFIG_KEY == "graph_pipeline"
+
+
+def test_parse_graph_pipeline_config_result_is_frozen():
+    cfg = parse_graph_pipeline_config({})
+    with pytest.raises(Exception):
+        cfg.schedule = "gpipe"
+
+
+def test_parse_graph_pipeline_config_rejects_an_unknown_key_by_name():
+    with pytest.raises(GPPConfigError) as info:
+        parse_graph_pipeline_config({"graph_pipeline": {"scheduel": "1f1b"}})
+    msg = str(info.value)
+    assert "scheduel" in msg and "graph_pipeline" in msg
+    assert "schedule" in msg.replace("scheduel", "")  # lists the valid keys
+    assert isinstance(info.value, ValueError)
+
+
+def test_parse_graph_pipeline_config_names_every_unknown_key():
+    with pytest.raises(GPPConfigError) as info:
+        parse_graph_pipeline_config({"graph_pipeline": {"micro_batches": 4, "stages": 2}})
+    msg = str(info.value)
+    assert "graph_pipeline.micro_batches" in msg and "graph_pipeline.stages" in msg
+
+
+@pytest.mark.parametrize("section, field", [
+    ({"schedule": "interleaved"}, "schedule"),
+    ({"schedule": 1}, "schedule"),
+    ({"validate_schedule": "maybe"}, "validate_schedule"),
+    ({"print_stage_graph": [True]}, "print_stage_graph"),
+])
+def test_parse_graph_pipeline_config_rejects_a_wrong_value_naming_the_field(section, field):
+    with pytest.raises(GPPConfigError) as info:
+        parse_graph_pipeline_config({"graph_pipeline": section})
+    assert f"graph_pipeline.{field}" in str(info.value)
+
+
+@pytest.mark.parametrize("section", ["1f1b", ["schedule"], 3])
+def test_parse_graph_pipeline_config_rejects_a_section_that_is_not_an_object(section):
+    with pytest.raises(GPPConfigError, match="graph_pipeline"):
+        parse_graph_pipeline_config({"graph_pipeline": section})

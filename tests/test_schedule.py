@@ -1,0 +1,339 @@
+"""Unit tests of the schedule IR, generators, validator and simulator: pure, CPU-only.
+
+DeepSpeed's own ``TrainSchedule`` (a pure generator, no process group needed) is the reference
+for the 1F1B compute order on a chain.
+"""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from gpp_deepspeed.errors import GPPConfigError, ScheduleError
+from gpp_deepspeed.graph import StageEdge, StageGraph
+from gpp_deepspeed.schedule import (Action, ActionKind, build_schedule, format_schedule, get_schedule, gpipe,
+                                    one_f_one_b, simulate, validate_schedule, warmup_forwards)
+
+K = ActionKind
+
+
+def dag(num_stages: int, edges) -> StageGraph:
+    return StageGraph(num_stages=num_stages, edges=tuple(StageEdge(a, b, ()) for a, b in edges),
+                      output_stage=num_stages - 1)
+
+
+def parse_schedule(lines: dict[int, str]) -> dict[int, list[Action]]:
+    return {s: [Action.parse(t) for t in text.split()] for s, text in lines.items()}
+
+
+def compute_order(actions):
+    """(kind, micro-batch) of the F and B actions, in program order."""
+    return [(a.kind.value, a.mb_idx) for a in actions if a.kind in (K.FORWARD, K.BACKWARD)]
+
+
+# ---------------------------------------------------------------------------------------------
+# (a) Action strings
+
+
+def example_action(kind: ActionKind, stage: int, mb: int, peer: int) -> Action:
+    return Action(stage, kind, mb if kind.has_mb else None, peer if kind.has_peer else None)
+
+
+@settings(max_examples=200, deadline=None)
+@given(kind=st.sampled_from(list(ActionKind)), stage=st.integers(0, 999), mb=st.integers(0, 9999),
+       peer=st.integers(0, 999))
+def test_action_parse_inverts_str_for_every_kind(kind, stage, mb, peer):
+    a = example_action(kind, stage, mb, peer)
+    assert Action.parse(str(a)) == a
+
+
+def test_action_str_matches_hand_written_forms():
+    assert str(Action(2, K.FORWARD, 0)) == "2F0"
+    assert str(Action(0, K.BACKWARD, 13)) == "0B13"
+    assert str(Action(0, K.LOAD, 4)) == "0LOAD4"
+    assert str(Action(1, K.SEND_F, 1, peer=3)) == "1SEND_F1@3"
+    assert str(Action(3, K.RECV_B, 0, peer=12)) == "3RECV_B0@12"
+    assert str(Action(5, K.REDUCE_TIED)) == "5REDUCE_TIED"
+    assert str(Action(5, K.WAIT_SENDS)) == "5WAIT_SENDS"
+
+
+def test_action_parse_reads_torch_compatible_compute_form():
+    assert Action.parse("2F0") == Action(2, K.FORWARD, 0)
+    assert Action.parse("10B7") == Action(10, K.BACKWARD, 7)
+    assert Action.parse(" 0STEP ") == Action(0, K.STEP)
+
+
+@pytest.mark.xfail(strict=True, raises=ScheduleError,
+                   reason="Action.parse rejects torch.distributed.pipelining's chain form "
+                          '"1SEND_F1" (no "@peer") although the ir module documents it as compatible')
+def test_action_parse_reads_torch_compatible_send_form_without_peer():
+    a = Action.parse("1SEND_F1")
+    assert (a.stage_idx, a.kind, a.mb_idx) == (1, K.SEND_F, 1)
+    assert a.peer in (None, 2)  # on a chain, SEND_F goes to the next stage
+
+
+@pytest.mark.parametrize("bad", ["F0", "0X0", "0F", "0SEND_F0@", "0F0@1", "0STEP1", "0SEND_B0", "-1F0", ""])
+def test_action_parse_rejects_malformed_or_inconsistent_strings(bad):
+    with pytest.raises(ScheduleError):
+        Action.parse(bad)
+
+
+def test_action_constructor_checks_micro_batch_and_peer_presence():
+    with pytest.raises(ScheduleError, match="micro-batch"):
+        Action(0, K.FORWARD)
+    with pytest.raises(ScheduleError, match="peer"):
+        Action(0, K.RECV_F, 0)
+    with pytest.raises(ScheduleError, match="peer"):
+        Action(0, K.FORWARD, 0, peer=1)
+
+
+def test_format_schedule_prints_one_line_per_stage():
+    text = format_schedule(one_f_one_b(StageGraph.chain(2), 2))
+    assert text == "stage 0: 0F0 0F1 0B0 0B1\nstage 1: 1F0 1B0 1F1 1B1"
+
+
+# ---------------------------------------------------------------------------------------------
+# (b) warm-up forwards
+
+
+@pytest.mark.parametrize("num_stages", range(1, 7))
+@pytest.mark.parametrize("num_mb", [1, 2, 3, 8])
+def test_warmup_forwards_on_a_chain_is_stages_left_capped_by_micro_batches(num_stages, num_mb):
+    sg = StageGraph.chain(num_stages)
+    for i in range(num_stages):
+        expected = min(num_stages - 1 - i, num_mb)
+        assert warmup_forwards(sg, i, num_mb) == expected
+        order = compute_order(one_f_one_b(sg, num_mb)[i])
+        first_b = next(k for k, (kind, _) in enumerate(order) if kind == "B")
+        # forwards before the first backward: the warm-up, plus the one that the first backward pairs with
+        assert first_b == min(expected + 1, num_mb)
+
+
+def test_warmup_forwards_of_two_branches_into_a_merge():
+    sg = dag(3, [(0, 2), (1, 2)])
+    assert [sg.depth(s) for s in range(3)] == [2, 2, 1]
+    assert [warmup_forwards(sg, s, 4) for s in range(3)] == [1, 1, 0]
+    assert [warmup_forwards(sg, s, 1) for s in range(3)] == [1, 1, 0]
+    sched = one_f_one_b(sg, 3)
+    assert [str(a) for a in sched[0]] == ["0F0", "0F1", "0B0", "0F2", "0B1", "0B2"]
+    assert [str(a) for a in sched[2]] == ["2F0", "2B0", "2F1", "2B1", "2F2", "2B2"]
+
+
+def test_warmup_forwards_follow_the_longest_path_not_the_stage_index():
+    # 0 -> 2 -> 3 and 1 -> 3: stage 1 is close to the output although its index is low
+    sg = dag(4, [(0, 2), (2, 3), (1, 3)])
+    assert [warmup_forwards(sg, s, 8) for s in range(4)] == [2, 1, 1, 0]
+
+
+# ---------------------------------------------------------------------------------------------
+# (c) DeepSpeed's TrainSchedule as the reference for a chain
+
+
+def deepspeed_compute_order(num_mb: int, num_stages: int, stage_id: int):
+    from deepspeed.runtime.pipe.schedule import BackwardPass, ForwardPass, TrainSchedule
+
+    order, n_fwd, n_bwd = [], 0, 0
+    for cmds in TrainSchedule(micro_batches=num_mb, stages=num_stages, stage_id=stage_id).steps():
+        for cmd in cmds:
+            # the k-th ForwardPass (BackwardPass) of a stage is micro-batch k
+            if isinstance(cmd, ForwardPass):
+                order.append(("F", n_fwd))
+                n_fwd += 1
+            elif isinstance(cmd, BackwardPass):
+                order.append(("B", n_bwd))
+                n_bwd += 1
+    return order
+
+
+@pytest.mark.parametrize("num_stages", range(1, 6))
+def test_one_f_one_b_on_a_chain_matches_deepspeed_train_schedule(num_stages):
+    sg = StageGraph.chain(num_stages)
+    for num_mb in range(1, 9):
+        ours = one_f_one_b(sg, num_mb)
+        for i in range(num_stages):
+            assert compute_order(ours[i]) == deepspeed_compute_order(num_mb, num_stages, i), (num_stages, num_mb, i)
+
+
+# ---------------------------------------------------------------------------------------------
+# (d) every generated schedule on random stage DAGs is valid
+
+
+@st.composite
+def stage_dags(draw):
+    """S stages, edges only from lower to higher index, every stage but S-1 has a successor."""
+    n = draw(st.integers(1, 7))
+    edges = set()
+    for s in range(n - 1):
+        succs = draw(st.lists(st.integers(s + 1, n - 1), min_size=1, max_size=3, unique=True))
+        edges.update((s, t) for t in succs)
+    return dag(n, sorted(edges))
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(sg=stage_dags(), num_mb=st.integers(1, 6))
+def test_build_schedule_on_random_stage_dags_passes_the_validator(sg, num_mb):
+    n = sg.num_stages
+    depth = [sg.depth(s) for s in range(n)]
+    for name in ("1f1b", "gpipe"):
+        for train in (True, False):
+            if not train:
+                buffers = {s: min(num_mb, 2) for s in range(n)}
+            elif name == "1f1b":
+                buffers = {s: min(num_mb, depth[s]) for s in range(n)}
+            else:
+                buffers = {s: num_mb for s in range(n)}
+            sched = build_schedule(sg, num_mb, name=name, train=train)
+            timeline = validate_schedule(sched, sg, num_mb, train=train, num_buffers=buffers)
+            # compute time alone bounds the makespan from below
+            per_mb = 3.0 if train else 1.0
+            assert timeline.makespan >= num_mb * per_mb
+            for s in range(n):
+                kinds = [a.kind for a in sched[s]]
+                assert kinds.count(K.FORWARD) == num_mb
+                assert kinds.count(K.BACKWARD) == (num_mb if train else 0)
+                assert kinds[-1] is (K.STEP if train else K.WAIT_SENDS)
+
+
+def test_build_schedule_lowers_a_two_branch_graph_as_written_by_hand():
+    sg = dag(3, [(0, 2), (1, 2)])
+    sched = build_schedule(sg, 2, name="1f1b", train=True)
+    expected = {
+        0: "0LOAD0 0F0 0SEND_F0@2 0LOAD1 0F1 0SEND_F1@2 0RECV_B0@2 0B0 0RECV_B1@2 0B1 "
+           "0WAIT_SENDS 0REDUCE_TIED 0REDUCE_GRAD 0STEP",
+        1: "1LOAD0 1F0 1SEND_F0@2 1LOAD1 1F1 1SEND_F1@2 1RECV_B0@2 1B0 1RECV_B1@2 1B1 "
+           "1WAIT_SENDS 1REDUCE_TIED 1REDUCE_GRAD 1STEP",
+        2: "2LOAD0 2RECV_F0@0 2RECV_F0@1 2F0 2B0 2SEND_B0@0 2SEND_B0@1 "
+           "2LOAD1 2RECV_F1@0 2RECV_F1@1 2F1 2B1 2SEND_B1@0 2SEND_B1@1 "
+           "2WAIT_SENDS 2REDUCE_TIED 2REDUCE_GRAD 2STEP",
+    }
+    assert sched == parse_schedule(expected)
+
+
+def test_build_schedule_rejects_an_unknown_name_and_zero_micro_batches():
+    with pytest.raises(GPPConfigError, match="interleaved") as info:
+        build_schedule(StageGraph.chain(2), 2, name="interleaved")
+    assert "1f1b" in str(info.value) and "gpipe" in str(info.value)
+    with pytest.raises(GPPConfigError):
+        build_schedule(StageGraph.chain(2), 0)
+    assert get_schedule("GPipe") is gpipe
+
+
+# ---------------------------------------------------------------------------------------------
+# (e) the validator catches broken schedules
+
+
+CHAIN2_M1 = {
+    0: "0LOAD0 0F0 0SEND_F0@1 0RECV_B0@1 0B0 0WAIT_SENDS",
+    1: "1LOAD0 1RECV_F0@0 1F0 1B0 1SEND_B0@0 1WAIT_SENDS",
+}
+
+CHAIN2_M2 = {
+    0: "0LOAD0 0F0 0SEND_F0@1 0LOAD1 0F1 0SEND_F1@1 0RECV_B0@1 0B0 0RECV_B1@1 0B1 0WAIT_SENDS",
+    1: "1LOAD0 1RECV_F0@0 1F0 1B0 1SEND_B0@0 1LOAD1 1RECV_F1@0 1F1 1B1 1SEND_B1@0 1WAIT_SENDS",
+}
+
+
+def test_validate_schedule_accepts_the_hand_written_chain_schedules():
+    validate_schedule(parse_schedule(CHAIN2_M1), StageGraph.chain(2), 1, train=True)
+    validate_schedule(parse_schedule(CHAIN2_M2), StageGraph.chain(2), 2, train=True, num_buffers={0: 2, 1: 1})
+
+
+def test_validate_schedule_reports_a_deadlock_when_a_gradient_is_awaited_before_the_activation_is_sent():
+    broken = {**CHAIN2_M1, 0: "0LOAD0 0F0 0RECV_B0@1 0SEND_F0@1 0B0 0WAIT_SENDS"}
+    with pytest.raises(ScheduleError, match="deadlock") as info:
+        validate_schedule(parse_schedule(broken), StageGraph.chain(2), 1, train=True)
+    msg = str(info.value)
+    assert "0RECV_B0@1" in msg and "1RECV_F0@0" in msg
+
+
+def test_validate_schedule_reports_a_missing_backward():
+    broken = {**CHAIN2_M1, 1: "1LOAD0 1RECV_F0@0 1F0 1SEND_B0@0 1WAIT_SENDS"}
+    with pytest.raises(ScheduleError, match="never runs 1B0"):
+        validate_schedule(parse_schedule(broken), StageGraph.chain(2), 1, train=True)
+
+
+def test_validate_schedule_reports_a_forward_before_its_receive():
+    broken = {**CHAIN2_M1, 1: "1LOAD0 1F0 1RECV_F0@0 1B0 1SEND_B0@0 1WAIT_SENDS"}
+    with pytest.raises(ScheduleError, match="before receiving") as info:
+        validate_schedule(parse_schedule(broken), StageGraph.chain(2), 1, train=True)
+    assert "stage 0" in str(info.value)
+
+
+def test_validate_schedule_reports_a_backward_before_its_gradient_arrives():
+    broken = {**CHAIN2_M1, 0: "0LOAD0 0F0 0SEND_F0@1 0B0 0RECV_B0@1 0WAIT_SENDS"}
+    with pytest.raises(ScheduleError, match="before receiving its gradient"):
+        validate_schedule(parse_schedule(broken), StageGraph.chain(2), 1, train=True)
+
+
+def test_validate_schedule_reports_a_send_to_a_stage_that_is_not_a_neighbour():
+    good = {
+        0: "0LOAD0 0F0 0SEND_F0@1",
+        1: "1RECV_F0@0 1F0 1SEND_F0@2",
+        2: "2LOAD0 2RECV_F0@1 2F0",
+    }
+    validate_schedule(parse_schedule(good), StageGraph.chain(3), 1, train=False)
+    broken = {**good, 0: "0LOAD0 0F0 0SEND_F0@1 0SEND_F0@2"}
+    with pytest.raises(ScheduleError, match="not a successor") as info:
+        validate_schedule(parse_schedule(broken), StageGraph.chain(3), 1, train=False)
+    assert "0SEND_F0@2" in str(info.value)
+
+
+def test_validate_schedule_reports_two_micro_batches_sharing_a_buffer_in_flight():
+    # stage 0 holds micro-batches 0 and 1 at once (F1 runs before B0), so one buffer is too few
+    with pytest.raises(ScheduleError, match="share buffer 0"):
+        validate_schedule(parse_schedule(CHAIN2_M2), StageGraph.chain(2), 2, train=True, num_buffers={0: 1})
+    # stage 1 finishes micro-batch 0 before touching micro-batch 1, so one buffer is enough there
+    validate_schedule(parse_schedule(CHAIN2_M2), StageGraph.chain(2), 2, train=True, num_buffers={0: 2, 1: 1})
+
+
+def test_validate_schedule_reports_messages_received_in_another_order_than_sent():
+    broken = {**CHAIN2_M2,
+              1: "1LOAD1 1RECV_F1@0 1F1 1B1 1SEND_B1@0 1LOAD0 1RECV_F0@0 1F0 1B0 1SEND_B0@0 1WAIT_SENDS"}
+    with pytest.raises(ScheduleError, match="carries micro-batch 0"):
+        validate_schedule(parse_schedule(broken), StageGraph.chain(2), 2, train=True)
+
+
+def test_validate_schedule_reports_a_missing_stage_and_a_foreign_action():
+    with pytest.raises(ScheduleError, match="expected 0..1"):
+        validate_schedule(parse_schedule({0: CHAIN2_M1[0]}), StageGraph.chain(2), 1, train=True)
+    broken = {**CHAIN2_M1, 0: "0LOAD0 0F0 0SEND_F0@1 1STEP 0RECV_B0@1 0B0 0WAIT_SENDS"}
+    with pytest.raises(ScheduleError, match="an action of stage 1"):
+        validate_schedule(parse_schedule(broken), StageGraph.chain(2), 1, train=True)
+
+
+def test_validate_schedule_rejects_gpipe_with_fewer_buffers_than_micro_batches():
+    sg = StageGraph.chain(3)
+    sched = build_schedule(sg, 4, name="gpipe")
+    validate_schedule(sched, sg, 4, train=True, num_buffers={s: 4 for s in range(3)})
+    with pytest.raises(ScheduleError, match="share buffer"):
+        validate_schedule(sched, sg, 4, train=True, num_buffers={s: 3 for s in range(3)})
+
+
+# ---------------------------------------------------------------------------------------------
+# (f) simulated makespan
+
+
+@pytest.mark.parametrize("num_stages", [1, 2, 3, 5])
+@pytest.mark.parametrize("num_mb", [1, 2, 4, 7])
+@pytest.mark.parametrize("name", ["1f1b", "gpipe"])
+def test_simulate_chain_makespan_is_stages_plus_micro_batches_minus_one_rounds(num_stages, num_mb, name):
+    # tf = 1, tb = 2 (default_duration): (S - 1 + M) * (tf + tb), the textbook pipeline makespan
+    sched = build_schedule(StageGraph.chain(num_stages), num_mb, name=name)
+    assert simulate(sched).makespan == (num_stages - 1 + num_mb) * 3
+
+
+@pytest.mark.parametrize("num_mb", [1, 2, 4, 8])
+def test_simulate_four_branches_into_a_merge_beat_a_five_stage_chain(num_mb):
+    branches = dag(5, [(0, 4), (1, 4), (2, 4), (3, 4)])
+    graph_span = simulate(build_schedule(branches, num_mb)).makespan
+    chain_span = simulate(build_schedule(StageGraph.chain(5), num_mb)).makespan
+    assert graph_span < chain_span
+    # the graph pipeline has depth 2, so it runs like a two-stage chain
+    assert graph_span == (2 - 1 + num_mb) * 3
+
+
+def test_simulate_charges_latency_once_per_hop():
+    sched = build_schedule(StageGraph.chain(2), 1, name="1f1b", train=False)
+    # forward on stage 0 (1), one hop (0.5), forward on stage 1 (1)
+    assert simulate(sched, latency=0.5).makespan == 2.5
