@@ -8,18 +8,39 @@ concurrently on different ranks. ::
     engine, *_ = gpp_deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                           config="ds_config.json")
     loss = engine.train_batch(data_iter)
+
+The torch- and deepspeed-facing names load on first use, so the pure subpackages
+(``gpp_deepspeed.graph``, ``gpp_deepspeed.schedule``) import without torch or deepspeed.
 """
 
-from .config import GraphPipelineConfig
-from .engine import GraphPipelineEngine, GraphPipelineModule
+from importlib import import_module
+
 from .errors import GPPConfigError, GPPError, GraphError, PartitionError, ScheduleError
-from .initialize import initialize
-from .model import GraphModel
-from .spec import GraphLayerSpec
 
 __version__ = "0.1.0"
+
+_LAZY = {
+    "GraphLayerSpec": ".spec",
+    "GraphModel": ".model",
+    "GraphPipelineModule": ".engine",
+    "GraphPipelineEngine": ".engine",
+    "GraphPipelineConfig": ".config",
+    "initialize": ".initialize",
+}
 
 __all__ = [
     "GraphLayerSpec", "GraphModel", "GraphPipelineModule", "GraphPipelineEngine", "GraphPipelineConfig",
     "initialize", "GPPError", "GPPConfigError", "GraphError", "PartitionError", "ScheduleError",
 ]
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        value = getattr(import_module(_LAZY[name], __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'gpp_deepspeed' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))

@@ -64,13 +64,10 @@ def test_action_parse_reads_torch_compatible_compute_form():
     assert Action.parse(" 0STEP ") == Action(0, K.STEP)
 
 
-@pytest.mark.xfail(strict=True, raises=ScheduleError,
-                   reason="Action.parse rejects torch.distributed.pipelining's chain form "
-                          '"1SEND_F1" (no "@peer") although the ir module documents it as compatible')
 def test_action_parse_reads_torch_compatible_send_form_without_peer():
     a = Action.parse("1SEND_F1")
     assert (a.stage_idx, a.kind, a.mb_idx) == (1, K.SEND_F, 1)
-    assert a.peer in (None, 2)  # on a chain, SEND_F goes to the next stage
+    assert a.peer == 2  # on a chain, SEND_F goes to the next stage
 
 
 @pytest.mark.parametrize("bad", ["F0", "0X0", "0F", "0SEND_F0@", "0F0@1", "0STEP1", "0SEND_B0", "-1F0", ""])

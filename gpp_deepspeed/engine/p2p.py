@@ -39,7 +39,9 @@ class Layout:
 
 
 def encode_layout(arity, tensors) -> list[int]:
-    """>>> encode_layout([-1], [torch.zeros(2, 3)])
+    """The layout message of one edge.
+
+    >>> encode_layout([-1], [torch.zeros(2, 3)])
     [1, -1, 0, 2, 2, 3]
     """
     out = [len(arity)]
@@ -53,7 +55,9 @@ def encode_layout(arity, tensors) -> list[int]:
 
 
 def decode_layout(ints: list[int]) -> Layout:
-    """>>> decode_layout([1, -1, 0, 2, 2, 3]).specs
+    """Read a layout message back.
+
+    >>> decode_layout([1, -1, 0, 2, 2, 3]).specs
     (((2, 3), torch.float32),)
     """
     num_ports, pos = ints[0], 1

@@ -5,8 +5,9 @@ Glossary
 --------
 action
     One instruction of one stage: ``Action(stage_idx, kind, mb_idx, peer)``. Its string form is
-    compatible with torch.distributed.pipelining's for the chain-shaped subset (``"2F0"``,
-    ``"1SEND_F1"``) and adds the peer stage of a DAG edge after ``@`` (``"1SEND_F1@3"``).
+    compatible with torch.distributed.pipelining's for the chain-shaped subset (``"2F0"``; a
+    transfer without a peer, ``"1SEND_F1"``, goes to the chain neighbour) and adds the peer stage of
+    a DAG edge after ``@`` (``"1SEND_F1@3"``).
 schedule
     ``dict[stage_idx, list[Action]]``: every stage's instructions for one batch, in program order.
 
@@ -78,6 +79,8 @@ class Action:
     def __post_init__(self):
         if self.kind.has_mb != (self.mb_idx is not None):
             raise ScheduleError(f"{self.kind.name} {'needs' if self.kind.has_mb else 'takes no'} micro-batch index")
+        if self.peer is not None and self.peer < 0:
+            raise ScheduleError(f"{self.kind.name} of stage {self.stage_idx} has no peer stage {self.peer}")
         if self.kind.has_peer != (self.peer is not None):
             raise ScheduleError(f"{self.kind.name} {'needs' if self.kind.has_peer else 'takes no'} peer stage")
 
@@ -94,11 +97,26 @@ class Action:
 
     @classmethod
     def parse(cls, text: str) -> "Action":
+        """Read the string form; a transfer without ``@peer`` (torch's chain form, ``"1SEND_F1"``)
+        goes to the neighbouring stage of a chain.
+
+        >>> Action.parse("1SEND_F1"), Action.parse("1RECV_B0")
+        (1SEND_F1@2, 1RECV_B0@2)
+        """
         m = _ACTION_RE.match(text.strip())
         if not m:
             raise ScheduleError(f'cannot parse action "{text}"')
         stage, kind, mb, peer = m.groups()
-        return cls(int(stage), ActionKind(kind), int(mb) if mb else None, int(peer) if peer else None)
+        stage, kind = int(stage), ActionKind(kind)
+        if peer:
+            peer = int(peer)
+        elif kind in (ActionKind.SEND_F, ActionKind.RECV_B):
+            peer = stage + 1
+        elif kind in (ActionKind.RECV_F, ActionKind.SEND_B):
+            peer = stage - 1
+        else:
+            peer = None
+        return cls(stage, kind, int(mb) if mb else None, peer)
 
 
 Schedule = dict[int, list[Action]]
