@@ -12,7 +12,7 @@ from typing import Callable
 
 import torch
 from torch import nn
-from deepspeed.pipe import LayerSpec
+from deepspeed.pipe import LayerSpec, TiedLayerSpec
 
 from gpp_deepspeed import GraphLayerSpec
 
@@ -136,9 +136,27 @@ def three_input() -> ModelCase:
     return ModelCase(layers, ("x", "y", "z"), (6, 5, 4), 3)
 
 
+def tied() -> ModelCase:
+    """One weight shared by two parallel branches (a DeepSpeed TiedLayerSpec).
+
+    DeepSpeed synchronises only ``tied_weight_attr`` (default ``["weight"]``) across stages, so the
+    tied layer has no bias, as an embedding would not.
+    """
+    layers = [
+        GraphLayerSpec("pa", nn.Linear, 6, D, inputs=["x"]),
+        TiedLayerSpec("shared", nn.Linear, D, D, bias=False),  # layer1: reads pa
+        GraphLayerSpec("pb", nn.Linear, 6, D, inputs=["x"]),
+        TiedLayerSpec("shared", nn.Linear, D, D, bias=False),  # layer3: reads pb
+        GraphLayerSpec("merge", Add, inputs=["layer1", "layer3"]),
+        GraphLayerSpec("head", nn.Linear, D, 3, inputs=["merge"]),
+    ]
+    parts = {4: {"pa": 0, "layer1": 1, "pb": 2, "layer3": 2, "merge": 3, "head": 3}}  # copies on stages 1, 2
+    return ModelCase(layers, ("x", ), (6, ), 3, parts)
+
+
 MODELS: dict[str, Callable[[], ModelCase]] = {
     "chain": chain, "diamond": diamond, "four_branch": four_branch, "skip": skip, "fanout3": fanout3,
-    "three_input": three_input,
+    "three_input": three_input, "tied": tied,
 }
 
 

@@ -144,8 +144,10 @@ class GraphPipelineEngine(PipelineEngine):
             raise GPPConfigError(f"data_iter must yield (inputs, labels) pairs, got {type(batch).__name__}"
                                  + (f" of {len(batch)} elements" if isinstance(batch, (tuple, list)) else ""))
         inputs, labels = batch
+        # Every reading rank checks the whole batch, so a malformed batch fails on all of them
+        # (the output stage reads it for labels) instead of leaving a peer waiting.
+        values = self._split_inputs(inputs)
         if self.spec.loads:
-            values = self._split_inputs(inputs)
             loaded = {}
             for name in self.spec.loads:
                 t = values[name].clone().detach().to(self.device)

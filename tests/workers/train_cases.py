@@ -38,6 +38,14 @@ def ds_config(case, dp):
     return cfg
 
 
+def to_model_dtype(batches, case):
+    """bf16 models take bf16 inputs; as with DeepSpeed's PipelineEngine, casting is the user's job."""
+    if not case.get("bf16"):
+        return batches
+    cast = lambda x: tuple(t.bfloat16() for t in x) if isinstance(x, tuple) else x.bfloat16()  # noqa: E731
+    return [(cast(x), y) for x, y in batches]
+
+
 def build(case, world_size):
     mc = MODELS[case["model"]]()
     dp = world_size // case["stages"]
@@ -60,8 +68,8 @@ def train(engine, mc, case, steps):
     dp_rank = engine.grid.data_parallel_id
     losses = []
     for step in steps:
-        it = iter(make_batches(mc, step=step, dp_rank=dp_rank, micro_batches=case["gas"], micro_batch_size=case["mbs"]))
-        losses.append(engine.train_batch(data_iter=it).item())
+        batches = make_batches(mc, step=step, dp_rank=dp_rank, micro_batches=case["gas"], micro_batch_size=case["mbs"])
+        losses.append(engine.train_batch(data_iter=iter(to_model_dtype(batches, case))).item())
     return losses
 
 
@@ -78,8 +86,8 @@ def run_case(case, out, rank, world_size):
         result["resumed"] = train(engine, mc, case, range(2, 4))
     else:
         result["losses"] = train(engine, mc, case, range(case["steps"]))
-        it = iter(make_batches(mc, step=100, dp_rank=engine.grid.data_parallel_id, micro_batches=case["gas"],
-                               micro_batch_size=case["mbs"]))
+        it = iter(to_model_dtype(make_batches(mc, step=100, dp_rank=engine.grid.data_parallel_id,
+                                              micro_batches=case["gas"], micro_batch_size=case["mbs"]), case))
         result["eval"] = engine.eval_batch(it).item()
         if isinstance(module, GraphPipelineModule):
             result["state"] = {k: v.detach().float().clone() for k, v in module.graph_state_dict().items()}

@@ -1,0 +1,42 @@
+"""Bad input fails with a clear ValueError naming the culprit, on every rank, without a hang."""
+
+import json
+
+import pytest
+
+from dist import launch
+from conftest import WORKERS
+
+pytestmark = pytest.mark.dist
+
+EXPECTED = {  # case -> words the message must contain
+    "cycle": ["cycle", "a", "b", "c"],
+    "unknown_input": ['"b"', '"nope"'],
+    "duplicate_name": ["duplicate", '"a"'],
+    "dangling_layer": ["lost", "output"],
+    "mapping_misses_layer": ["misses", "c"],
+    "mapping_stage_cycle": ["cycle between stages", "stage 0", "stage 1"],
+    "more_stages_than_layers": ["2 stages", "1 layers"],
+    "world_size_not_divisible": ["num_stages (3)", "world size (2)"],
+    "unknown_partition_method": ["balanced", "uniform"],
+    "unknown_config_key": ["graph_pipeline.scheduel"],
+    "wrong_number_of_inputs": ["1 tensor(s)", "['x']", "tuple of 2"],
+}
+
+
+@pytest.fixture(scope="module")
+def errors(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bad_inputs")
+    result = launch(2, WORKERS / "bad_inputs.py", str(out), timeout=240, log_dir=out / "logs")
+    assert result.ok, result.report()
+    return [json.loads((out / f"errors.rank{r}.json").read_text()) for r in range(2)]
+
+
+@pytest.mark.parametrize("case", sorted(EXPECTED))
+def test_bad_input_raises_a_value_error_naming_the_culprit_on_every_rank(errors, case):
+    for rank, per_rank in enumerate(errors):
+        kind, message, is_value_error = (per_rank[case] + [False])[:3]
+        assert kind is not None, f"rank {rank}: {case} raised nothing"
+        assert is_value_error, f"rank {rank}: {case} raised {kind}: {message}"
+        for word in EXPECTED[case]:
+            assert word in message, f"rank {rank}: {case}: {word!r} not in {message!r}"

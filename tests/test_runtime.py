@@ -1,0 +1,50 @@
+"""DeepSpeed features through the graph engine: checkpoints, the drop-in path, bf16."""
+
+import pytest
+import torch
+
+from reference import train_reference
+from test_equivalence import case
+
+pytestmark = pytest.mark.dist
+
+CKPT = [case("four_branch", 4, 1, checkpoint=True), case("four_branch", 2, 0, checkpoint=True),
+        case("tied", 4, 1, checkpoint=True)]
+DROP_IN = [case("chain", 4, z, clip=0.0, **extra) for z in (0, 1) for extra in ({}, {"deepspeed_module": True})]
+BF16 = [case("four_branch", 4, 1, bf16=True), case("skip", 4, 1, bf16=True)]
+CASES = CKPT + DROP_IN + BF16
+
+
+@pytest.fixture(scope="module")
+def out(run_cases):
+    return run_cases("runtime_w4", 4, CASES)
+
+
+def ranks(out, c):
+    return [torch.load(out / f"{c['id']}.rank{r}.pt") for r in range(4)]
+
+
+@pytest.mark.parametrize("c", CKPT, ids=[c["id"] for c in CKPT])
+def test_checkpoint_resume_continues_exactly_like_an_uninterrupted_run(out, c):
+    for res in ranks(out, c):
+        assert res["resumed"] == res["uninterrupted"]
+    ref, _, _ = train_reference(c, dp=4 // c["stages"], steps=range(4))
+    assert ranks(out, c)[0]["uninterrupted"] == pytest.approx(ref[2:], rel=1e-5)
+
+
+@pytest.mark.parametrize("zero", [0, 1])
+def test_unchanged_deepspeed_layer_list_trains_like_pipeline_module(out, zero):
+    ours = [case("chain", 4, zero, clip=0.0), case("chain", 4, zero, clip=0.0, deepspeed_module=True)]
+    graph, deepspeed_run = (ranks(out, c) for c in ours)
+    for r in range(4):
+        assert graph[r]["losses"] == pytest.approx(deepspeed_run[r]["losses"], rel=1e-6)
+        assert graph[r]["eval"] == pytest.approx(deepspeed_run[r]["eval"], rel=1e-6)
+
+
+@pytest.mark.parametrize("c", BF16, ids=[c["id"] for c in BF16])
+def test_bf16_training_tracks_the_fp32_single_device_model(out, c):
+    ref, ref_eval, _ = train_reference(c, dp=1)
+    for res in ranks(out, c):
+        # bf16 keeps 8 mantissa bits: agreement to a few percent is what bf16 can promise.
+        assert res["losses"] == pytest.approx(ref, rel=3e-2)
+        assert res["eval"] == pytest.approx(ref_eval, rel=3e-2)

@@ -1,0 +1,75 @@
+"""Worker: try each kind of bad input on this rank and record the error it raises.
+
+Every rank must raise the same clear error, before any communication, so no rank waits on
+another. Writes ``OUT_DIR/errors.rank<r>.json``: ``{case: [exception type, message]}``.
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+from torch import nn
+
+import deepspeed
+import gpp_deepspeed
+from gpp_deepspeed import GraphLayerSpec, GraphPipelineModule
+
+
+def lin(name, *inputs, d=4):
+    return GraphLayerSpec(name, nn.Linear, d, d, inputs=list(inputs))
+
+
+GOOD = [lin("a", "x"), lin("b", "a"), lin("c", "b")]
+CONFIG = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "steps_per_print": 10**6}
+
+CASES = {
+    "cycle": lambda: GraphPipelineModule([lin("a", "x", "c"), lin("b", "a"), lin("c", "b"), lin("out", "c")],
+                                         input_names=["x"], num_stages=2),
+    "unknown_input": lambda: GraphPipelineModule([lin("a", "x"), lin("b", "nope")], input_names=["x"], num_stages=2),
+    "duplicate_name": lambda: GraphPipelineModule([lin("a", "x"), lin("a", "x"), lin("c", "a")], input_names=["x"],
+                                                  num_stages=2),
+    "dangling_layer": lambda: GraphPipelineModule([lin("a", "x"), lin("lost", "x"), lin("c", "a")],
+                                                  input_names=["x"], num_stages=2),
+    "mapping_misses_layer": lambda: GraphPipelineModule(GOOD, input_names=["x"], num_stages=2,
+                                                        partition_method={"a": 0, "b": 1}),
+    "mapping_stage_cycle": lambda: GraphPipelineModule(GOOD, input_names=["x"], num_stages=2,
+                                                       partition_method={"a": 0, "b": 1, "c": 0}),
+    "more_stages_than_layers": lambda: GraphPipelineModule(GOOD[:1], input_names=["x"], num_stages=2),
+    "world_size_not_divisible": lambda: GraphPipelineModule(GOOD, input_names=["x"], num_stages=3),
+    "unknown_partition_method": lambda: GraphPipelineModule(GOOD, input_names=["x"], num_stages=2,
+                                                            partition_method="balanced"),
+    "unknown_config_key": lambda: gpp_deepspeed.initialize(
+        model=GraphPipelineModule(GOOD, input_names=["x"], num_stages=2, loss_fn=nn.MSELoss()),
+        model_parameters=None, config={**CONFIG, "graph_pipeline": {"scheduel": "1f1b"}}),
+}
+
+
+def wrong_batch():
+    module = GraphPipelineModule(GOOD, input_names=["x"], num_stages=2, loss_fn=nn.MSELoss())
+    engine, *_ = gpp_deepspeed.initialize(model=module, optimizer=torch.optim.SGD(module.parameters(), lr=0.1),
+                                          config=CONFIG)
+    batch = ((torch.zeros(2, 4), torch.zeros(2, 4)), torch.zeros(2, 4))  # two inputs for a one-input graph
+    engine.train_batch(iter([batch] * 2))
+
+
+CASES["wrong_number_of_inputs"] = wrong_batch
+
+
+def main():
+    out = Path(sys.argv[1])
+    deepspeed.init_distributed(dist_backend="gloo")
+    rank = torch.distributed.get_rank()
+    errors = {}
+    for name, make in CASES.items():
+        try:
+            make()
+            errors[name] = [None, "no error"]
+        except Exception as exc:  # noqa: BLE001 - recording exactly what the user would see
+            errors[name] = [type(exc).__name__, str(exc), isinstance(exc, ValueError)]
+    (out / f"errors.rank{rank}.json").write_text(json.dumps(errors, indent=1))
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
