@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: setup demo test clean
+.PHONY: setup demo test bench clean
 
 setup: $(VENV)/.installed
 
@@ -21,6 +21,9 @@ demo: setup
 
 test: setup
 	$(PY) -m pytest -q tests
+
+bench: setup
+	$(PY) benchmarks/step_time.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -34,6 +34,9 @@ from .flat import flatten, unflatten
 __all__ = ["GraphPipelineModule", "PARTITION_METHODS"]
 
 PARTITION_METHODS = ("parameters", "uniform", "sequential", "type:<regex>", "{layer_name: stage_idx}")
+# How much heavier than the least possible heaviest stage a balanced cut may be when that keeps
+# branches apart (a shallower stage graph); GraphPipe's planner replaces this rule of thumb.
+BRANCH_SLACK = 0.1
 
 
 class GraphPipelineModule(PipelineModule):
@@ -47,7 +50,8 @@ class GraphPipelineModule(PipelineModule):
         The layer whose output goes to ``loss_fn`` (default: the last layer of the list).
     partition_method
         ``"parameters"`` (default) or ``"uniform"``: balanced by parameter or layer count, keeping
-        independent branches on separate stages; ``"sequential"``: the chain baseline, the list order
+        independent branches on separate stages (accepting a heaviest stage up to 10% above the
+        least possible one when that makes the stage graph shallower); ``"sequential"``: the chain baseline, the list order
         cut into contiguous stages as DeepSpeed does; ``"type:<regex>"``: balance the layers whose
         class matches; or an explicit ``{layer_name: stage_idx}`` mapping.
     """
@@ -216,8 +220,9 @@ def _assign(graph: LayerGraph, entries: list[LayerEntry], num_stages: int, metho
             raise PartitionError(f'partition_method "{method}" matches no layer class')
     else:
         raise PartitionError(f'unknown partition_method "{method}"; valid: {PARTITION_METHODS}')
-    cut = sequential_partition if name == "sequential" else balanced_partition
-    return cut(graph, num_stages, weights=weights)
+    if name == "sequential":
+        return sequential_partition(graph, num_stages, weights=weights)
+    return balanced_partition(graph, num_stages, weights=weights, slack=BRANCH_SLACK)
 
 
 def _count_params(entry: LayerEntry) -> int:

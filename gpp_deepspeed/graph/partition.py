@@ -48,10 +48,7 @@ def min_bottleneck(weights: Sequence[float], num_parts: int) -> float:
     >>> min_bottleneck([1, 2, 3, 4], 2)
     6
     """
-    prefix = [0]
-    for w in weights:
-        prefix.append(prefix[-1] + w)
-    candidates = sorted({prefix[j] - prefix[i] for i in range(len(weights)) for j in range(i + 1, len(weights) + 1)})
+    candidates = sorted(_subarray_sums(weights))
     lo, hi = 0, len(candidates) - 1
     floor = max(weights)
     while lo < hi:
@@ -63,9 +60,10 @@ def min_bottleneck(weights: Sequence[float], num_parts: int) -> float:
     return candidates[lo]
 
 
-def _cut(order: Sequence[str], weights: dict[str, float], num_stages: int, graph: LayerGraph | None) -> dict[str, int]:
+def _cut(order: Sequence[str], weights: dict[str, float], num_stages: int, graph: LayerGraph | None,
+         cap: float | None = None) -> dict[str, int]:
     w = [weights[n] for n in order]
-    cap = min_bottleneck(w, num_stages)
+    cap = min_bottleneck(w, num_stages) if cap is None else cap
     inputs_of = {n.name: {r.node for r in n.inputs} for n in graph.nodes} if graph is not None else {}
     stage_of: dict[str, int] = {}
     stage, load, current = 0, 0.0, set()
@@ -125,8 +123,13 @@ def sequential_partition(graph: LayerGraph, num_stages: int, *, weights: Sequenc
     return _cut(graph.list_topological_order(), by_name, num_stages, None)
 
 
-def balanced_partition(graph: LayerGraph, num_stages: int, *, weights: Sequence[float]) -> dict[str, int]:
+def balanced_partition(graph: LayerGraph, num_stages: int, *, weights: Sequence[float],
+                       slack: float = 0.0) -> dict[str, int]:
     """Cut the branch-contiguous order into balanced stages, keeping branches on separate stages.
+
+    With ``slack > 0`` the heaviest stage may exceed the least possible one by up to that fraction
+    when this makes the stage graph shallower (fewer warm-up forwards and in-flight micro-batches);
+    among the shallowest candidates the lightest bottleneck wins.
 
     >>> from gpp_deepspeed.graph import build_layer_graph
     >>> g = build_layer_graph(["x"], [("a", ["x"]), ("b", ["x"]), ("c", ["a", "b"])])
@@ -135,4 +138,37 @@ def balanced_partition(graph: LayerGraph, num_stages: int, *, weights: Sequence[
     """
     _check_counts(graph, num_stages, weights)
     by_name = dict(zip(graph.names, weights))
-    return _cut(graph.order, by_name, num_stages, graph)
+    w = [by_name[n] for n in graph.order]
+    best = min_bottleneck(w, num_stages)
+    caps = sorted({c for c in _subarray_sums(w) if best <= c <= best * (1 + slack)})
+    if len(caps) > 64:  # a sample of the range is enough to find the shallower cuts
+        caps = [caps[round(i * (len(caps) - 1) / 63)] for i in range(64)]
+    candidates = [_cut(graph.order, by_name, num_stages, graph, cap=c) for c in caps]
+    return min(candidates, key=lambda so: (_depth(graph, so), _bottleneck(by_name, so)))
+
+
+def _subarray_sums(w: Sequence[float]) -> set[float]:
+    prefix = [0]
+    for x in w:
+        prefix.append(prefix[-1] + x)
+    return {prefix[j] - prefix[i] for i in range(len(w)) for j in range(i + 1, len(w) + 1)}
+
+
+def _bottleneck(weights: dict[str, float], stage_of: dict[str, int]) -> float:
+    loads: dict[int, float] = {}
+    for name, s in stage_of.items():
+        loads[s] = loads.get(s, 0) + weights[name]
+    return max(loads.values())
+
+
+def _depth(graph: LayerGraph, stage_of: dict[str, int]) -> int:
+    """Stages on the longest path of the stage graph that ``stage_of`` induces."""
+    succs: dict[int, set[int]] = {s: set() for s in stage_of.values()}
+    for node in graph.nodes:
+        for ref in node.inputs:
+            if ref.node in stage_of and stage_of[ref.node] != stage_of[node.name]:
+                succs[stage_of[ref.node]].add(stage_of[node.name])
+    depth: dict[int, int] = {}
+    for s in sorted(succs, reverse=True):  # stages of a cut are numbered in topological order
+        depth[s] = 1 + max((depth[t] for t in succs[s]), default=0)
+    return max(depth.values())

@@ -1,0 +1,184 @@
+"""Step time of the graph pipeline engine versus DeepSpeed's PipelineEngine, on real processes.
+
+Layers whose forward and backward sleep for a set time stand in for device compute (they occupy a
+rank without using a core), so 4-rank pipeline timings are meaningful on a 2-core machine. Each
+configuration trains ``--steps`` batches on 4 gloo ranks; the table reports the median step time
+after the first step, the makespan the schedule simulator predicts for the same sleeps, and ratios
+measured side by side in this one run.
+
+    python benchmarks/step_time.py            # writes benchmarks/results/step_time.json + docs table
+
+Configurations (micro-batches M = 8, forward 10 ms and backward 20 ms per sleeping layer):
+
+* ``chain/deepspeed``: 8 layers as a plain DeepSpeed list in ``PipelineModule`` + ``PipelineEngine``;
+* ``chain/gpp``: the same list in ``GraphPipelineModule`` + ``GraphPipelineEngine`` (the overhead);
+  both chains of identical layers are cut evenly, 2 layers per stage (DeepSpeed's "parameters" cut
+  crashes with seed_layers=True in 0.19.8: numpy cut points reach random.seed);
+* ``branches/sequential``: 4 branches x 2 layers, then a merge and a head, cut as a chain
+  (``partition_method="sequential"``, the list interleaves the branches as a linearised model would);
+* ``branches/gpp``: the same model with the default branch-aware ``"parameters"`` partition (stage
+  graph of depth 2).
+"""
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+TF, TB, M, MBS, STAGES = 0.010, 0.020, 8, 4, 4
+CONFIGS = ["chain/deepspeed", "chain/gpp", "branches/sequential", "branches/gpp"]
+
+
+def model_layers(kind):
+    import torch
+    from torch import nn
+    from deepspeed.pipe import LayerSpec
+    from gpp_deepspeed import GraphLayerSpec
+
+    class Sleep(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            time.sleep(TF)
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            time.sleep(TB)
+            return grad
+
+    class SleepLinear(nn.Module):
+        def __init__(self, dim):
+            super().__init__()
+            self.lin = nn.Linear(dim, dim)
+
+        def forward(self, x):
+            return Sleep.apply(self.lin(x))
+
+    class Add(nn.Module):
+        def forward(self, *xs):
+            return sum(xs)
+
+    if kind == "chain":
+        return [LayerSpec(SleepLinear, 16) for _ in range(8)], None
+    layers = []
+    for step in range(2):  # interleaved, as a linearised multi-branch model lists its layers
+        for b in range(4):
+            layers.append(GraphLayerSpec(f"b{b}_{step}", SleepLinear, 16, inputs=[f"b{b}_0" if step else "x"]))
+    layers += [GraphLayerSpec("merge", Add, inputs=[f"b{b}_1" for b in range(4)]),
+               GraphLayerSpec("head", nn.Linear, 16, 16, inputs=["merge"])]
+    return layers, ["x"]
+
+
+def worker(config, steps, out):
+    import torch
+    from torch import nn
+    import deepspeed
+    import gpp_deepspeed
+    from deepspeed.pipe import PipelineModule
+    from gpp_deepspeed import GraphPipelineModule
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    kind, method = config.split("/")
+    layers, inputs = model_layers(kind)
+    if method == "deepspeed":
+        module = PipelineModule(layers, num_stages=STAGES, loss_fn=nn.MSELoss(), partition_method="uniform",
+                                seed_layers=True)
+    else:
+        module = GraphPipelineModule(layers, input_names=inputs or ["input"], num_stages=STAGES, loss_fn=nn.MSELoss(),
+                                     partition_method="sequential" if method == "sequential" else "parameters")
+    cfg = {"train_micro_batch_size_per_gpu": MBS, "gradient_accumulation_steps": M, "steps_per_print": 10**6,
+           "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}},
+           "graph_pipeline": {"print_stage_graph": False}}
+    init = deepspeed.initialize if method == "deepspeed" else gpp_deepspeed.initialize
+    if method == "deepspeed":
+        cfg.pop("graph_pipeline")
+    engine, *_ = init(model=module, model_parameters=[p for p in module.parameters() if p.requires_grad], config=cfg)
+    data = [(torch.randn(MBS, 16), torch.randn(MBS, 16)) for _ in range(M)]
+    times = []
+    for _ in range(steps):
+        torch.distributed.barrier()
+        start = time.perf_counter()
+        engine.train_batch(data_iter=iter(data))
+        torch.distributed.barrier()
+        times.append(time.perf_counter() - start)
+    if torch.distributed.get_rank() == 0:
+        depth = engine.stage_graph.pipeline_depth if hasattr(engine, "stage_graph") else STAGES
+        Path(out).write_text(json.dumps({"times": times, "depth": depth, "predicted": predicted(engine)}))
+    torch.distributed.destroy_process_group()
+
+
+def predicted(engine):
+    """Simulated makespan of the schedule with the same sleeps (the chain formula for DeepSpeed)."""
+    from gpp_deepspeed.graph import StageGraph
+    from gpp_deepspeed.schedule import ActionKind, build_schedule, simulate
+
+    if not hasattr(engine, "stage_graph"):
+        sg, per_stage = StageGraph.chain(STAGES), [2] * STAGES
+    else:
+        sg = engine.stage_graph
+        per_stage = [sum(1 for n in spec.layers if not n.startswith(("merge", "head")))
+                     for spec in engine.module.partition.stages]
+    sched = build_schedule(sg, M)
+
+    def duration(a):
+        k = per_stage[a.stage_idx]
+        return {ActionKind.FORWARD: TF * k, ActionKind.BACKWARD: TB * k}.get(a.kind, 0.0)
+
+    return simulate(sched, duration=duration).makespan
+
+
+def main():
+    parser = argparse.ArgumentParser(description="graph pipeline vs DeepSpeed pipeline step time")
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        return worker(args.worker, args.steps, args.out)
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from dist import launch
+
+    results = {}
+    tmp = ROOT / "benchmarks" / "results" / "tmp"
+    for config in CONFIGS:
+        out = tmp / (config.replace("/", "_") + ".json")
+        res = launch(STAGES, Path(__file__), "--worker", config, "--steps", str(args.steps), "--out", str(out),
+                     timeout=300, log_dir=tmp / "logs" / config.replace("/", "_"))
+        if not res.ok:
+            raise SystemExit(f"{config} failed:\n{res.report()}")
+        data = json.loads(out.read_text())
+        data["median_s"] = statistics.median(data["times"][1:])
+        results[config] = data
+        print(f"{config:22s} median step {data['median_s'] * 1e3:7.1f} ms  predicted {data['predicted'] * 1e3:7.1f} ms"
+              f"  depth {data['depth']}", flush=True)
+    ratios = {
+        "gpp / deepspeed on the chain (overhead)": results["chain/gpp"]["median_s"] / results["chain/deepspeed"]["median_s"],
+        "sequential / gpp on 4 branches (speed-up)": results["branches/sequential"]["median_s"] / results["branches/gpp"]["median_s"],
+    }
+    for name, value in ratios.items():
+        print(f"{name}: {value:.3f}")
+    (ROOT / "benchmarks" / "results" / "step_time.json").write_text(json.dumps({"results": results, "ratios": ratios}, indent=1))
+    write_table(results, ratios)
+
+
+def write_table(results, ratios):
+    rows = ["| configuration | stage-graph depth | median step (ms) | simulated (ms) | measured / simulated |",
+            "|---|---|---|---|---|"]
+    for name, r in results.items():
+        rows.append(f"| `{name}` | {r['depth']} | {r['median_s'] * 1e3:.1f} | {r['predicted'] * 1e3:.1f} | "
+                    f"{r['median_s'] / r['predicted']:.3f} |")
+    rows += ["", "| ratio (same run) | value |", "|---|---|"] + [f"| {k} | {v:.3f} |" for k, v in ratios.items()]
+    doc = ROOT / "docs" / "benchmarks.md"
+    doc.write_text(
+        "# Benchmarks\n\nRegenerate with `make bench` (`python benchmarks/step_time.py`). 4 gloo ranks on CPU, "
+        f"M = {M} micro-batches, sleeping layers (forward {TF * 1e3:.0f} ms, backward {TB * 1e3:.0f} ms each) "
+        "stand in for device compute. Medians over steps 2..N of one run; ratios are from the same run.\n\n"
+        "## Step time: graph pipeline vs DeepSpeed's PipelineEngine\n\n" + "\n".join(rows) + "\n")
+
+
+if __name__ == "__main__":
+    main()
