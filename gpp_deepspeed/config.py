@@ -14,7 +14,7 @@ Example::
 
 from typing import Any, Literal, Mapping
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from .errors import GPPConfigError
 
@@ -38,6 +38,10 @@ class GraphPipelineConfig(BaseModel):
 
     print_stage_graph: bool = True
     """Print the stage graph (layers per stage, tensors per stage edge) on global rank 0."""
+
+    p2p_timeout_s: float = Field(default=1800.0, gt=0)
+    """Seconds a stage waits for a tensor from another stage before it fails with an error that
+    names the stage and rank it waited on (gloo would otherwise wait forever for a dead peer)."""
 
 
 def parse_graph_pipeline_config(ds_config: Mapping[str, Any] | None) -> GraphPipelineConfig:

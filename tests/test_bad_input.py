@@ -24,6 +24,13 @@ EXPECTED = {  # case -> words the message must contain
 }
 
 
+def test_a_stage_whose_peer_died_fails_after_the_p2p_timeout_naming_the_peer(errors):
+    kind, message = errors[1]["dead_peer"][:2]
+    assert kind == "GPPError", message
+    assert "stage 1 waited for stage 0 (global rank 0)" in message and "p2p_timeout_s = 2 s" in message
+    assert "Timed out" in message or "timed out" in message, message
+
+
 @pytest.fixture(scope="module")
 def errors(tmp_path_factory):
     out = tmp_path_factory.mktemp("bad_inputs")

@@ -58,7 +58,8 @@ class GraphPipelineEngine(PipelineEngine):
         self.gpp_config = gpp_config or GraphPipelineConfig()
         self.spec = self.module.stage_spec
         self.stage_graph = self.module.partition.stage_graph
-        self.transport = EdgeTransport(self.grid, self.device)
+        self.transport = EdgeTransport(self.grid, self.device, stage=self.stage_id,
+                                       timeout_s=self.gpp_config.p2p_timeout_s)
         self._out_index = {ref: i for i, ref in enumerate(self.spec.out_ports)}
         self._schedules: dict[tuple[int, bool], tuple[list[Action], int]] = {}
         for key in _EXTRA_BUFFERS:

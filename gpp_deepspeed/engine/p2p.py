@@ -17,9 +17,12 @@ as int64 tensors, the receiver allocates buffers from it and keeps it.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 from deepspeed import comm as dist
+
+from ..errors import GPPError
 
 __all__ = ["Layout", "EdgeTransport", "encode_layout", "decode_layout"]
 
@@ -76,9 +79,11 @@ def decode_layout(ints: list[int]) -> Layout:
 class EdgeTransport:
     """Asynchronous sends and blocking receives to other stages of this rank's pipeline."""
 
-    def __init__(self, grid, device):
+    def __init__(self, grid, device, *, stage: int, timeout_s: float):
         self.grid = grid
         self.device = device
+        self.stage = stage
+        self.timeout = timedelta(seconds=timeout_s)
         self._pending: list[tuple[object, torch.Tensor]] = []
         self._layouts: dict[tuple[int, int], Layout] = {}
         self._sent_layout: set[tuple[int, int]] = set()
@@ -115,9 +120,9 @@ class EdgeTransport:
     def recv_layout(self, edge: tuple[int, int], peer: int, *, always_layout: bool) -> Layout:
         if always_layout or edge not in self._layouts:
             length = torch.empty(1, dtype=torch.int64, device=self.device)
-            dist.irecv(length, self._rank(peer)).wait()
+            self._wait(dist.irecv(length, self._rank(peer)), peer)
             ints = torch.empty(int(length.item()), dtype=torch.int64, device=self.device)
-            dist.irecv(ints, self._rank(peer)).wait()
+            self._wait(dist.irecv(ints, self._rank(peer)), peer)
             self._layouts[edge] = decode_layout(ints.tolist())
         return self._layouts[edge]
 
@@ -126,8 +131,17 @@ class EdgeTransport:
         bufs = [torch.empty(shape, dtype=dtype, device=self.device) for shape, dtype in specs]
         works = [dist.irecv(b, self._rank(peer)) for b in bufs]
         for w in works:
-            w.wait()
+            self._wait(w, peer)
         return bufs
+
+    def _wait(self, work, peer: int) -> None:
+        try:
+            work.wait(timeout=self.timeout)
+        except RuntimeError as exc:
+            raise GPPError(f"stage {self.stage} waited for stage {peer} (global rank {self._rank(peer)}), which sent "
+                           f"nothing (the wait ends after graph_pipeline.p2p_timeout_s = "
+                           f"{self.timeout.total_seconds():g} s, or when the peer disconnects); that rank has "
+                           f"probably failed: see its log. gloo said: {exc}") from exc
 
     def wait_sends(self) -> None:
         for work, _ in self._pending:

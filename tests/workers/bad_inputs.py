@@ -6,6 +6,7 @@ another. Writes ``OUT_DIR/errors.rank<r>.json``: ``{case: [exception type, messa
 
 import json
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -54,6 +55,20 @@ def wrong_batch():
 
 
 CASES["wrong_number_of_inputs"] = wrong_batch
+
+
+def dead_peer():
+    """Stage 0 never runs its schedule: stage 1 must give up after p2p_timeout_s, not wait forever."""
+    module = GraphPipelineModule(GOOD, input_names=["x"], num_stages=2, loss_fn=nn.MSELoss())
+    engine, *_ = gpp_deepspeed.initialize(model=module, optimizer=torch.optim.SGD(module.parameters(), lr=0.1),
+                                          config={**CONFIG, "graph_pipeline": {"p2p_timeout_s": 2}})
+    if engine.stage_id == 0:
+        time.sleep(6)  # alive but silent for longer than the timeout
+        raise ValueError("stage 0 stands for a rank that failed before its first send")
+    engine.train_batch(iter([(torch.zeros(2, 4), torch.zeros(2, 4))] * 2))
+
+
+CASES["dead_peer"] = dead_peer
 
 
 def main():
