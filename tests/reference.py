@@ -8,6 +8,8 @@ replicas, clipped by global norm (DeepSpeed's default, 1.0, unless the case says
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
@@ -15,7 +17,15 @@ from gpp_deepspeed import GraphModel
 from models import MODELS, make_batches
 
 
-def train_reference(case: dict, *, dp: int, steps=None):
+@dataclass
+class Reference:
+    losses: list[float]          # mean loss of each step
+    eval_loss: float             # mean eval loss over every replica's micro-batches
+    state: dict                  # final GraphModel state_dict
+    last_logits: list            # per replica: output of its last eval micro-batch
+
+
+def train_reference(case: dict, *, dp: int, steps=None) -> Reference:
     mc = MODELS[case["model"]]()
     model = GraphModel(mc.layers, input_names=mc.input_names)
     if case.get("optimizer") == "adam":
@@ -37,8 +47,11 @@ def train_reference(case: dict, *, dp: int, steps=None):
             torch.nn.utils.clip_grad_norm_(model.parameters(), case.get("clip", 1.0))
         opt.step()
         losses.append(total / (m * dp))
+    evals, last_logits = [], []
     with torch.no_grad():
-        evals = [loss_fn(model(*(x if isinstance(x, tuple) else (x, ))), y).item()
-                 for r in range(dp)
-                 for x, y in make_batches(mc, step=100, dp_rank=r, micro_batches=m, micro_batch_size=case["mbs"])]
-    return losses, sum(evals) / len(evals), model.state_dict()
+        for r in range(dp):
+            for x, y in make_batches(mc, step=100, dp_rank=r, micro_batches=m, micro_batch_size=case["mbs"]):
+                out = model(*(x if isinstance(x, tuple) else (x, )))
+                evals.append(loss_fn(out, y).item())
+            last_logits.append(out)  # eval_batch(return_logits=True) returns the last micro-batch's
+    return Reference(losses, sum(evals) / len(evals), model.state_dict(), last_logits)

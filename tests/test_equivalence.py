@@ -49,13 +49,17 @@ def test_pipeline_training_matches_single_device_model(run_cases, world, c):
     out = run_cases(f"golden_w{world}", world, WORLDS[world])
     ranks = _load(out, c, world)
     dp = world // c["stages"]
-    ref_losses, ref_eval, ref_state = train_reference(c, dp=dp)
+    ref = train_reference(c, dp=dp)
     for r, res in enumerate(ranks):
-        assert res["losses"] == pytest.approx(ref_losses, rel=1e-5), f"rank {r} (stage {res['stage']})"
-        assert res["eval"] == pytest.approx(ref_eval, rel=1e-5), f"rank {r} (stage {res['stage']})"
+        assert res["losses"] == pytest.approx(ref.losses, rel=1e-5), f"rank {r} (stage {res['stage']})"
+        assert res["eval"] == pytest.approx(ref.eval_loss, rel=1e-5), f"rank {r} (stage {res['stage']})"
+    logits = {res["dp"]: res["logits"] for res in ranks if res["logits"] is not None}
+    assert sorted(logits) == list(range(dp)), "the output stage of every replica returns logits"
+    for d, value in logits.items():
+        torch.testing.assert_close(value, ref.last_logits[d], rtol=1e-5, atol=1e-6)
     seen = set()
     for res in ranks:
         for name, value in res["state"].items():
-            torch.testing.assert_close(value, ref_state[name], rtol=1e-5, atol=1e-6, msg=name)
+            torch.testing.assert_close(value, ref.state[name], rtol=1e-5, atol=1e-6, msg=name)
             seen.add(name)
-    assert seen == set(ref_state), "every parameter lives on exactly the stages that own it"
+    assert seen == set(ref.state), "every parameter lives on exactly the stages that own it"

@@ -88,7 +88,9 @@ def run_case(case, out, rank, world_size):
         result["losses"] = train(engine, mc, case, range(case["steps"]))
         it = iter(to_model_dtype(make_batches(mc, step=100, dp_rank=engine.grid.data_parallel_id,
                                               micro_batches=case["gas"], micro_batch_size=case["mbs"]), case))
-        result["eval"] = engine.eval_batch(it).item()
+        loss, logits = engine.eval_batch(it, return_logits=True)
+        result["eval"] = loss.item()
+        result["logits"] = logits.detach().float().clone() if torch.is_tensor(logits) else None
         if isinstance(module, GraphPipelineModule):
             result["state"] = {k: v.detach().float().clone() for k, v in module.graph_state_dict().items()}
     torch.save(result, out / f"{case['id']}.rank{rank}.pt")
