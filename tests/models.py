@@ -60,6 +60,7 @@ class ModelCase:
     input_dims: tuple[int, ...]
     num_classes: int
     partitions: dict[int, dict[str, int]] = field(default_factory=dict)  # num_stages -> explicit mapping
+    seq_lens: tuple[int, ...] = ()  # if set, inputs are [batch, seq, dim] with seq cycling through these
 
 
 D = 8
@@ -136,6 +137,25 @@ def three_input() -> ModelCase:
     return ModelCase(layers, ("x", "y", "z"), (6, 5, 4), 3)
 
 
+class MeanPool(nn.Module):
+    def forward(self, x):  # [batch, seq, dim] -> [batch, dim]
+        return x.mean(dim=1)
+
+
+def varlen() -> ModelCase:
+    """Sequences whose length changes from micro-batch to micro-batch (``dynamic_shape=True``)."""
+    layers = [
+        GraphLayerSpec("proj", nn.Linear, 6, D, inputs=["x"]),
+        GraphLayerSpec("left", Block, D, inputs=["proj"]),
+        GraphLayerSpec("right", Block, D, inputs=["proj"]),
+        GraphLayerSpec("merge", Add, inputs=["left", "right"]),
+        GraphLayerSpec("pool", MeanPool, inputs=["merge"]),
+        GraphLayerSpec("head", nn.Linear, D, 3, inputs=["pool"]),
+    ]
+    parts = {4: {"proj": 0, "left": 1, "right": 2, "merge": 3, "pool": 3, "head": 3}}
+    return ModelCase(layers, ("x", ), (6, ), 3, parts, seq_lens=(3, 5, 2))
+
+
 def tied() -> ModelCase:
     """One weight shared by two parallel branches (a DeepSpeed TiedLayerSpec).
 
@@ -156,7 +176,7 @@ def tied() -> ModelCase:
 
 MODELS: dict[str, Callable[[], ModelCase]] = {
     "chain": chain, "diamond": diamond, "four_branch": four_branch, "skip": skip, "fanout3": fanout3,
-    "three_input": three_input, "tied": tied,
+    "three_input": three_input, "tied": tied, "varlen": varlen,
 }
 
 
@@ -164,8 +184,9 @@ def make_batches(model: ModelCase, *, step: int, dp_rank: int, micro_batches: in
     """Deterministic micro-batches ``[(inputs, labels)]`` for one step of one data-parallel replica."""
     g = torch.Generator().manual_seed(1000 * step + dp_rank + 7)
     batches = []
-    for _ in range(micro_batches):
-        xs = tuple(torch.randn(micro_batch_size, d, generator=g) for d in model.input_dims)
+    for k in range(micro_batches):
+        seq = (model.seq_lens[(k + step) % len(model.seq_lens)], ) if model.seq_lens else ()
+        xs = tuple(torch.randn(micro_batch_size, *seq, d, generator=g) for d in model.input_dims)
         y = torch.randint(0, model.num_classes, (micro_batch_size, ), generator=g)
         batches.append((xs[0] if len(xs) == 1 else xs, y))
     return batches

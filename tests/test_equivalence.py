@@ -15,7 +15,7 @@ pytestmark = pytest.mark.dist
 
 MODELS = ["chain", "diamond", "four_branch", "skip", "fanout3", "three_input"]
 # Models whose shape is forced by an explicit partition at this stage count (see tests/models.py).
-EXPLICIT = {3: {"skip", "fanout3"}, 4: {"diamond", "skip", "fanout3", "tied"}}
+EXPLICIT = {3: {"skip", "fanout3"}, 4: {"diamond", "skip", "fanout3", "tied", "varlen"}}
 BASE = {"steps": 3, "mbs": 4, "gas": 4, "lr": 0.1}
 
 
@@ -35,7 +35,8 @@ WORLDS = {
     4: golden(4) + [case(m, 2, z) for m in ("four_branch", "skip") for z in (0, 1)]  # pipe 2 x data 2
     + [case("four_branch", 4, 1, partition="parameters"), case("three_input", 4, 1, partition="sequential"),
        case("skip", 4, 1, clip=0.05), case("four_branch", 4, 0, ckpt_interval=1),
-       case("fanout3", 4, 1, schedule="gpipe"), case("tied", 4, 0), case("tied", 4, 1)],
+       case("fanout3", 4, 1, schedule="gpipe"), case("tied", 4, 0), case("tied", 4, 1),
+       case("varlen", 4, 1)],  # dynamic_shape: activation shapes change every micro-batch
 }
 ALL = [(world, c) for world, cases in WORLDS.items() for c in cases]
 

@@ -56,7 +56,8 @@ def build(case, world_size):
         method = mc.partitions[case["stages"]] if case["partition"] == "explicit" else case["partition"]
         module = GraphPipelineModule(mc.layers, input_names=mc.input_names, num_stages=case["stages"],
                                      loss_fn=nn.CrossEntropyLoss(), partition_method=method,
-                                     activation_checkpoint_interval=case.get("ckpt_interval", 0))
+                                     activation_checkpoint_interval=case.get("ckpt_interval", 0),
+                                     dynamic_shape=bool(mc.seq_lens))
     params = [p for p in module.parameters() if p.requires_grad]
     opt = None if case.get("optimizer") == "adam" else torch.optim.SGD(params, lr=case["lr"], momentum=case.get("momentum", 0.9))
     init = deepspeed.initialize if case.get("deepspeed_module") else gpp_deepspeed.initialize
