@@ -7,18 +7,7 @@ import pytest
 from gpp_deepspeed.errors import GPPConfigError, GraphError
 from gpp_deepspeed.graph import LayerGraph, LayerNode, TensorRef, build_layer_graph
 
-TWO_BRANCH_LAYERS = [
-    ("text_proj", ["text"]),
-    ("image_proj", ["image"]),
-    ("text_block", ["text_proj"]),
-    ("image_block", ["image_proj"]),
-    ("fuse", ["text_block", "image_block"]),
-    ("head", ["fuse"]),
-]
-
-
-def two_branch_graph() -> LayerGraph:
-    return build_layer_graph(["text", "image"], TWO_BRANCH_LAYERS)
+from graphs import TWO_BRANCH_LAYERS, two_branch_graph
 
 
 def is_topological(graph: LayerGraph, order) -> bool:

@@ -12,18 +12,7 @@ from gpp_deepspeed.errors import GPPConfigError, PartitionError
 from gpp_deepspeed.graph import (LayerGraph, StageEdge, StageGraph, TensorRef, balanced_partition,
                                  build_layer_graph, derive_partition, sequential_partition)
 
-TWO_BRANCH_LAYERS = [
-    ("text_proj", ["text"]),
-    ("image_proj", ["image"]),
-    ("text_block", ["text_proj"]),
-    ("image_block", ["image_proj"]),
-    ("fuse", ["text_block", "image_block"]),
-    ("head", ["fuse"]),
-]
-
-
-def two_branch_graph() -> LayerGraph:
-    return build_layer_graph(["text", "image"], TWO_BRANCH_LAYERS)
+from graphs import two_branch_graph
 
 
 # ---------------------------------------------------------------------------------------------

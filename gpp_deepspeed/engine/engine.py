@@ -29,7 +29,7 @@ from deepspeed.utils import logger
 from ..config import GraphPipelineConfig
 from ..errors import GPPConfigError
 from ..schedule.generators import build_schedule
-from ..schedule.ir import Action, ActionKind, format_schedule
+from ..schedule.ir import Action, format_schedule
 from ..schedule.validate import validate_schedule
 from .flat import flatten, unflatten
 from .instructions import (GraphPipeSchedule, RecvActivationFrom, RecvGradFrom, SendActivationTo, SendGradTo,

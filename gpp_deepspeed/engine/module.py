@@ -22,7 +22,7 @@ from torch import nn
 from deepspeed import comm as dist
 from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.activation_checkpointing import checkpointing
-from deepspeed.runtime.pipe.module import LayerSpec, PipelineModule, TiedLayerSpec
+from deepspeed.runtime.pipe.module import LayerSpec, PipelineModule
 
 from ..errors import GPPError, PartitionError
 from ..graph.ir import LayerGraph, TensorRef, build_layer_graph
