@@ -31,7 +31,7 @@ from ..errors import GPPConfigError
 from ..schedule.generators import build_schedule
 from ..schedule.ir import Action, format_schedule
 from ..schedule.validate import validate_schedule
-from .flat import flatten, unflatten
+from .flat import flatten, port_ranges, unflatten
 from .instructions import (GraphPipeSchedule, RecvActivationFrom, RecvGradFrom, SendActivationTo, SendGradTo,
                            WaitSends)
 from .module import GraphPipelineModule
@@ -61,6 +61,9 @@ class GraphPipelineEngine(PipelineEngine):
         self.transport = EdgeTransport(self.grid, self.device, stage=self.stage_id,
                                        timeout_s=self.gpp_config.p2p_timeout_s)
         self._out_index = {ref: i for i, ref in enumerate(self.spec.out_ports)}
+        # This stage's edges by peer, in the order the schedule visits them (fixed for the run).
+        self._in_edges = {e.src: e for e in self.stage_graph.edges if e.dst == self.stage_id}
+        self._out_edges = {e.dst: e for e in self.stage_graph.edges if e.src == self.stage_id}
         self._schedules: dict[tuple[int, bool], tuple[list[Action], int]] = {}
         for key in _EXTRA_BUFFERS:
             self.pipe_buffers[key] = [None] * self.num_pipe_buffers
@@ -170,7 +173,7 @@ class GraphPipelineEngine(PipelineEngine):
         received = self.pipe_buffers["received"][buffer_id] or {}
         values = [loaded[ref.node] if ref.index is None and ref.node in loaded else received[ref]
                   for ref in self.spec.in_ports]
-        flat, self.module._in_arity = flatten(values)
+        flat, self.module.in_arity = flatten(values)
         self.pipe_buffers["inputs"][buffer_id] = tuple(flat)
         super()._exec_forward_pass(buffer_id)
         if self.is_last_stage() and torch.is_grad_enabled():
@@ -236,14 +239,13 @@ class GraphPipelineEngine(PipelineEngine):
         return flatten([outputs[self._out_index[ref]] for ref in refs])
 
     def _exec_send_activations_to(self, buffer_id, peer):
-        edge = self.stage_graph.edge(self.stage_id, peer)
-        flat, arity = self._flat_ports(buffer_id, edge.tensors)
+        flat, arity = self._flat_ports(buffer_id, self._out_edges[peer].tensors)
         self.transport.send((self.stage_id, peer), peer, arity, flat, always_layout=self.dynamic_shape)
-        if not torch.is_grad_enabled() and peer == self.stage_graph.succs(self.stage_id)[-1]:
+        if not torch.is_grad_enabled() and peer == next(reversed(self._out_edges)):
             self.pipe_buffers["outputs"][buffer_id] = None
 
     def _exec_recv_activations_from(self, buffer_id, peer):
-        edge = self.stage_graph.edge(peer, self.stage_id)
+        edge = self._in_edges[peer]
         layout = self.transport.recv_layout((peer, self.stage_id), peer, always_layout=self.dynamic_shape)
         tensors = self.transport.recv_tensors(peer, layout.specs)
         for t in tensors:
@@ -253,29 +255,24 @@ class GraphPipelineEngine(PipelineEngine):
         self.pipe_buffers["received"][buffer_id] = received
 
     def _exec_send_grads_to(self, buffer_id, peer):
-        edge = self.stage_graph.edge(peer, self.stage_id)
-        flat, _ = flatten([self.pipe_buffers["received"][buffer_id][ref] for ref in edge.tensors])
+        received = self.pipe_buffers["received"][buffer_id]
+        flat, _ = flatten([received[ref] for ref in self._in_edges[peer].tensors])
         # A tensor this stage did not use still gets a (zero) gradient: the producer waits for one.
         grads = [t.grad if t.grad is not None else torch.zeros_like(t) for t in flat if t.is_floating_point()]
         self.transport.send_tensors(peer, grads)
-        if peer == self.stage_graph.preds(self.stage_id)[-1]:
+        if peer == next(reversed(self._in_edges)):
             for key in ("inputs", "loaded", "received"):
                 self.pipe_buffers[key][buffer_id] = None
 
     def _exec_recv_grads_from(self, buffer_id, peer):
-        edge = self.stage_graph.edge(self.stage_id, peer)
-        outputs = self.pipe_buffers["outputs"][buffer_id]
-        positions = []  # flat output positions of this edge's floating-point tensors
-        for ref in edge.tensors:
-            port = self._out_index[ref]
-            start = sum(1 if torch.is_tensor(v) else len(v) for v in outputs[:port])
-            value = outputs[port]
-            for k, t in enumerate((value, ) if torch.is_tensor(value) else value):
-                if t.is_floating_point():
-                    positions.append((start + k, t))
-        got = self.transport.recv_tensors(peer, [(tuple(t.shape), t.dtype) for _, t in positions])
+        flat, arity = flatten(self.pipe_buffers["outputs"][buffer_id])
+        ranges = port_ranges(arity)
+        # Flat output positions of this edge's floating-point tensors, in the order they were sent.
+        positions = [i for ref in self._out_edges[peer].tensors for i in ranges[self._out_index[ref]]
+                     if flat[i].is_floating_point()]
+        got = self.transport.recv_tensors(peer, [(tuple(flat[i].shape), flat[i].dtype) for i in positions])
         grads: dict[int, torch.Tensor] = self.pipe_buffers["grads"][buffer_id] or {}
-        for (pos, _), g in zip(positions, got):
+        for pos, g in zip(positions, got):
             grads[pos] = g if pos not in grads else grads[pos] + g
         self.pipe_buffers["grads"][buffer_id] = grads
 

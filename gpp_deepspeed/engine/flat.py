@@ -18,7 +18,7 @@ import torch
 
 from ..errors import GPPConfigError
 
-__all__ = ["flatten", "unflatten"]
+__all__ = ["flatten", "unflatten", "port_ranges"]
 
 
 def flatten(values: Sequence[Any]) -> tuple[list[torch.Tensor], list[int]]:
@@ -49,3 +49,17 @@ def unflatten(flat: Sequence[torch.Tensor], arity: Sequence[int]) -> list[Any]:
             pos += a
     assert pos == len(flat), (pos, len(flat))
     return values
+
+
+def port_ranges(arity: Sequence[int]) -> list[range]:
+    """The positions of each port's tensors in the flat list.
+
+    >>> port_ranges([-1, 2, 0])
+    [range(0, 1), range(1, 3), range(3, 3)]
+    """
+    ranges, pos = [], 0
+    for a in arity:
+        width = 1 if a < 0 else a
+        ranges.append(range(pos, pos + width))
+        pos += width
+    return ranges

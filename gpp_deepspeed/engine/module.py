@@ -72,7 +72,9 @@ class GraphPipelineModule(PipelineModule):
         self.graph: LayerGraph = graph
         self.partition: Partition = partition
         self._entries: list[LayerEntry] = [by_name[n] for n in partition.layer_order]
-        self._in_arity: list[int] | None = None
+        # Set by the engine before each forward: how many tensors each in-port carries (-1: one
+        # tensor, k: a tuple of k), learned from the layouts of the received edges.
+        self.in_arity: list[int] | None = None
         self.engine_attached = False
         super().__init__(layers=[e.layer for e in self._entries], num_stages=num_stages, topology=topology,
                          loss_fn=loss_fn, seed_layers=seed_layers, seed_fn=seed_fn, base_seed=base_seed,
@@ -112,7 +114,7 @@ class GraphPipelineModule(PipelineModule):
             raise GPPError("a GraphPipelineModule runs only inside GraphPipelineEngine: build the engine with "
                            "gpp_deepspeed.initialize(...), not deepspeed.initialize(...)")
         flat = (inputs, ) if torch.is_tensor(inputs) else tuple(inputs)
-        arity = self._in_arity or [-1] * len(flat)
+        arity = self.in_arity or [-1] * len(flat)
         env: dict[TensorRef, Any] = dict(zip(self.stage_spec.in_ports, unflatten(flat, arity)))
         self.micro_offset += 1
         if self.activation_checkpoint_interval > 0:
