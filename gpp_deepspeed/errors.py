@@ -5,7 +5,8 @@ and its message names the culprit (the layer, the stage, the config key) and the
 ``assert`` is kept for internal invariants only.
 """
 
-__all__ = ["GPPError", "GPPConfigError", "GraphError", "PartitionError", "ScheduleError"]
+__all__ = ["GPPError", "GPPConfigError", "GraphError", "PartitionError", "ScheduleError",
+           "InfeasiblePlanError", "SearchLimitError"]
 
 
 class GPPError(Exception):
@@ -26,3 +27,11 @@ class PartitionError(GPPConfigError):
 
 class ScheduleError(GPPError):
     """A schedule is malformed or would deadlock."""
+
+
+class InfeasiblePlanError(GPPError):
+    """No plan satisfies the constraints (memory per device, device count, micro-batch sizes)."""
+
+
+class SearchLimitError(GPPError):
+    """A search stopped at its state limit instead of running for hours (Piper's downset cap)."""

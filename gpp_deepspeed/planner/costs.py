@@ -1,0 +1,328 @@
+"""The cost database every planner reads, and the stage cost model they all share.
+
+Glossary
+--------
+cost database
+    A :class:`CostDB`: the layer DAG with, per layer, forward and backward seconds at several
+    micro-batch sizes, parameter bytes, output bytes and stashed-activation bytes per sample; the
+    device's memory and the links' affine fits. Profiles (measured) and the analytic model
+    (FLOPs against a device spec) both produce one; ``source`` says which. JSON, no torch.
+stage time
+    Seconds one device of a stage spends per micro-batch: forward and backward of its layers on
+    its shard of the micro-batch, the activations it receives and the gradients it sends back,
+    and its share of the once-per-mini-batch gradient all-reduce (GraphPipe, arXiv 2406.17145,
+    Sec. 5 "EstimateTPS": profiled operator times, affine communication).
+time per sample (TPS)
+    Stage time divided by the micro-batch size; the planners minimise the largest one (Eq. 1).
+in flight
+    Micro-batches whose forward ran on a stage and whose backward has not: their activations
+    are stashed. Under synchronous 1F1B it is the stage's depth to the sink (Sec. 6).
+
+Every planner (GraphPipe, PipeDream, Piper, DeepSpeed's partitions) prices stages with
+:class:`StageCostModel`, and every plan is timed by the same simulator, so comparisons differ
+only in the search.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from functools import cached_property
+from pathlib import Path
+from typing import Iterable, Sequence
+
+from ..errors import GPPConfigError
+from ..graph.ir import LayerGraph, build_layer_graph
+
+__all__ = ["CommFit", "LayerCost", "Hardware", "CostDB", "StageCost", "StageCostModel", "micro_batch_sizes"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CommFit:
+    """An affine link model: sending ``x`` bytes takes ``alpha_s + beta_s_per_byte * x`` seconds.
+
+    >>> CommFit(alpha_s=1e-5, beta_s_per_byte=1e-9).time(1000)
+    1.1e-05
+    """
+
+    alpha_s: float
+    beta_s_per_byte: float
+
+    def time(self, nbytes: float) -> float:
+        return 0.0 if nbytes <= 0 else self.alpha_s + self.beta_s_per_byte * nbytes
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LayerCost:
+    """One layer's measured or modelled costs.
+
+    ``micro_batches`` are the sizes at which ``fwd_s`` and ``bwd_s`` (seconds per micro-batch)
+    were measured, ascending. Byte counts are per layer (parameters) or per sample (the rest).
+    """
+
+    name: str
+    inputs: tuple[str, ...]
+    micro_batches: tuple[int, ...]
+    fwd_s: tuple[float, ...]
+    bwd_s: tuple[float, ...]
+    param_bytes: int
+    out_bytes: int
+    stash_bytes: int
+
+    def __post_init__(self):
+        n = len(self.micro_batches)
+        if n == 0 or len(self.fwd_s) != n or len(self.bwd_s) != n:
+            raise GPPConfigError(f'layer "{self.name}": micro_batches, fwd_s and bwd_s need the same '
+                                 f"non-zero length, got {n}, {len(self.fwd_s)}, {len(self.bwd_s)}")
+        if list(self.micro_batches) != sorted(set(self.micro_batches)) or self.micro_batches[0] <= 0:
+            raise GPPConfigError(f'layer "{self.name}": micro_batches must be positive and strictly '
+                                 f"ascending, got {list(self.micro_batches)}")
+
+    def times(self, b: float) -> tuple[float, float]:
+        """Forward and backward seconds for a micro-batch of ``b`` samples.
+
+        Piecewise linear between measured sizes; outside them proportional to ``b`` from the
+        nearest measured size (a smaller shard runs no faster per sample than the smallest
+        measured one, a larger one no slower than the largest).
+
+        >>> c = LayerCost(name="l", inputs=("x",), micro_batches=(1, 4), fwd_s=(1.0, 2.5),
+        ...               bwd_s=(2.0, 5.0), param_bytes=0, out_bytes=0, stash_bytes=0)
+        >>> c.times(2), c.times(8), c.times(0.5)
+        ((1.5, 3.0), (5.0, 10.0), (0.5, 1.0))
+        """
+        mbs = self.micro_batches
+        if b <= mbs[0]:
+            r = b / mbs[0]
+            return self.fwd_s[0] * r, self.bwd_s[0] * r
+        if b >= mbs[-1]:
+            r = b / mbs[-1]
+            return self.fwd_s[-1] * r, self.bwd_s[-1] * r
+        i = bisect.bisect_right(mbs, b)
+        lo, hi = mbs[i - 1], mbs[i]
+        w = (b - lo) / (hi - lo)
+        return (self.fwd_s[i - 1] + w * (self.fwd_s[i] - self.fwd_s[i - 1]),
+                self.bwd_s[i - 1] + w * (self.bwd_s[i] - self.bwd_s[i - 1]))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Hardware:
+    """The devices a plan runs on: memory per device, devices per node and the two link fits.
+
+    ``optimizer_factor`` is the bytes of gradients and optimizer state per parameter byte
+    (fp32 Adam: one gradient and two moments, 3.0), so a stage holds
+    ``param_bytes * (1 + optimizer_factor)`` of weight state per device.
+    """
+
+    name: str
+    memory_bytes: int
+    devices_per_node: int
+    intra: CommFit
+    inter: CommFit
+    optimizer_factor: float = 3.0
+
+    def link(self, num_devices: int) -> CommFit:
+        """The link a group of ``num_devices`` devices talks over (packed into as few nodes as fit)."""
+        return self.intra if num_devices <= self.devices_per_node else self.inter
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CostDB:
+    """A layer DAG priced for one kind of device; what ``gpp profile`` writes and ``gpp plan`` reads.
+
+    ``layers`` are in a topological order (the model's list order). ``source`` says how the
+    numbers were obtained, e.g. ``"measured on cpu (2 cores), torch 2.13"`` or
+    ``"analytic: H100 ..."``, and travels into every plan made from it.
+    """
+
+    model: str
+    source: str
+    input_names: tuple[str, ...]
+    output: str
+    layers: tuple[LayerCost, ...]
+    hardware: Hardware
+    granularity: str = "layer"
+
+    @cached_property
+    def graph(self) -> LayerGraph:
+        return build_layer_graph(self.input_names, [(c.name, c.inputs) for c in self.layers],
+                                 output=self.output)
+
+    @cached_property
+    def by_name(self) -> dict[str, LayerCost]:
+        return {c.name: c for c in self.layers}
+
+    @property
+    def micro_batches(self) -> tuple[int, ...]:
+        """Micro-batch sizes measured for every layer."""
+        common = set(self.layers[0].micro_batches)
+        for c in self.layers[1:]:
+            common &= set(c.micro_batches)
+        return tuple(sorted(common))
+
+    def to_json(self) -> str:
+        d = asdict(self)
+        return json.dumps(d, indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> "CostDB":
+        d = json.loads(text)
+        hw = d.pop("hardware")
+        hardware = Hardware(**{**hw, "intra": CommFit(**hw["intra"]), "inter": CommFit(**hw["inter"])})
+        layers = tuple(LayerCost(**{**c, "inputs": tuple(c["inputs"]),
+                                    "micro_batches": tuple(c["micro_batches"]),
+                                    "fwd_s": tuple(c["fwd_s"]), "bwd_s": tuple(c["bwd_s"])})
+                       for c in d.pop("layers"))
+        return cls(**{**d, "input_names": tuple(d["input_names"]), "layers": layers, "hardware": hardware})
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(self.to_json())
+
+    @classmethod
+    def load(cls, path: str | Path) -> "CostDB":
+        return cls.from_json(Path(path).read_text())
+
+
+@dataclass(frozen=True, slots=True)
+class StageCost:
+    """The priced parts of one stage at one micro-batch size and data-parallel degree."""
+
+    fwd_s: float          # forward compute plus receiving activations, per micro-batch
+    bwd_s: float          # backward compute plus sending input gradients back, per micro-batch
+    allreduce_s: float    # gradient all-reduce inside the stage's group, once per mini-batch
+    weight_bytes: float   # parameters, gradients and optimizer state per device
+    stash_bytes: float    # activations stashed per in-flight micro-batch per device
+
+
+@dataclass
+class StageCostModel:
+    """Prices sets of layers as stages, for one cost database and mini-batch size.
+
+    Layers are referred to by their index in ``db.layers``; a stage is an ``int`` bitmask of
+    layer indices. ``p2p_devices`` is the plan's total device count: when it exceeds one node,
+    stage-to-stage traffic is priced on the inter-node link.
+
+    Per micro-batch of ``b`` samples on a stage with ``n`` devices (each device gets ``b / n``):
+
+    * compute: ``sum_l fwd_l(b/n) + bwd_l(b/n)`` (profiled or analytic times);
+    * communication: every tensor entering the stage is received forward and its gradient sent
+      backward; every tensor leaving it is sent forward and its gradient received backward:
+      ``comm(bytes * b / n)`` each (affine fit, GraphPipe Sec. 5);
+    * all-reduce: ring, ``2 (n-1)/n * param_bytes`` per device plus ``2 (n-1)`` latencies, once
+      per mini-batch; its share per micro-batch is ``b / B`` of it.
+    """
+
+    db: CostDB
+    mini_batch: int
+    p2p_devices: int = 1
+    _cache: dict = field(default_factory=dict, repr=False)
+
+    def __post_init__(self):
+        layers = self.db.layers
+        index = {c.name: i for i, c in enumerate(layers)}
+        self.num_layers = len(layers)
+        self.full_mask = (1 << len(layers)) - 1
+        self.producers = []     # per layer: bitmask of layers it reads
+        self.consumers = [0] * len(layers)
+        for i, c in enumerate(layers):
+            mask = 0
+            for ref in c.inputs:
+                src = ref.split(":")[0]
+                if src in index:
+                    mask |= 1 << index[src]
+                    self.consumers[index[src]] |= 1 << i
+            self.producers.append(mask)
+        self.index = index
+        self.link = self.db.hardware.link(self.p2p_devices)
+
+    def mask_of(self, names: Iterable[str]) -> int:
+        m = 0
+        for n in names:
+            m |= 1 << self.index[n]
+        return m
+
+    def names_of(self, mask: int) -> tuple[str, ...]:
+        return tuple(c.name for i, c in enumerate(self.db.layers) if mask >> i & 1)
+
+    def _members(self, mask: int) -> list[int]:
+        out, i = [], 0
+        while mask:
+            if mask & 1:
+                out.append(i)
+            mask >>= 1
+            i += 1
+        return out
+
+    def boundary_bytes(self, mask: int) -> tuple[float, float]:
+        """Bytes per sample entering and leaving a layer set (each outside producer once, each
+        inside producer with an outside reader once)."""
+        key = ("bnd", mask)
+        hit = self._cache.get(key)
+        if hit is not None:
+            return hit
+        layers = self.db.layers
+        inside = self._members(mask)
+        outside_producers = 0
+        out_b = 0.0
+        for i in inside:
+            outside_producers |= self.producers[i] & ~mask
+            if self.consumers[i] & ~mask:
+                out_b += layers[i].out_bytes
+        in_b = float(sum(layers[j].out_bytes for j in self._members(outside_producers)))
+        self._cache[key] = (in_b, out_b)
+        return in_b, out_b
+
+    def stage(self, mask: int, b: int, n: int) -> StageCost:
+        """Price layer set ``mask`` as one stage with micro-batch ``b`` on ``n`` devices."""
+        key = (mask, b, n)
+        hit = self._cache.get(key)
+        if hit is not None:
+            return hit
+        layers = self.db.layers
+        hw = self.db.hardware
+        shard = b / n
+        fwd = bwd = 0.0
+        params = stash = 0.0
+        for i in self._members(mask):
+            f, bw = layers[i].times(shard)
+            fwd += f
+            bwd += bw
+            params += layers[i].param_bytes
+            stash += layers[i].stash_bytes
+        in_b, out_b = self.boundary_bytes(mask)
+        # Activations arrive before the forward and leave after it; gradients mirror them.
+        fwd += self.link.time(in_b * shard) + self.link.time(out_b * shard)
+        bwd += self.link.time(out_b * shard) + self.link.time(in_b * shard)
+        allreduce = 0.0
+        if n > 1 and params > 0:
+            ring = hw.link(n)
+            allreduce = 2 * (n - 1) * ring.alpha_s + 2 * (n - 1) / n * params * ring.beta_s_per_byte
+        cost = StageCost(fwd_s=fwd, bwd_s=bwd, allreduce_s=allreduce,
+                         weight_bytes=params * (1 + hw.optimizer_factor), stash_bytes=stash * shard)
+        self._cache[key] = cost
+        return cost
+
+    def time_per_sample(self, mask: int, b: int, n: int) -> float:
+        """The stage's seconds per sample: GraphPipe's TPS (Sec. 5, Eq. 1)."""
+        c = self.stage(mask, b, n)
+        return (c.fwd_s + c.bwd_s + c.allreduce_s * b / self.mini_batch) / b
+
+    def memory(self, mask: int, b: int, n: int, in_flight: int) -> float:
+        """Peak bytes per device with ``in_flight`` micro-batches stashed (GraphPipe Sec. 3, Eq. 2)."""
+        c = self.stage(mask, b, n)
+        return c.weight_bytes + in_flight * c.stash_bytes
+
+    def fits(self, mask: int, b: int, n: int, in_flight: int) -> bool:
+        return self.memory(mask, b, n, in_flight) <= self.db.hardware.memory_bytes
+
+
+def micro_batch_sizes(mini_batch: int, candidates: Sequence[int] | None = None) -> list[int]:
+    """Micro-batch sizes to sweep: powers of two dividing the mini-batch (GraphPipe Sec. 5).
+
+    >>> micro_batch_sizes(48)
+    [1, 2, 4, 8, 16]
+    """
+    if candidates is not None:
+        return sorted(b for b in candidates if mini_batch % b == 0)
+    return [1 << i for i in range(int(math.log2(mini_batch)) + 1) if mini_batch % (1 << i) == 0]
