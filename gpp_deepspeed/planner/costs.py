@@ -127,7 +127,7 @@ class Hardware:
         return self.intra if num_devices <= self.devices_per_node else self.inter
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True)
 class CostDB:
     """A layer DAG priced for one kind of device; what ``gpp profile`` writes and ``gpp plan`` reads.
 
@@ -273,9 +273,28 @@ class StageCostModel:
         self._cache[key] = (in_b, out_b)
         return in_b, out_b
 
-    def stage(self, mask: int, b: int, n: int) -> StageCost:
-        """Price layer set ``mask`` as one stage with micro-batch ``b`` on ``n`` devices."""
-        key = (mask, b, n)
+    def chain_boundaries(self, masks: Sequence[int]) -> list[tuple[float, float]]:
+        """Bytes per sample into and out of each stage of a *chain* pipeline.
+
+        In a linear pipeline (DeepSpeed's ``PipelineEngine``, PipeDream) a tensor that skips
+        stages is relayed through every stage in between, so the boundary after stage ``k``
+        carries every tensor produced at or before ``k`` and read after it.
+        """
+        cuts = []
+        before = 0
+        for k in range(len(masks) - 1):
+            before |= masks[k]
+            cuts.append(float(sum(self.db.layers[i].out_bytes for i in self._members(before)
+                                  if self.consumers[i] & ~before)))
+        return [(cuts[k - 1] if k > 0 else 0.0, cuts[k] if k < len(cuts) else 0.0) for k in range(len(masks))]
+
+    def stage(self, mask: int, b: int, n: int, *, boundary: tuple[float, float] | None = None) -> StageCost:
+        """Price layer set ``mask`` as one stage with micro-batch ``b`` on ``n`` devices.
+
+        ``boundary`` overrides the bytes per sample entering and leaving the stage (a chain
+        pipeline relays skip tensors, see :meth:`chain_boundaries`).
+        """
+        key = (mask, b, n, boundary)
         hit = self._cache.get(key)
         if hit is not None:
             return hit
@@ -290,7 +309,7 @@ class StageCostModel:
             bwd += bw
             params += layers[i].param_bytes
             stash += layers[i].stash_bytes
-        in_b, out_b = self.boundary_bytes(mask)
+        in_b, out_b = self.boundary_bytes(mask) if boundary is None else boundary
         # Activations arrive before the forward and leave after it; gradients mirror them.
         fwd += self.link.time(in_b * shard) + self.link.time(out_b * shard)
         bwd += self.link.time(out_b * shard) + self.link.time(in_b * shard)
@@ -303,9 +322,9 @@ class StageCostModel:
         self._cache[key] = cost
         return cost
 
-    def time_per_sample(self, mask: int, b: int, n: int) -> float:
+    def time_per_sample(self, mask: int, b: int, n: int, *, boundary: tuple[float, float] | None = None) -> float:
         """The stage's seconds per sample: GraphPipe's TPS (Sec. 5, Eq. 1)."""
-        c = self.stage(mask, b, n)
+        c = self.stage(mask, b, n, boundary=boundary)
         return (c.fwd_s + c.bwd_s + c.allreduce_s * b / self.mini_batch) / b
 
     def memory(self, mask: int, b: int, n: int, in_flight: int) -> float:

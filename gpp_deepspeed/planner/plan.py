@@ -1,0 +1,158 @@
+"""Plans: what a search decides, as JSON every rank can load.
+
+Glossary
+--------
+plan
+    Stages (each a set of layers and a device count), one micro-batch size, the mini-batch it
+    was planned for, and the predicted times. Stages are listed in a topological order of the
+    stage graph, which :func:`~gpp_deepspeed.graph.stages.derive_partition` derives from the
+    layer edges; the output stage is the unique sink.
+search result
+    A plan (or none), with the search's wall-clock time, the states it visited and a status:
+    ``"ok"`` or why there is no plan.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+from ..errors import GPPConfigError
+from ..graph.ir import LayerGraph
+from ..graph.stages import Partition, derive_partition
+
+__all__ = ["PlanStage", "Prediction", "Plan", "SearchResult"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PlanStage:
+    """One stage: its layers and how many devices run it (data-parallel degree)."""
+
+    layers: tuple[str, ...]
+    devices: int = 1
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Prediction:
+    """What the simulator predicts for a plan (see :mod:`gpp_deepspeed.planner.simulate`)."""
+
+    iteration_time_s: float
+    samples_per_s: float
+    bottleneck_tps_s: float
+    peak_mem_bytes: float                # the largest over devices
+    stage_mem_bytes: tuple[float, ...]   # per stage, per device
+    stage_in_flight: tuple[int, ...]     # peak micro-batches stashed, per stage
+    stage_busy_s: tuple[float, ...]
+    bubble_fraction: float               # idle share of all devices over the iteration
+    fits_memory: bool
+
+
+@dataclass(frozen=True, kw_only=True)
+class Plan:
+    """A stage DAG with devices per stage and a micro-batch size; ``gpp plan`` writes one.
+
+    ``pipeline`` is ``"graph"`` (stages exchange tensors along the stage DAG and run GraphPipe's
+    branch-aware 1F1B, what :class:`~gpp_deepspeed.engine.GraphPipelineEngine` executes) or
+    ``"chain"`` (stages form a linear pipeline in list order that relays every tensor, as
+    DeepSpeed's ``PipelineEngine`` and PipeDream run the baselines' plans).
+
+    >>> p = Plan(model="m", method="manual", source="hand", micro_batch=2, mini_batch=8,
+    ...          stages=(PlanStage(layers=("a",)), PlanStage(layers=("b", "c"))))
+    >>> p.stage_of
+    {'a': 0, 'b': 1, 'c': 1}
+    >>> Plan.from_json(p.to_json()) == p
+    True
+    """
+
+    model: str
+    method: str
+    source: str
+    micro_batch: int
+    mini_batch: int
+    stages: tuple[PlanStage, ...]
+    pipeline: str = "graph"
+    predicted: Prediction | None = None
+    notes: dict = field(default_factory=dict)
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stages)
+
+    @property
+    def num_devices(self) -> int:
+        return sum(s.devices for s in self.stages)
+
+    @property
+    def num_microbatches(self) -> int:
+        return self.mini_batch // self.micro_batch
+
+    @property
+    def stage_of(self) -> dict[str, int]:
+        return {name: i for i, s in enumerate(self.stages) for name in s.layers}
+
+    @property
+    def uniform_devices(self) -> int | None:
+        """The common data-parallel degree, or None when stages differ (not runnable today)."""
+        degrees = {s.devices for s in self.stages}
+        return degrees.pop() if len(degrees) == 1 else None
+
+    def __post_init__(self):
+        if self.pipeline not in ("graph", "chain"):
+            raise GPPConfigError(f'plan "pipeline" must be "graph" or "chain", got {self.pipeline!r}')
+        if self.micro_batch < 1 or self.mini_batch % self.micro_batch:
+            raise GPPConfigError(f"plan micro-batch {self.micro_batch} must divide mini-batch {self.mini_batch}")
+
+    def partition(self, graph: LayerGraph) -> Partition:
+        """The runtime's view of this plan: stage ports and the stage graph."""
+        return derive_partition(graph, self.stage_of, num_stages=self.num_stages)
+
+    def with_prediction(self, predicted: Prediction) -> "Plan":
+        return replace(self, predicted=predicted)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> "Plan":
+        d = json.loads(text)
+        try:
+            stages = tuple(PlanStage(layers=tuple(s["layers"]), devices=s["devices"]) for s in d.pop("stages"))
+            pred = d.pop("predicted", None)
+            if pred is not None:
+                pred = Prediction(**{k: tuple(v) if isinstance(v, list) else v for k, v in pred.items()})
+            return cls(**d, stages=stages, predicted=pred)
+        except (KeyError, TypeError) as e:
+            raise GPPConfigError(f"not a gpp plan file: {e}") from None
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(self.to_json())
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Plan":
+        return cls.from_json(Path(path).read_text())
+
+    def describe(self) -> str:
+        lines = [f"{self.method} plan for {self.model}: {self.num_stages} stages on {self.num_devices} devices, "
+                 f"micro-batch {self.micro_batch} of mini-batch {self.mini_batch}"]
+        for i, s in enumerate(self.stages):
+            shown = list(s.layers) if len(s.layers) <= 6 else [*s.layers[:3], "...", *s.layers[-2:]]
+            lines.append(f"  stage {i} x{s.devices}: {len(s.layers)} layers {shown}")
+        if self.predicted is not None:
+            p = self.predicted
+            lines.append(f"  predicted: {p.iteration_time_s * 1e3:.2f} ms/iteration, {p.samples_per_s:.1f} samples/s, "
+                         f"peak {p.peak_mem_bytes / 2**30:.2f} GiB/device, bubble {p.bubble_fraction:.1%}")
+        lines.append(f"  costs: {self.source}")
+        return "\n".join(lines)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SearchResult:
+    """The outcome of one search: a plan or the reason there is none, and what it cost."""
+
+    method: str
+    plan: Plan | None
+    search_time_s: float
+    states: int = 0
+    status: str = "ok"
+    trace: tuple = ()

@@ -1,0 +1,95 @@
+"""Predicting a plan's iteration by running the engine's own instruction lists.
+
+The plan's stage graph is lowered with :func:`~gpp_deepspeed.schedule.build_schedule`, the very
+schedule :class:`~gpp_deepspeed.engine.GraphPipelineEngine` executes, and run through the
+schedule simulator (:func:`~gpp_deepspeed.schedule.simulate`) with each action priced by the
+shared stage cost model: ``F`` and ``B`` take the stage's forward and backward time (compute
+plus the transfers of its edges), ``REDUCE_GRAD`` the gradient all-reduce of its data-parallel
+group. Peak in-flight micro-batches per stage are counted on the same timeline, so the memory a
+plan reports is what its schedule stashes, not a formula beside it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..errors import PartitionError
+from ..graph.stages import StageGraph
+from ..schedule.generators import build_schedule
+from ..schedule.ir import Action, ActionKind as K, Schedule
+from ..schedule.validate import Timeline, simulate
+from .costs import CostDB, StageCost, StageCostModel
+from .plan import Plan, Prediction
+
+__all__ = ["SimulatedPlan", "simulate_plan", "predict"]
+
+
+@dataclass(frozen=True)
+class SimulatedPlan:
+    """A plan's schedule, its priced stages and the simulated timeline."""
+
+    schedule: Schedule
+    stage_costs: tuple[StageCost, ...]
+    timeline: Timeline
+    prediction: Prediction
+
+
+def simulate_plan(plan: Plan, db: CostDB, *, schedule: str = "1f1b") -> SimulatedPlan:
+    """Simulate one iteration (one mini-batch) of ``plan`` priced by ``db``."""
+    names = set(db.by_name)
+    planned = [n for s in plan.stages for n in s.layers]
+    if set(planned) != names or len(planned) != len(names):
+        missing, extra = sorted(names - set(planned)), sorted(set(planned) - names)
+        raise PartitionError(f"plan for {plan.model} does not cover the cost database's layers exactly: "
+                             f"missing {missing[:5]}, unknown {extra[:5]}")
+    model = StageCostModel(db, plan.mini_batch, p2p_devices=plan.num_devices)
+    masks = [model.mask_of(s.layers) for s in plan.stages]
+    stage_graph = plan.partition(db.graph).stage_graph
+    bounds: list = [None] * plan.num_stages
+    if plan.pipeline == "chain":
+        stage_graph = StageGraph.chain(plan.num_stages)
+        bounds = model.chain_boundaries(masks)
+    b = plan.micro_batch
+    costs = tuple(model.stage(m, b, s.devices, boundary=bd) for m, s, bd in zip(masks, plan.stages, bounds))
+    lists = build_schedule(stage_graph, plan.num_microbatches, name=schedule)
+
+    def duration(a: Action) -> float:
+        c = costs[a.stage_idx]
+        if a.kind is K.FORWARD:
+            return c.fwd_s
+        if a.kind is K.BACKWARD:
+            return c.bwd_s
+        if a.kind is K.REDUCE_GRAD:
+            return c.allreduce_s
+        return 0.0
+
+    timeline = simulate(lists, duration=duration)
+    in_flight = tuple(_peak_in_flight(lists[s]) for s in range(plan.num_stages))
+    mem = tuple(c.weight_bytes + k * c.stash_bytes for c, k in zip(costs, in_flight))
+    span = timeline.makespan
+    busy = tuple(timeline.busy(s) for s in range(plan.num_stages))
+    device_busy = sum(t * s.devices for t, s in zip(busy, plan.stages))
+    tps = max(model.time_per_sample(m, b, s.devices, boundary=bd) for m, s, bd in zip(masks, plan.stages, bounds))
+    prediction = Prediction(
+        iteration_time_s=span, samples_per_s=plan.mini_batch / span if span > 0 else float("inf"),
+        bottleneck_tps_s=tps, peak_mem_bytes=max(mem), stage_mem_bytes=mem, stage_in_flight=in_flight,
+        stage_busy_s=busy, bubble_fraction=1 - device_busy / (span * plan.num_devices) if span > 0 else 0.0,
+        fits_memory=max(mem) <= db.hardware.memory_bytes)
+    return SimulatedPlan(lists, costs, timeline, prediction)
+
+
+def predict(plan: Plan, db: CostDB, *, schedule: str = "1f1b") -> Plan:
+    """``plan`` with its :class:`Prediction` filled in."""
+    return plan.with_prediction(simulate_plan(plan, db, schedule=schedule).prediction)
+
+
+def _peak_in_flight(actions: list[Action]) -> int:
+    """Most micro-batches whose forward ran and whose backward has not, in program order."""
+    live = peak = 0
+    for a in actions:
+        if a.kind is K.FORWARD:
+            live += 1
+            peak = max(peak, live)
+        elif a.kind is K.BACKWARD:
+            live -= 1
+    return peak
