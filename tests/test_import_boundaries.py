@@ -52,3 +52,10 @@ def test_importing_gpp_deepspeed_graph_and_schedule_imports_no_torch_nor_deepspe
         import gpp_deepspeed.schedule
     """)
     assert loaded == []
+
+
+def test_the_planner_imports_no_torch_nor_deepspeed():
+    loaded = loaded_heavy_modules("""
+        import gpp_deepspeed.planner.search, gpp_deepspeed.planner.simulate, gpp_deepspeed.planner.sp
+    """)
+    assert loaded == []

@@ -5,5 +5,13 @@ cluster runs on a laptop.
 """
 
 from .costs import CommFit, CostDB, Hardware, LayerCost, StageCost, StageCostModel, micro_batch_sizes
+from .inflight import in_flight, stage_in_flight
+from .plan import Plan, PlanStage, Prediction, SearchResult
+from .search import graphpipe_partition, graphpipe_search
+from .simulate import predict, simulate_plan
+from .sp import Leaf, Parallel, Series, sp_decompose, sp_ize, sp_tree
 
-__all__ = ["CommFit", "CostDB", "Hardware", "LayerCost", "StageCost", "StageCostModel", "micro_batch_sizes"]
+__all__ = ["CommFit", "CostDB", "Hardware", "LayerCost", "StageCost", "StageCostModel", "micro_batch_sizes",
+           "in_flight", "stage_in_flight", "Plan", "PlanStage", "Prediction", "SearchResult",
+           "graphpipe_partition", "graphpipe_search", "predict", "simulate_plan",
+           "Leaf", "Parallel", "Series", "sp_decompose", "sp_ize", "sp_tree"]
