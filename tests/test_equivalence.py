@@ -22,6 +22,8 @@ BASE = {"steps": 3, "mbs": 4, "gas": 4, "lr": 0.1}
 def case(model, stages, zero, **extra):
     partition = "explicit" if model in EXPLICIT.get(stages, ()) else "uniform"
     name = f"{model}-s{stages}-z{zero}" + "".join(f"-{k}" for k in sorted(extra) if k != "partition")
+    if "partition" in extra:  # a partition method of its own: a case of its own
+        name += "-" + ("plan" if extra["partition"].endswith(".json") else extra["partition"])
     return {"id": name, "model": model, "stages": stages, "zero": zero, "partition": partition, **BASE, **extra}
 
 
@@ -36,7 +38,9 @@ WORLDS = {
     + [case("four_branch", 4, 1, partition="parameters"), case("three_input", 4, 1, partition="sequential"),
        case("skip", 4, 1, clip=0.05), case("four_branch", 4, 0, ckpt_interval=1),
        case("fanout3", 4, 1, schedule="gpipe"), case("tied", 4, 0), case("tied", 4, 1),
-       case("varlen", 4, 1)],  # dynamic_shape: activation shapes change every micro-batch
+       case("varlen", 4, 1),  # dynamic_shape: activation shapes change every micro-batch
+       case("four_branch", 4, 1, partition="graphpipe"),  # GraphPipe's search on every rank
+       case("four_branch", 4, 0, partition="golden/plan_four_branch_s4.json")],  # a plan file
 }
 ALL = [(world, c) for world, cases in WORLDS.items() for c in cases]
 

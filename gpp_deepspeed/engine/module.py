@@ -14,7 +14,9 @@ Representative signature of a stage's forward (called by :class:`GraphPipelineEn
 
 from __future__ import annotations
 
+import os
 import re
+from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 import torch
@@ -27,13 +29,17 @@ from deepspeed.runtime.pipe.module import LayerSpec, PipelineModule
 from ..errors import GPPError, PartitionError
 from ..graph.ir import LayerGraph, TensorRef, build_layer_graph
 from ..graph.partition import balanced_partition, sequential_partition
+from ..planner.costs import CostDB
+from ..planner.plan import Plan
+from ..planner.search import graphpipe_partition, proxy_costs
 from ..graph.stages import Partition, StageSpec, derive_partition
 from ..spec import LayerEntry, call_layer, normalize_layers, resolve
 from .flat import flatten, unflatten
 
 __all__ = ["GraphPipelineModule", "PARTITION_METHODS"]
 
-PARTITION_METHODS = ("parameters", "uniform", "sequential", "type:<regex>", "{layer_name: stage_idx}")
+PARTITION_METHODS = ("parameters", "uniform", "sequential", "graphpipe", "type:<regex>", "<plan.json>",
+                     "{layer_name: stage_idx}")
 # How much heavier than the least possible heaviest stage a balanced cut may be when that keeps
 # branches apart (a shallower stage graph); GraphPipe's planner replaces this rule of thumb.
 BRANCH_SLACK = 0.1
@@ -53,20 +59,28 @@ class GraphPipelineModule(PipelineModule):
         independent branches on separate stages (accepting a heaviest stage up to 10% above the
         least possible one when that makes the stage graph shallower); ``"sequential"``: the chain baseline, the list order
         cut into contiguous stages as DeepSpeed does; ``"type:<regex>"``: balance the layers whose
-        class matches; or an explicit ``{layer_name: stage_idx}`` mapping.
+        class matches; ``"graphpipe"``: GraphPipe's search (:mod:`gpp_deepspeed.planner`) for the
+        least-bottleneck stage graph, priced by ``cost_db`` (a :class:`~gpp_deepspeed.planner.CostDB`
+        or the path of one ``gpp profile`` wrote; without one, time is taken as proportional to
+        parameters); a plan (a :class:`~gpp_deepspeed.planner.plan.Plan` or the path of a JSON file
+        ``gpp plan`` wrote), whose stages must match the pipeline's stage count; or an explicit
+        ``{layer_name: stage_idx}`` mapping. Every rank computes or loads the same partition.
+    cost_db
+        The cost database ``partition_method="graphpipe"`` plans with.
     """
 
     def __init__(self, layers: Sequence[Any], *, input_names: Sequence[str] = ("input", ), output: str | None = None,
                  num_stages: int | None = None, topology=None, loss_fn=None, partition_method: Any = "parameters",
                  base_seed: int = 1234, seed_layers: bool = False, seed_fn=None, activation_checkpoint_interval: int = 0,
                  activation_checkpoint_func=checkpointing.checkpoint, checkpointable_layers=None,
-                 dynamic_shape: bool = False):
+                 dynamic_shape: bool = False, cost_db: Any = None):
         entries = normalize_layers(layers, input_names, base_seed=base_seed)
         graph = build_layer_graph(input_names, [(e.name, e.inputs) for e in entries], output=output)
         if not dist.is_initialized():
             dist.init_distributed(dist_backend=get_accelerator().communication_backend_name())
         stages = _stage_count(num_stages, topology, dist.get_world_size())
-        partition = derive_partition(graph, _assign(graph, entries, stages, partition_method), num_stages=stages)
+        partition = derive_partition(graph, _assign(graph, entries, stages, partition_method, cost_db),
+                                     num_stages=stages)
         by_name = {e.name: e for e in entries}
         # Plain attributes may be set before nn.Module.__init__; the parent's __init__ needs them.
         self.graph: LayerGraph = graph
@@ -205,12 +219,18 @@ def _stage_count(num_stages: int | None, topology, world_size: int) -> int:
     return num_stages
 
 
-def _assign(graph: LayerGraph, entries: list[LayerEntry], num_stages: int, method: Any) -> dict[str, int]:
+def _assign(graph: LayerGraph, entries: list[LayerEntry], num_stages: int, method: Any,
+            cost_db: Any = None) -> dict[str, int]:
     if isinstance(method, Mapping):
         return dict(method)
+    if isinstance(method, (Plan, os.PathLike)) or isinstance(method, str) and method.endswith(".json"):
+        return _from_plan(graph, num_stages, method)
     if not isinstance(method, str):
         raise PartitionError(f"partition_method must be one of {PARTITION_METHODS}, got {method!r}")
     name = method.lower()
+    if name == "graphpipe":
+        db = _cost_db(graph, entries, cost_db)
+        return graphpipe_partition(db, num_stages=num_stages)
     if name == "uniform":
         weights = [1] * len(entries)
     elif name in ("parameters", "sequential"):
@@ -225,6 +245,29 @@ def _assign(graph: LayerGraph, entries: list[LayerEntry], num_stages: int, metho
     if name == "sequential":
         return sequential_partition(graph, num_stages, weights=weights)
     return balanced_partition(graph, num_stages, weights=weights, slack=BRANCH_SLACK)
+
+
+def _from_plan(graph: LayerGraph, num_stages: int, plan: Any) -> dict[str, int]:
+    if not isinstance(plan, Plan):
+        path = Path(plan)
+        if not path.is_file():
+            raise PartitionError(f'partition_method names plan file "{plan}", which does not exist')
+        plan = Plan.load(path)
+    if plan.num_stages != num_stages:
+        raise PartitionError(f"plan {plan.method} for {plan.model} has {plan.num_stages} stages but the pipeline has "
+                             f"{num_stages}; launch with {plan.num_stages} pipeline stages (num_stages={plan.num_stages})")
+    return plan.stage_of
+
+
+def _cost_db(graph: LayerGraph, entries: list[LayerEntry], cost_db: Any) -> CostDB:
+    if cost_db is None:
+        return proxy_costs(graph, [_count_params(e) for e in entries])
+    db = cost_db if isinstance(cost_db, CostDB) else CostDB.load(cost_db)
+    if set(db.by_name) != set(graph.names):
+        missing, extra = sorted(set(graph.names) - set(db.by_name)), sorted(set(db.by_name) - set(graph.names))
+        raise PartitionError(f"cost_db {db.model} does not describe this model's layers: missing {missing[:5]}, "
+                             f"unknown {extra[:5]}")
+    return db
 
 
 def _count_params(entry: LayerEntry) -> int:
