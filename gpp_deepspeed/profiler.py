@@ -1,0 +1,375 @@
+"""Measuring a model's layers and the links between devices into a :class:`~gpp_deepspeed.planner.costs.CostDB`.
+
+Glossary
+--------
+layer profile
+    Per layer and micro-batch size ``b``: forward and backward seconds (the median of ``repeats``
+    runs after ``warmup``), plus parameter bytes, output bytes per sample and stashed bytes per
+    sample (the tensors autograd saves for backward). GraphPipe prices stages by "profiling the
+    execution time of each operator" (arXiv 2406.17145, Sec. 5).
+link fit
+    ``alpha + beta * bytes`` seconds for one one-way point-to-point message. It is fitted to
+    ping-pong times between two real processes (GraphPipe Sec. 5: communication latency
+    "extrapolated by affine functions").
+
+Representative use::
+
+    hw = measure_hardware()                       # about 10 s: two gloo processes ping-pong
+    db = profile_layers(layers, input_names=["x"], make_inputs=lambda b: (torch.randn(b, 64),),
+                        micro_batches=(1, 2, 4, 8), hardware=hw)
+    db.save("costs.json")
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from .errors import GPPConfigError, GPPError
+from .graph.ir import TensorRef
+from .model import GraphModel
+from .planner.costs import CommFit, CostDB, Hardware, LayerCost
+from .spec import LayerEntry, call_layer, resolve
+
+__all__ = ["profile_layers", "fit_affine", "measure_p2p", "measure_hardware", "with_links", "P2P_SIZES"]
+
+P2P_SIZES = tuple(2**k for k in range(10, 25, 2))  # 1 KiB .. 16 MiB, bytes
+
+
+def profile_layers(layers: Sequence[Any], *, input_names: Sequence[str], output: str | None = None,
+                   make_inputs: Callable[[int], Any], micro_batches: Sequence[int] = (1, 2, 4, 8),
+                   device: str | torch.device = "cpu", warmup: int = 2, repeats: int = 5,
+                   model_name: str = "model", hardware: Hardware | None = None) -> CostDB:
+    """Measure every layer of a layer list on ``device`` and return its :class:`CostDB`.
+
+    ``layers``, ``input_names`` and ``output`` are what ``GraphPipelineModule`` takes; the model is
+    built as a :class:`GraphModel`. ``make_inputs(b)`` returns the graph inputs (a tensor or a tuple
+    in ``input_names`` order) for a micro-batch of ``b`` samples. For each ``b`` the whole model runs
+    forward once to capture each layer's inputs; then each layer alone runs forward and backward
+    (towards its inputs and parameters, with a random output gradient) on fresh copies of them.
+
+    Byte counts per sample are the largest over the measured sizes, so a part that does not grow
+    with the batch is not under-counted at small micro-batches. A tensor saved by both its producer
+    and its consumer counts in both layers: exact when they sit on different stages (the consumer
+    stashes the copy it received), an over-estimate otherwise. The parameters of a
+    ``TiedLayerSpec`` count once, at the key's first entry in the list; parameters hidden in a plain
+    callable are invisible. ``hardware`` defaults to :func:`measure_hardware` on ``device``.
+    """
+    mbs = tuple(sorted(set(int(b) for b in micro_batches)))
+    if not mbs or mbs[0] <= 0 or warmup < 0 or repeats < 1:
+        raise GPPConfigError(f"need positive micro_batches, warmup >= 0 and repeats >= 1, got "
+                             f"micro_batches={list(micro_batches)}, warmup={warmup}, repeats={repeats}")
+    device = torch.device(device)
+    model = GraphModel(layers, input_names=input_names, output=output).to(device)
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    rows = {e.name: dict(fwd_s=[], bwd_s=[], out_bytes=0, stash_bytes=0) for e in model.entries}
+    for b in mbs:
+        inputs = make_inputs(b)
+        inputs = (inputs, ) if torch.is_tensor(inputs) else tuple(inputs)
+        args_of = _capture(model, _map_tensors(lambda t: t.to(device), inputs))
+        for e in model.entries:
+            params, buffers = _layer_state(model, e)
+            fn, args = model._funcs[e.name], args_of[e.name]
+            f, bw = _time_layer(e, fn, args, params, warmup=warmup, repeats=repeats, sync=sync)
+            out, stashed = _stash(e, fn, args, params + buffers)
+            row = rows[e.name]
+            row["fwd_s"].append(f)
+            row["bwd_s"].append(bw)
+            out_bytes = sum(t.numel() * t.element_size() for t in _tensors(out))
+            row["out_bytes"] = max(row["out_bytes"], math.ceil(out_bytes / b))
+            row["stash_bytes"] = max(row["stash_bytes"], math.ceil(stashed / b))
+        del args_of
+    costs, seen_ties = [], set()
+    for e in model.entries:
+        params, _ = _layer_state(model, e)
+        counted = e.tie_key is None or e.tie_key not in seen_ties
+        seen_ties.add(e.tie_key)
+        r = rows[e.name]
+        costs.append(LayerCost(name=e.name, inputs=tuple(e.inputs), micro_batches=mbs, fwd_s=tuple(r["fwd_s"]),
+                               bwd_s=tuple(r["bwd_s"]), out_bytes=r["out_bytes"], stash_bytes=r["stash_bytes"],
+                               param_bytes=sum(p.numel() * p.element_size() for p in params) if counted else 0))
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({torch.get_num_threads()} threads)"
+    return CostDB(model=model_name, source=f"measured on {where}, torch {torch.__version__}",
+                  input_names=tuple(model.graph.input_names), output=model.graph.output, layers=tuple(costs),
+                  hardware=hardware if hardware is not None else measure_hardware(device=device))
+
+
+def _layer_state(model: GraphModel, entry: LayerEntry) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The parameters and buffers a layer's call uses (its module's, or its tied module's)."""
+    if entry.tie_key is not None:
+        module = model.tied[entry.tie_key]
+    elif entry.name in model.layers:
+        module = model.layers[entry.name]
+    else:
+        return [], []
+    return [p for p in module.parameters() if p.requires_grad], list(module.buffers())
+
+
+def _capture(model: GraphModel, inputs: tuple) -> dict[str, list]:
+    """Run the model forward once without autograd; return each layer's input values."""
+    # The same loop as GraphModel.forward, keeping every layer's arguments as well.
+    env: dict[TensorRef, Any] = {TensorRef(n): x for n, x in zip(model.graph.input_names, inputs)}
+    args_of = {}
+    with torch.no_grad():
+        for name in model.graph.order:
+            entry = model._by_name[name]
+            args_of[name] = [resolve(env, TensorRef.parse(r)) for r in entry.inputs]
+            env[TensorRef(name)] = call_layer(entry, model._funcs[name], args_of[name])
+    return args_of
+
+
+def _map_tensors(fn: Callable, value: Any) -> Any:
+    if torch.is_tensor(value):
+        return fn(value)
+    if isinstance(value, (tuple, list)):
+        return type(value)(_map_tensors(fn, v) for v in value)
+    return value
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    if torch.is_tensor(value):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in _tensors(v)]
+    return []
+
+
+def _fresh_inputs(args: list) -> tuple[list, list[torch.Tensor]]:
+    """Copies of a layer's arguments to call it on, and the leaves to differentiate towards.
+
+    Float tensors become leaves that require grad, and the layer gets a clone of each: a leaf
+    cannot be modified in place (``nn.ReLU(inplace=True)``), and the captured values stay intact.
+    """
+    leaves: list[torch.Tensor] = []
+
+    def fresh(t):
+        if not (t.is_floating_point() or t.is_complex()):
+            return t.clone()
+        leaves.append(t.detach().requires_grad_())
+        return leaves[-1].clone()
+
+    return _map_tensors(fresh, args), leaves
+
+
+def _time_layer(entry: LayerEntry, fn: Callable, args: list, params: list, *, warmup: int, repeats: int,
+                sync: Callable) -> tuple[float, float]:
+    """Median forward and backward seconds of one layer on fixed inputs."""
+    fwd, bwd = [], []
+    for i in range(warmup + repeats):
+        xs, leaves = _fresh_inputs(args)
+        wrt = leaves + params
+        sync()
+        t0 = time.perf_counter()
+        out = call_layer(entry, fn, xs)
+        sync()
+        t1 = time.perf_counter()
+        outs = [t for t in _tensors(out) if t.requires_grad]
+        back = 0.0
+        if outs and wrt:
+            grads = [torch.randn_like(t) for t in outs]
+            sync()
+            t2 = time.perf_counter()
+            torch.autograd.grad(outs, wrt, grads, allow_unused=True)
+            sync()
+            back = time.perf_counter() - t2
+        if i >= warmup:
+            fwd.append(t1 - t0)
+            bwd.append(back)
+    return statistics.median(fwd), statistics.median(bwd)
+
+
+def _stash(entry: LayerEntry, fn: Callable, args: list, skip: list) -> tuple[Any, int]:
+    """A layer's output and the bytes autograd saves for its backward, parameters and buffers excluded."""
+    # Dedupe by storage: a tensor and its views (x, x.t()) are one allocation kept alive once.
+    seen = {_storage(t)[0] for t in skip}
+    total = 0
+
+    def pack(t):
+        nonlocal total
+        key, nbytes = _storage(t)
+        if key not in seen:
+            seen.add(key)
+            total += nbytes
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = call_layer(entry, fn, _fresh_inputs(args)[0])
+    return out, total
+
+
+def _storage(t: torch.Tensor) -> tuple[Any, int]:
+    try:
+        s = t.untyped_storage()
+        return (t.device, s.data_ptr()), s.nbytes()
+    except (RuntimeError, NotImplementedError):  # tensor subclasses without a plain storage
+        return id(t), t.numel() * t.element_size()
+
+
+def fit_affine(sizes_bytes: Sequence[float], seconds: Sequence[float], *, relative: bool = True) -> CommFit:
+    """Least-squares fit of ``seconds ~ alpha + beta * bytes``, with ``alpha, beta >= 0``.
+
+    With ``relative`` (the default) each point is weighted by ``1 / seconds**2``, i.e. relative
+    errors are minimised: the small messages then fix the latency and the large ones the
+    bandwidth, where an unweighted fit lets millisecond noise on 16 MiB messages swamp a 50 us
+    latency.
+
+    >>> fit = fit_affine([0, 1000, 2000], [1e-5, 2e-5, 3e-5])
+    >>> round(fit.alpha_s, 12), round(fit.beta_s_per_byte, 15)
+    (1e-05, 1e-08)
+    """
+    xs, ys = [float(x) for x in sizes_bytes], [float(y) for y in seconds]
+    if len(xs) != len(ys) or len(set(xs)) < 2:
+        raise GPPConfigError(f"fit_affine needs as many times as sizes and at least two distinct sizes, "
+                             f"got {len(xs)} sizes ({len(set(xs))} distinct) and {len(ys)} times")
+    ws = [1.0 / y**2 for y in ys] if relative and min(ys) > 0 else [1.0] * len(ys)
+    sw = sum(ws)
+    sx = sum(w * x for w, x in zip(ws, xs))
+    sy = sum(w * y for w, y in zip(ws, ys))
+    sxx = sum(w * x * x for w, x in zip(ws, xs))
+    sxy = sum(w * x * y for w, x, y in zip(ws, xs, ys))
+    beta = (sw * sxy - sx * sy) / (sw * sxx - sx * sx)
+    alpha = (sy - beta * sx) / sw
+    if alpha < 0:  # refit through the origin
+        alpha, beta = 0.0, sxy / sxx
+    if beta < 0:  # time does not grow with size: a pure latency
+        alpha, beta = max(0.0, sy / sw), 0.0
+    return CommFit(alpha_s=alpha, beta_s_per_byte=beta)
+
+
+def measure_p2p(*, backend: str = "gloo", sizes: Sequence[int] = P2P_SIZES, warmup: int = 2, repeats: int = 10,
+                timeout_s: float = 120.0) -> CommFit:
+    """Fit one-way send time between two processes on this machine (127.0.0.1).
+
+    Rank 0 sends ``sizes[i]`` bytes of float32 to rank 1, which sends them back; half the median
+    round trip is the one-way time. ``nccl`` puts the ranks on ``cuda:0`` and ``cuda:1``. Both
+    processes are killed and :class:`GPPError` raised if one fails or ``timeout_s`` passes.
+    """
+    sizes = [int(s) for s in sizes]
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    with tempfile.TemporaryDirectory() as tmp:
+        result = Path(tmp) / "p2p.json"
+        kw = dict(port=port, backend=backend, sizes=sizes, warmup=warmup, repeats=repeats, timeout_s=timeout_s,
+                  result=str(result))
+        _run_pair(kw, Path(tmp), timeout_s=timeout_s)
+        seconds = json.loads(result.read_text())
+    return fit_affine(sizes, seconds)
+
+
+def _run_pair(kw: dict, log_dir: Path, *, timeout_s: float) -> None:
+    """Run ``_p2p_worker(rank=r, **kw)`` for r = 0, 1 in fresh interpreters; kill both on a failure or timeout."""
+    # Fresh interpreters rather than multiprocessing's spawn, which re-runs the caller's script
+    # unless it is guarded by ``if __name__ == "__main__"``.
+    code = "import json, sys; from gpp_deepspeed.profiler import _p2p_worker; _p2p_worker(**json.loads(sys.argv[1]))"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parent.parent),
+                                                       os.environ.get("PYTHONPATH", "")]))
+    logs = [log_dir / f"rank{rank}.log" for rank in range(2)]
+    procs = []
+    try:
+        for rank, log in enumerate(logs):
+            with open(log, "w") as out:
+                procs.append(subprocess.Popen([sys.executable, "-c", code, json.dumps(dict(kw, rank=rank))],
+                                              env=env, stdout=out, stderr=subprocess.STDOUT))
+        deadline = time.monotonic() + timeout_s
+        while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+            if any(p.poll() not in (None, 0) for p in procs):
+                break
+            time.sleep(0.05)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+    if any(p.returncode != 0 for p in procs):
+        tails = "\n".join(f"--- rank {r} (exit code {p.returncode}) ---\n{log.read_text()[-2000:]}"
+                          for r, (p, log) in enumerate(zip(procs, logs)))
+        raise GPPError(f"the {kw['backend']} p2p measurement failed or did not finish in {timeout_s:.0f} s "
+                       f"(raise timeout_s, or measure fewer or smaller sizes):\n{tails}")
+
+
+def _p2p_worker(rank: int, port: int, backend: str, sizes: tuple, warmup: int, repeats: int, timeout_s: float,
+                result: str) -> None:
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=timeout_s))
+    device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    one_way = []
+    try:
+        dist.barrier()  # both ranks past their set-up before the first timed message
+        for nbytes in sizes:
+            buf = torch.zeros(max(1, nbytes // 4), dtype=torch.float32, device=device)
+            times = []
+            for _ in range(warmup + repeats):
+                sync()
+                t0 = time.perf_counter()
+                if rank == 0:
+                    dist.send(buf, 1)
+                    dist.recv(buf, 1)
+                else:
+                    dist.recv(buf, 0)
+                    dist.send(buf, 0)
+                sync()
+                times.append(time.perf_counter() - t0)
+            one_way.append(statistics.median(times[warmup:]) / 2)
+        if rank == 0:
+            Path(result).write_text(json.dumps(one_way))
+    finally:
+        dist.destroy_process_group()
+
+
+def measure_hardware(*, device: str | torch.device = "cpu", backend: str | None = None,
+                     devices_per_node: int | None = None, sizes: Sequence[int] = P2P_SIZES, repeats: int = 10,
+                     timeout_s: float = 120.0) -> Hardware:
+    """This machine as a :class:`Hardware`, with ``intra`` and ``inter`` both the measured p2p fit.
+
+    One machine cannot measure a link between nodes, so ``inter == intra`` and the name says so;
+    on a cluster, measure across two nodes and substitute it with :func:`with_links`. Memory per
+    device: the GPU's total memory, or on CPU the physical memory (``MemTotal``) divided by
+    ``devices_per_node`` (default: the GPU count, or 1 on CPU, i.e. one rank per machine).
+    ``backend`` defaults to nccl with two or more GPUs, else gloo.
+    """
+    device = torch.device(device)
+    if device.type == "cuda":
+        num = devices_per_node or torch.cuda.device_count()
+        memory = torch.cuda.get_device_properties(device).total_memory
+        backend = backend or ("nccl" if torch.cuda.device_count() >= 2 else "gloo")
+        label = torch.cuda.get_device_name(device)
+        if backend == "gloo":
+            warnings.warn("measuring the links with gloo between CPU tensors: this machine has fewer than two "
+                          "GPUs, so the fit is loopback TCP, not the GPU interconnect; replace it with "
+                          "with_links() from a multi-GPU measurement")
+    else:
+        num = devices_per_node or 1
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // num  # MemTotal on Linux
+        backend = backend or "gloo"
+        label = f"cpu ({os.cpu_count()} cores)"
+    fit = measure_p2p(backend=backend, sizes=sizes, repeats=repeats, timeout_s=timeout_s)
+    return Hardware(name=f"{label} x{num}; {backend} p2p measured on one machine (inter = intra)",
+                    memory_bytes=int(memory), devices_per_node=num, intra=fit, inter=fit)
+
+
+def with_links(hardware: Hardware, *, intra: CommFit | None = None, inter: CommFit | None = None) -> Hardware:
+    """``hardware`` with the given link fits substituted, e.g. ``inter`` measured across two nodes."""
+    changed = [n for n, v in (("intra", intra), ("inter", inter)) if v is not None]
+    if not changed:
+        return hardware
+    return dataclasses.replace(hardware, intra=intra or hardware.intra, inter=inter or hardware.inter,
+                               name=f"{hardware.name}; {' and '.join(changed)} substituted")
