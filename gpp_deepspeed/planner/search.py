@@ -52,6 +52,7 @@ __all__ = ["graphpipe_search", "graphpipe_partition", "proxy_costs", "SPACES", "
 
 SPACES = ("full", "runtime")
 _REL_TOL = 1e-3
+_MISSING = object()
 
 
 @dataclass
@@ -92,18 +93,39 @@ class _DP:
     """One feasibility DP at fixed micro-batch ``b`` and target ``tmax``."""
 
     def __init__(self, cm: StageCostModel, nodes: list[_Node], b: int, tmax: float, stage_devices: Sequence[int],
-                 work: Callable[[int], float]):
+                 work: Callable[[int], float], infeasible: dict | None = None):
         self.cm, self.nodes, self.b, self.tmax = cm, nodes, b, tmax * (1 + 1e-12)
         self.stage_devices = tuple(sorted(stage_devices))
         self.max_stage = self.stage_devices[-1]
         self.work = work
         self.memo: dict = {}
+        # state -> the largest tmax at which it was infeasible; infeasible at any smaller tmax too,
+        # which the binary search reuses after every success (its next tmax is smaller).
+        self.infeasible = {} if infeasible is None else infeasible
+        self._min_devices: dict[int, int] = {}
         self.states = 0
 
     def min_devices(self, mask: int) -> int:
         # Per-sample compute never shrinks when a micro-batch is sharded, so a set of layers
         # needs at least work / tmax devices to meet tmax.
-        return max(1, math.ceil(self.work(mask) / self.tmax - 1e-9))
+        n = self._min_devices.get(mask)
+        if n is None:
+            n = self._min_devices[mask] = max(1, math.ceil(self.work(mask) / self.tmax - 1e-9))
+        return n
+
+    def _remember(self, key, best):
+        self.memo[key] = best
+        if best is None and self.infeasible.get(key, -1.0) < self.tmax:
+            self.infeasible[key] = self.tmax
+        return best
+
+    def _known(self, key):
+        """``(True, value)`` when the state is memoised or known infeasible at this tmax."""
+        if key in self.memo:
+            return True, self.memo[key]
+        if self.tmax <= self.infeasible.get(key, -1.0):
+            return True, None
+        return False, None
 
     def max_devices(self, node: _Node) -> int:
         return node.size * self.max_stage
@@ -129,23 +151,30 @@ class _DP:
         if j == m:
             return (d, None) if n == 0 else None
         key = ("s", v, j, n, d)
-        if key in self.memo:
-            return self.memo[key]
+        known, value = self._known(key)
+        if known:
+            return value
         self.states += 1
         best = None
         rest_mask = node.mask & ~node.prefix[j]
         if n < self.min_devices(rest_mask):
-            self.memo[key] = None
-            return None
+            return self._remember(key, None)
+        memo = self.memo
         # (a) one stage over children j..k-1, then the rest of the series
         for k in range(j + 1, m + 1):
             mask = node.prefix[k] & ~node.prefix[j]
-            if self.work(mask) > self.tmax * min(n, self.max_stage):
+            w = self.work(mask)
+            if w > self.tmax * min(n, self.max_stage):
                 break
+            spare = n - (self.min_devices(node.mask & ~node.prefix[k]) if k < m else 0)
             for n1 in self.stage_devices:
-                if n1 > n:
+                if n1 > spare:
                     break
-                rest = self.series(v, k, n - n1, d)
+                if w > self.tmax * n1 or (k == m and n1 != n):
+                    continue
+                rest = memo.get(("s", v, k, n - n1, d), _MISSING) if k < m else (d, None)
+                if rest is _MISSING:
+                    rest = self.series(v, k, n - n1, d)
                 if rest is None or (best is not None and rest[0] + 1 >= best[0]):
                     continue
                 if self.stage_ok(mask, n1, rest[0] + 1):
@@ -162,22 +191,21 @@ class _DP:
                 r = self.solve(c, n1, rest[0])
                 if r is not None and (best is None or r[0] < best[0]):
                     best = (r[0], ("child", j, n1, n - n1, rest[0]))
-        self.memo[key] = best
-        return best
+        return self._remember(key, best)
 
     def parallel(self, v: int, i: int, n: int, d: int):
         node = self.nodes[v]
         if i == len(node.children) - 1:
             return self.solve(node.children[i], n, d)
         key = ("p", v, i, n, d)
-        if key in self.memo:
-            return self.memo[key]
+        known, value = self._known(key)
+        if known:
+            return value
         self.states += 1
         best = None
         mask = node.mask & ~node.prefix[i]
         if n < self.min_devices(mask):
-            self.memo[key] = None
-            return None
+            return self._remember(key, None)
         if n in self.stage_devices and self.stage_ok(mask, n, d + 1):
             best = (d + 1, ("stage", mask, n))
         c = node.children[i]
@@ -194,8 +222,7 @@ class _DP:
             k = max(r1[0], r2[0])
             if best is None or k < best[0]:
                 best = (k, ("split", i, n1, n - n1))
-        self.memo[key] = best
-        return best
+        return self._remember(key, best)
 
     def stages(self, v: int, n: int, d: int) -> list[tuple[int, int]]:
         """Rebuild the ``(mask, devices)`` stages of a feasible ``solve(v, n, d)``."""
@@ -264,20 +291,26 @@ def bottleneck_search(cm: StageCostModel, tree, *, num_devices: int, micro_batch
     nodes = _flatten(tree, cm)
     work = _work_fn(cm, micro_batch)
     states = 0
+    infeasible: dict = {}
 
     def attempt(tmax: float):
         nonlocal states
-        dp = _DP(cm, nodes, micro_batch, tmax, stage_devices, work)
+        dp = _DP(cm, nodes, micro_batch, tmax, stage_devices, work, infeasible)
         r = dp.solve(len(nodes) - 1, num_devices, 0)
         states += dp.states
         return dp.stages(len(nodes) - 1, num_devices, 0) if r is not None else None
 
-    total = work(cm.full_mask)
-    lo = total / num_devices
+    lo = work(cm.full_mask) / num_devices   # perfect balance: no plan does better
     # Every layer as its own single-device stage bounds any stage made of them from above.
-    hi = sum(cm.time_per_sample(1 << i, micro_batch, 1) for i in range(cm.num_layers))
-    hi = max(hi, lo) * 2
-    best = attempt(hi)
+    ceiling = 2 * max(lo, sum(cm.time_per_sample(1 << i, micro_batch, 1) for i in range(cm.num_layers)))
+    # Bracket the optimum by doubling from the perfect-balance bound (it is usually within 2x),
+    # which takes fewer DP runs than bisecting down from the ceiling.
+    hi, best = lo, None
+    while best is None and hi < ceiling:
+        hi = min(2 * hi, ceiling)
+        best = attempt(hi)
+        if best is None:
+            lo = hi
     if best is None:
         return None, None, states
     while hi - lo > rel_tol * hi:
@@ -307,8 +340,13 @@ def graphpipe_search(db: CostDB, *, num_devices: int, mini_batch: int, micro_bat
     candidates = []
     states = 0
     predict_s = 0.0
-    for b in micro_batch_sizes(mini_batch, micro_batches):
+    best_time = float("inf")
+    for b in sorted(micro_batch_sizes(mini_batch, micro_batches), reverse=True):
         options = [d for d in _divisors(num_devices) if b % d == 0] if space == "runtime" else [None]
+        # The bottleneck stage alone is busy mini_batch * TPS >= mini_batch * work / devices, so a
+        # micro-batch size whose perfect balance cannot beat the best plan so far is skipped.
+        if mini_batch * _work_fn(cm, b)(cm.full_mask) / num_devices >= best_time:
+            continue
         for d in options:
             stage_devices = [d] if d is not None else [n for n in _powers_of_two(b) if n <= num_devices]
             tps, stages, visited = bottleneck_search(cm, tree, num_devices=num_devices, micro_batch=b,
@@ -325,6 +363,7 @@ def graphpipe_search(db: CostDB, *, num_devices: int, mini_batch: int, micro_bat
             predict_s += time.perf_counter() - t0
             if plan.predicted.fits_memory:
                 candidates.append(plan)
+                best_time = min(best_time, plan.predicted.iteration_time_s)
     elapsed = time.perf_counter() - start - predict_s
     if not candidates:
         gib = db.hardware.memory_bytes / 2**30
