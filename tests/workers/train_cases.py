@@ -54,7 +54,7 @@ def build(case, world_size):
                                 partition_method="uniform", seed_layers=True)
     else:
         method = mc.partitions[case["stages"]] if case["partition"] == "explicit" else case["partition"]
-        if method.endswith(".json"):  # a plan file, relative to tests/
+        if isinstance(method, str) and method.endswith(".json"):  # a plan file, relative to tests/
             method = str(Path(__file__).resolve().parents[1] / method)
         module = GraphPipelineModule(mc.layers, input_names=mc.input_names, num_stages=case["stages"],
                                      loss_fn=nn.CrossEntropyLoss(), partition_method=method,
