@@ -148,7 +148,8 @@ def _convex_partitions(names: list[str], dag: nx.DiGraph):
 
 
 def _sp_candidates(tree) -> set[frozenset]:
-    """The stages GraphPipe's DP may form: tree nodes, series ranges, parallel suffixes."""
+    """The stages GraphPipe's DP may form: tree nodes, ranges of Series or Parallel children, and
+    the last branches of a Parallel child joined with the Series children after it."""
     out: set[frozenset] = set()
 
     def visit(t):
@@ -156,13 +157,16 @@ def _sp_candidates(tree) -> set[frozenset]:
             out.add(frozenset([t.name]))
             return frozenset([t.name])
         kids = [visit(c) for c in t.children]
+        for i in range(len(kids)):
+            for j in range(i + 1, len(kids) + 1):
+                out.add(frozenset().union(*kids[i:j]))
         if isinstance(t, Series):
-            for i in range(len(kids)):
-                for j in range(i + 1, len(kids) + 1):
-                    out.add(frozenset().union(*kids[i:j]))
-        else:
-            for i in range(len(kids)):
-                out.add(frozenset().union(*kids[i:]))
+            for j, child in enumerate(t.children[:-1]):
+                if isinstance(child, Parallel):   # last branches joined with the merge layers
+                    branches = [frozenset(c.leaves()) for c in child.children]
+                    for i in range(1, len(branches)):
+                        for k in range(j + 2, len(kids) + 1):
+                            out.add(frozenset().union(*branches[i:], *kids[j + 1:k]))
         return frozenset().union(*kids)
 
     visit(tree)

@@ -245,14 +245,22 @@ class StageCostModel:
     def names_of(self, mask: int) -> tuple[str, ...]:
         return tuple(c.name for i, c in enumerate(self.db.layers) if mask >> i & 1)
 
-    def _members(self, mask: int) -> list[int]:
-        out, i = [], 0
+    @staticmethod
+    def _members(mask: int) -> list[int]:
+        out = []
         while mask:
-            if mask & 1:
-                out.append(i)
-            mask >>= 1
-            i += 1
+            low = mask & -mask
+            out.append(low.bit_length() - 1)
+            mask ^= low
         return out
+
+    def layer_times(self, shard: float) -> list[tuple[float, float]]:
+        """Every layer's forward and backward seconds on a shard of ``shard`` samples (cached)."""
+        key = ("times", shard)
+        hit = self._cache.get(key)
+        if hit is None:
+            hit = self._cache[key] = [c.times(shard) for c in self.db.layers]
+        return hit
 
     def boundary_bytes(self, mask: int) -> tuple[float, float]:
         """Bytes per sample entering and leaving a layer set (each outside producer once, each
@@ -303,8 +311,9 @@ class StageCostModel:
         shard = b / n
         fwd = bwd = 0.0
         params = stash = 0.0
+        times = self.layer_times(shard)
         for i in self._members(mask):
-            f, bw = layers[i].times(shard)
+            f, bw = times[i]
             fwd += f
             bwd += bw
             params += layers[i].param_bytes

@@ -18,16 +18,21 @@ in-flight counts are micro-batches = depth to the sink, :mod:`.inflight`):
     after the output stage); ``None`` when infeasible.
 ``series(node, j, n, d)``
     the same for the suffix ``children[j:]`` of a Series node. Its first stage either covers the
-    children ``j..k-1`` whole (one stage, the base case of Alg. 1) or lies inside child ``j``,
+    children ``j..k-1`` whole (one stage, the base case of Alg. 1), or lies inside child ``j``,
     which is then solved on its own with the suffix's source as its successor (Alg. 1's series
-    case, solved back to front: "solve G2 first").
-``parallel(node, i, n, d)``
-    the suffix ``children[i:]`` of a Parallel node: one stage over all of them, or child ``i``
-    beside the rest, whose in-flight counts meet at the shared successor: ``max(k1, k2)`` (Alg. 1's
-    parallel case, "we take the larger").
+    case, solved back to front: "solve G2 first"), or, when child ``j`` is Parallel, joins its
+    last branches to the merge layers ``j+1..k-1`` (see below).
+``parallel(node, i, e, n, d)``
+    the children ``i..e-1`` of a Parallel node: its first group of children runs as one stage, or
+    its first child is decomposed on its own, beside the rest; their in-flight counts meet at the
+    shared successor: ``max(k1, k2)`` (Alg. 1's parallel case, "we take the larger").
 
-A stage is therefore an SP-tree node, a contiguous range of a Series node's children, or a suffix
-of a Parallel node's children: the paper's search space. Device counts per stage come from
+A stage is therefore an SP-tree node, a contiguous range of a Series node's children, a
+contiguous range of a Parallel node's children, or the last branches of a Parallel node together
+with the layers that merge them. The last form is our extension of the paper's SP cases: with
+node-SP trees a merge layer (a concat, a head) would otherwise need a stage of its own, and a
+device of its own, however small it is; letting a branch carry it keeps devices busy (a convex
+stage either way, so the runtime needs nothing new). Device counts per stage come from
 ``stage_devices``: powers of two dividing ``b`` (the paper's data-parallel degrees) in the
 ``"full"`` space, or one fixed degree in the ``"runtime"`` space that today's engine runs
 (one stage per pipeline rank, every stage replicated alike).
@@ -103,6 +108,7 @@ class _DP:
         # which the binary search reuses after every success (its next tmax is smaller).
         self.infeasible = {} if infeasible is None else infeasible
         self._min_devices: dict[int, int] = {}
+        self._cum: dict[int, list[float]] = {}
         self.states = 0
 
     def min_devices(self, mask: int) -> int:
@@ -143,7 +149,7 @@ class _DP:
             return None
         if node.kind == "series":
             return self.series(v, 0, n, d)
-        return self.parallel(v, 0, n, d)
+        return self.parallel(v, 0, len(node.children), n, d)
 
     def series(self, v: int, j: int, n: int, d: int):
         node = self.nodes[v]
@@ -160,18 +166,19 @@ class _DP:
         if n < self.min_devices(rest_mask):
             return self._remember(key, None)
         memo = self.memo
-        # (a) one stage over children j..k-1, then the rest of the series
-        for k in range(j + 1, m + 1):
-            mask = node.prefix[k] & ~node.prefix[j]
-            w = self.work(mask)
-            if w > self.tmax * min(n, self.max_stage):
+        cum = self._cumulative(v)
+        tmax, total = self.tmax, cum[m]
+        # (a) one stage over children j..k-1 on n1 devices, then the rest of the series
+        for n1 in self.stage_devices:
+            if n1 > n:
                 break
-            spare = n - (self.min_devices(node.mask & ~node.prefix[k]) if k < m else 0)
-            for n1 in self.stage_devices:
-                if n1 > spare:
+            cap = tmax * n1
+            for k in range(j + 1, m + 1):
+                if cum[k] - cum[j] > cap:
                     break
-                if w > self.tmax * n1 or (k == m and n1 != n):
+                if k < m and n1 + max(1, math.ceil((total - cum[k]) / tmax - 1e-9)) > n or k == m and n1 != n:
                     continue
+                mask = node.prefix[k] & ~node.prefix[j]
                 rest = memo.get(("s", v, k, n - n1, d), _MISSING) if k < m else (d, None)
                 if rest is _MISSING:
                     rest = self.series(v, k, n - n1, d)
@@ -179,6 +186,9 @@ class _DP:
                     continue
                 if self.stage_ok(mask, n1, rest[0] + 1):
                     best = (rest[0] + 1, ("range", j, k, mask, n1, n - n1))
+        # (c) the last branches of a Parallel child j join the merge stage after them
+        if self.nodes[node.children[j]].kind == "parallel" and j + 1 < m:
+            best = self.merged(v, j, n, d, best)
         # (b) the first stage lies inside child j, solved with the rest as its successor
         c = node.children[j]
         if self.nodes[c].kind != "leaf":
@@ -193,46 +203,124 @@ class _DP:
                     best = (r[0], ("child", j, n1, n - n1, rest[0]))
         return self._remember(key, best)
 
-    def parallel(self, v: int, i: int, n: int, d: int):
+    def parallel(self, v: int, i: int, e: int, n: int, d: int):
+        """The children ``i..e-1`` of a Parallel node: the first group of them runs as one stage
+        (or the first child is decomposed on its own) beside the rest."""
         node = self.nodes[v]
-        if i == len(node.children) - 1:
+        if e - i == 1:
             return self.solve(node.children[i], n, d)
-        key = ("p", v, i, n, d)
+        key = ("p", v, i, e, n, d)
         known, value = self._known(key)
         if known:
             return value
         self.states += 1
         best = None
-        mask = node.mask & ~node.prefix[i]
+        mask = node.prefix[e] & ~node.prefix[i]
         if n < self.min_devices(mask):
             return self._remember(key, None)
-        if n in self.stage_devices and self.stage_ok(mask, n, d + 1):
-            best = (d + 1, ("stage", mask, n))
+        # (a) children i..t-1 as one stage beside the rest (t == e: the whole range)
+        for t in range(i + 1, e + 1):
+            group = node.prefix[t] & ~node.prefix[i]
+            w = self.work(group)
+            if w > self.tmax * min(n, self.max_stage):
+                break
+            rest_mask = mask & ~group
+            need_rest = self.min_devices(rest_mask) if t < e else 0
+            for n1 in self.stage_devices:
+                if n1 + need_rest > n:
+                    break
+                if w > self.tmax * n1 or (t == e and n1 != n):
+                    continue
+                if best is not None and d + 1 >= best[0]:
+                    break
+                r2 = self.parallel(v, t, e, n - n1, d) if t < e else (d + 1, None)
+                if r2 is None or not self.stage_ok(group, n1, d + 1):
+                    continue
+                k = max(d + 1, r2[0])
+                if best is None or k < best[0]:
+                    best = (k, ("group", t, group, n1, n - n1))
+        # (b) child i decomposed on its own beside the rest
         c = node.children[i]
-        rest_mask = mask & ~self.nodes[c].mask
-        lo = self.min_devices(self.nodes[c].mask)
-        hi = min(n - self.min_devices(rest_mask), self.max_devices(self.nodes[c]))
-        for n1 in range(lo, hi + 1):
-            r1 = self.solve(c, n1, d)
-            if r1 is None:
-                continue
-            r2 = self.parallel(v, i + 1, n - n1, d)
-            if r2 is None:
-                continue
-            k = max(r1[0], r2[0])
-            if best is None or k < best[0]:
-                best = (k, ("split", i, n1, n - n1))
+        if self.nodes[c].kind != "leaf":
+            rest_mask = mask & ~self.nodes[c].mask
+            lo = self.min_devices(self.nodes[c].mask)
+            hi = min(n - self.min_devices(rest_mask), self.max_devices(self.nodes[c]))
+            for n1 in range(lo, hi + 1):
+                r1 = self.solve(c, n1, d)
+                if r1 is None or (best is not None and r1[0] >= best[0]):
+                    continue
+                r2 = self.parallel(v, i + 1, e, n - n1, d)
+                if r2 is None:
+                    continue
+                k = max(r1[0], r2[0])
+                if best is None or k < best[0]:
+                    best = (k, ("child", n1, n - n1))
         return self._remember(key, best)
+
+    def _cumulative(self, v: int) -> list[float]:
+        """Prefix sums of the children's work: the work of children ``j..k-1`` in O(1)."""
+        cum = self._cum.get(v)
+        if cum is None:
+            cum = [0.0]
+            for c in self.nodes[v].children:
+                cum.append(cum[-1] + self.work(self.nodes[c].mask))
+            self._cum[v] = cum
+        return cum
+
+    def _range_capacity(self, v: int, i: int, e: int) -> int:
+        node = self.nodes[v]
+        return (node.prefix[e] & ~node.prefix[i]).bit_count() * self.max_stage
+
+    def merged(self, v: int, j: int, n: int, d: int, best):
+        """Child ``j`` of Series ``v`` is Parallel: its last branches join the stage that runs the
+        merge (children ``j+1..k-1``), and its first branches are solved beside that stage, which
+        is their successor. A branch then needs no stage of its own just to feed the merge."""
+        node = self.nodes[v]
+        par_id = node.children[j]
+        par = self.nodes[par_id]
+        q, m = len(par.children), len(node.children)
+        rests: dict = {}   # (k, devices) -> series(v, k, devices, d), shared by every i
+        for i in range(1, q):
+            tail, head = par.mask & ~par.prefix[i], par.prefix[i]
+            need_head = self.min_devices(head)
+            for k in range(j + 2, m + 1):
+                mask = tail | (node.prefix[k] & ~node.prefix[j + 1])
+                w = self.work(mask)
+                if w > self.tmax * min(n, self.max_stage):
+                    break
+                need_rest = self.min_devices(node.mask & ~node.prefix[k]) if k < m else 0
+                for n1 in self.stage_devices:
+                    if n1 + need_head + need_rest > n:
+                        break
+                    if w > self.tmax * n1:
+                        continue
+                    most_head = min(n - n1 - need_rest, self._range_capacity(par_id, 0, i))
+                    heads = range(need_head, most_head + 1) if k < m else [n - n1]
+                    for n_head in heads:
+                        n_rest = n - n1 - n_head
+                        rest = rests.get((k, n_rest), _MISSING)
+                        if rest is _MISSING:
+                            rest = rests[(k, n_rest)] = self.series(v, k, n_rest, d) if k < m else (d, None)
+                        if rest is None:
+                            continue
+                        k_stage = rest[0] + 1
+                        if best is not None and k_stage >= best[0]:
+                            continue
+                        if not self.stage_ok(mask, n1, k_stage):
+                            continue
+                        r = self.parallel(par_id, 0, i, n_head, k_stage)
+                        if r is not None and (best is None or max(r[0], k_stage) < best[0]):
+                            best = (max(r[0], k_stage), ("merge", i, k, mask, n1, n_head, n_rest, k_stage))
+        return best
 
     def stages(self, v: int, n: int, d: int) -> list[tuple[int, int]]:
         """Rebuild the ``(mask, devices)`` stages of a feasible ``solve(v, n, d)``."""
         node = self.nodes[v]
-        r = self.solve(v, n, d)
-        if node.kind == "leaf" or r[1][0] == "stage" and node.kind == "leaf":
-            return [(r[1][1], r[1][2])]
+        if node.kind == "leaf":
+            return [(node.mask, n)]
         if node.kind == "series":
             return self._series_stages(v, 0, n, d)
-        return self._parallel_stages(v, 0, n, d)
+        return self._parallel_stages(v, 0, len(node.children), n, d)
 
     def _series_stages(self, v: int, j: int, n: int, d: int) -> list[tuple[int, int]]:
         node = self.nodes[v]
@@ -242,18 +330,23 @@ class _DP:
         if choice[0] == "range":
             _, _, k, mask, n1, n_rest = choice
             return [(mask, n1)] + self._series_stages(v, k, n_rest, d)
+        if choice[0] == "merge":
+            _, i, k, mask, n1, n_head, n_rest, k_stage = choice
+            return ([(mask, n1)] + self._parallel_stages(node.children[j], 0, i, n_head, k_stage)
+                    + self._series_stages(v, k, n_rest, d))
         _, _, n1, n_rest, d_rest = choice
         return self.stages(node.children[j], n1, d_rest) + self._series_stages(v, j + 1, n_rest, d)
 
-    def _parallel_stages(self, v: int, i: int, n: int, d: int) -> list[tuple[int, int]]:
+    def _parallel_stages(self, v: int, i: int, e: int, n: int, d: int) -> list[tuple[int, int]]:
         node = self.nodes[v]
-        if i == len(node.children) - 1:
+        if e - i == 1:
             return self.stages(node.children[i], n, d)
-        choice = self.parallel(v, i, n, d)[1]
-        if choice[0] == "stage":
-            return [(choice[1], choice[2])]
-        _, _, n1, n_rest = choice
-        return self.stages(node.children[i], n1, d) + self._parallel_stages(v, i + 1, n_rest, d)
+        choice = self.parallel(v, i, e, n, d)[1]
+        if choice[0] == "group":
+            _, t, group, n1, n_rest = choice
+            return [(group, n1)] + (self._parallel_stages(v, t, e, n_rest, d) if t < e else [])
+        _, n1, n_rest = choice
+        return self.stages(node.children[i], n1, d) + self._parallel_stages(v, i + 1, e, n_rest, d)
 
 
 def feasible_stages(cm: StageCostModel, tree, *, num_devices: int, micro_batch: int, tmax: float,
@@ -276,7 +369,12 @@ def _work_fn(cm: StageCostModel, b: int) -> Callable[[int], float]:
     def work(mask: int) -> float:
         w = cache.get(mask)
         if w is None:
-            w = sum(per_layer[i] for i in range(len(per_layer)) if mask >> i & 1)
+            w = 0.0
+            m = mask
+            while m:
+                low = m & -m
+                w += per_layer[low.bit_length() - 1]
+                m ^= low
             cache[mask] = w
         return w
 
