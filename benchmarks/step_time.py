@@ -172,12 +172,13 @@ def write_table(results, ratios):
         rows.append(f"| `{name}` | {r['depth']} | {r['median_s'] * 1e3:.1f} | {r['predicted'] * 1e3:.1f} | "
                     f"{r['median_s'] / r['predicted']:.3f} |")
     rows += ["", "| ratio (same run) | value |", "|---|---|"] + [f"| {k} | {v:.3f} |" for k, v in ratios.items()]
-    doc = ROOT / "docs" / "benchmarks.md"
-    doc.write_text(
-        "# Benchmarks\n\nRegenerate with `make bench` (`python benchmarks/step_time.py`). 4 gloo ranks on CPU, "
-        f"M = {M} micro-batches, sleeping layers (forward {TF * 1e3:.0f} ms, backward {TB * 1e3:.0f} ms each) "
-        "stand in for device compute. Medians over steps 2..N of one run; ratios are from the same run.\n\n"
-        "## Step time: graph pipeline vs DeepSpeed's PipelineEngine\n\n" + "\n".join(rows) + "\n")
+    (ROOT / "benchmarks" / "results" / "step_time.md").write_text(
+        "## Step time: graph pipeline vs DeepSpeed's PipelineEngine (measured)\n\n"
+        f"`python benchmarks/step_time.py`. 4 gloo ranks on CPU, M = {M} micro-batches, sleeping layers "
+        f"(forward {TF * 1e3:.0f} ms, backward {TB * 1e3:.0f} ms each) stand in for device compute. Medians over "
+        "steps 2..N of one run; ratios are from the same run.\n\n" + "\n".join(rows) + "\n")
+    import report
+    report.main()
 
 
 if __name__ == "__main__":

@@ -1,0 +1,34 @@
+"""Assemble ``docs/benchmarks.md`` from the fragments the benchmark scripts write.
+
+Each script writes ``benchmarks/results/<name>.json`` (the data) and ``<name>.md`` (its section);
+this file only concatenates the sections in a fixed order, so one benchmark can be rerun alone.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+ORDER = ("plan_compare", "branch_scaling", "step_time")
+
+HEADER = """# Benchmarks
+
+Regenerate everything with `make bench`; each script can also be run alone
+(`python benchmarks/<name>.py`, then `python benchmarks/report.py`). The data behind every table is
+in `benchmarks/results/<name>.json`.
+"""
+
+
+def main() -> None:
+    sections = [HEADER]
+    for name in ORDER:
+        fragment = RESULTS / f"{name}.md"
+        if fragment.exists():
+            sections.append(fragment.read_text().strip() + "\n")
+    (ROOT / "docs" / "benchmarks.md").write_text("\n".join(sections))
+    print(f"wrote {ROOT / 'docs' / 'benchmarks.md'}")
+
+
+if __name__ == "__main__":
+    main()
