@@ -250,3 +250,24 @@ def test_every_plan_stage_is_convex_and_uses_exactly_the_devices_given():
         plan.partition(db.graph)   # raises on a cycle between stages or a missing layer
         if space == "runtime":
             assert plan.uniform_devices is not None
+
+
+def test_a_plan_file_carries_its_stage_graph_and_prediction_and_round_trips(tmp_path):
+    db = branches(2, 3, fwd={"cat": 0.01}, bwd={"cat": 0.01}, stash_bytes={f"b{b}_{i}": 10 for b in range(2) for i in range(3)},
+                  param_bytes={f"b{b}_{i}": 100 for b in range(2) for i in range(3)}, hw=hardware(memory_bytes=700))
+    plan = graphpipe_search(db, num_devices=3, mini_batch=8, micro_batches=[1]).plan
+    stage_of = plan.stage_of
+    cat = stage_of["cat"]
+    assert set(plan.stage_edges) == {(stage_of["b0_2"], cat), (stage_of["b1_2"], cat)} - {(cat, cat)}
+    plan.save(tmp_path / "plan.json")
+    assert Plan.load(tmp_path / "plan.json") == plan
+    assert plan.predicted.iteration_time_s == simulate_plan(plan, db).prediction.iteration_time_s
+
+
+def test_graphpipe_partition_keeps_branches_apart_with_a_fixed_stage_count():
+    from gpp_deepspeed.planner.search import graphpipe_partition, proxy_costs
+    db = branches(4, 2)
+    stage_of = graphpipe_partition(proxy_costs(db.graph, [1] * len(db.layers)), num_stages=4)
+    for b in range(4):
+        assert stage_of[f"b{b}_0"] == stage_of[f"b{b}_1"]
+    assert len({stage_of[f"b{b}_0"] for b in range(4)}) == 4

@@ -52,6 +52,7 @@ class Prediction:
 class Plan:
     """A stage DAG with devices per stage and a micro-batch size; ``gpp plan`` writes one.
 
+    ``stage_edges`` lists the stage graph's edges ``(src, dst)`` (filled in with the prediction).
     ``pipeline`` is ``"graph"`` (stages exchange tensors along the stage DAG and run GraphPipe's
     branch-aware 1F1B, what :class:`~gpp_deepspeed.engine.GraphPipelineEngine` executes) or
     ``"chain"`` (stages form a linear pipeline in list order that relays every tensor, as
@@ -72,6 +73,7 @@ class Plan:
     mini_batch: int
     stages: tuple[PlanStage, ...]
     pipeline: str = "graph"
+    stage_edges: tuple[tuple[int, int], ...] = ()
     predicted: Prediction | None = None
     notes: dict = field(default_factory=dict)
 
@@ -107,8 +109,8 @@ class Plan:
         """The runtime's view of this plan: stage ports and the stage graph."""
         return derive_partition(graph, self.stage_of, num_stages=self.num_stages)
 
-    def with_prediction(self, predicted: Prediction) -> "Plan":
-        return replace(self, predicted=predicted)
+    def with_prediction(self, predicted: Prediction, stage_edges: tuple[tuple[int, int], ...] = ()) -> "Plan":
+        return replace(self, predicted=predicted, stage_edges=stage_edges or self.stage_edges)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=1)
@@ -119,6 +121,7 @@ class Plan:
         try:
             stages = tuple(PlanStage(layers=tuple(s["layers"]), devices=s["devices"]) for s in d.pop("stages"))
             pred = d.pop("predicted", None)
+            d["stage_edges"] = tuple(tuple(e) for e in d.get("stage_edges", ()))
             if pred is not None:
                 pred = Prediction(**{k: tuple(v) if isinstance(v, list) else v for k, v in pred.items()})
             return cls(**d, stages=stages, predicted=pred)

@@ -80,7 +80,10 @@ def simulate_plan(plan: Plan, db: CostDB, *, schedule: str = "1f1b") -> Simulate
 
 def predict(plan: Plan, db: CostDB, *, schedule: str = "1f1b") -> Plan:
     """``plan`` with its :class:`Prediction` filled in."""
-    return plan.with_prediction(simulate_plan(plan, db, schedule=schedule).prediction)
+    sim = simulate_plan(plan, db, schedule=schedule)
+    edges = tuple(sorted({(a.stage_idx, a.peer) for actions in sim.schedule.values() for a in actions
+                          if a.kind is K.SEND_F}))
+    return plan.with_prediction(sim.prediction, edges)
 
 
 def _peak_in_flight(actions: list[Action]) -> int:
