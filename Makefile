@@ -24,6 +24,8 @@ test: setup
 
 bench: setup
 	$(PY) benchmarks/step_time.py
+	$(PY) benchmarks/plan_compare.py
+	$(PY) benchmarks/branch_scaling.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info
