@@ -102,6 +102,8 @@ class _DP:
         self.cm, self.nodes, self.b, self.tmax = cm, nodes, b, tmax * (1 + 1e-12)
         self.stage_devices = tuple(sorted(stage_devices))
         self.max_stage = self.stage_devices[-1]
+        # Every stage's device count is a multiple of this, so every subgraph's is too.
+        self.step = math.gcd(*self.stage_devices)
         self.work = work
         self.memo: dict = {}
         # state -> the largest tmax at which it was infeasible; infeasible at any smaller tmax too,
@@ -118,6 +120,10 @@ class _DP:
         if n is None:
             n = self._min_devices[mask] = max(1, math.ceil(self.work(mask) / self.tmax - 1e-9))
         return n
+
+    def _up(self, n: int) -> int:
+        """The least multiple of ``step`` that is at least ``n``."""
+        return -(-n // self.step) * self.step
 
     def _remember(self, key, best):
         self.memo[key] = best
@@ -194,7 +200,7 @@ class _DP:
         if self.nodes[c].kind != "leaf":
             lo = self.min_devices(self.nodes[c].mask)
             hi = min(n, self.max_devices(self.nodes[c]))
-            for n1 in range(lo, hi + 1):
+            for n1 in range(self._up(lo), hi + 1, self.step):
                 rest = self.series(v, j + 1, n - n1, d)
                 if rest is None:
                     continue
@@ -245,7 +251,7 @@ class _DP:
             rest_mask = mask & ~self.nodes[c].mask
             lo = self.min_devices(self.nodes[c].mask)
             hi = min(n - self.min_devices(rest_mask), self.max_devices(self.nodes[c]))
-            for n1 in range(lo, hi + 1):
+            for n1 in range(self._up(lo), hi + 1, self.step):
                 r1 = self.solve(c, n1, d)
                 if r1 is None or (best is not None and r1[0] >= best[0]):
                     continue
@@ -295,7 +301,7 @@ class _DP:
                     if w > self.tmax * n1:
                         continue
                     most_head = min(n - n1 - need_rest, self._range_capacity(par_id, 0, i))
-                    heads = range(need_head, most_head + 1) if k < m else [n - n1]
+                    heads = range(self._up(need_head), most_head + 1, self.step) if k < m else [n - n1]
                     for n_head in heads:
                         n_rest = n - n1 - n_head
                         rest = rests.get((k, n_rest), _MISSING)
@@ -353,17 +359,20 @@ def feasible_stages(cm: StageCostModel, tree, *, num_devices: int, micro_batch: 
                     stage_devices: Sequence[int]) -> tuple[list[tuple[int, int]] | None, int]:
     """One feasibility DP: stages ``[(mask, devices)]`` meeting ``tmax``, or None; and states visited."""
     nodes = _flatten(tree, cm)
-    dp = _DP(cm, nodes, micro_batch, tmax, stage_devices, _work_fn(cm, micro_batch))
+    dp = _DP(cm, nodes, micro_batch, tmax, stage_devices, _work_fn(cm, micro_batch / min(stage_devices)))
     root = len(nodes) - 1
     r = dp.solve(root, num_devices, 0)
     return (dp.stages(root, num_devices, 0) if r is not None else None), dp.states
 
 
-def _work_fn(cm: StageCostModel, b: int) -> Callable[[int], float]:
+def _work_fn(cm: StageCostModel, shard: float) -> Callable[[int], float]:
+    """Per-sample compute of a layer set on shards of ``shard`` samples: a lower bound on the
+    device-seconds per sample any stage split of it needs when no device gets a larger shard
+    (per-sample time never falls as shards shrink)."""
     per_layer = []
     for c in cm.db.layers:
-        f, bw = c.times(b)
-        per_layer.append((f + bw) / b)
+        f, bw = c.times(shard)
+        per_layer.append((f + bw) / shard)
     cache: dict[int, float] = {}
 
     def work(mask: int) -> float:
@@ -387,7 +396,7 @@ def bottleneck_search(cm: StageCostModel, tree, *, num_devices: int, micro_batch
     sample within ``rel_tol``, its stages, and the DP states visited; ``(None, None, states)``
     when no ``tmax`` is feasible (memory or device counts)."""
     nodes = _flatten(tree, cm)
-    work = _work_fn(cm, micro_batch)
+    work = _work_fn(cm, micro_batch / min(stage_devices))
     states = 0
     infeasible: dict = {}
 
@@ -403,6 +412,10 @@ def bottleneck_search(cm: StageCostModel, tree, *, num_devices: int, micro_batch
     ceiling = 2 * max(lo, sum(cm.time_per_sample(1 << i, micro_batch, 1) for i in range(cm.num_layers)))
     # Bracket the optimum by doubling from the perfect-balance bound (it is usually within 2x),
     # which takes fewer DP runs than bisecting down from the ceiling.
+    # A layer that fits on no stage, even alone with one micro-batch in flight, rules out every plan.
+    widest = max(stage_devices)
+    if not all(cm.fits(1 << i, micro_batch, widest, 1) for i in range(cm.num_layers)):
+        return None, None, states
     hi, best = lo, None
     while best is None and hi < ceiling:
         hi = min(2 * hi, ceiling)
@@ -440,12 +453,17 @@ def graphpipe_search(db: CostDB, *, num_devices: int, mini_batch: int, micro_bat
     predict_s = 0.0
     best_time = float("inf")
     for b in sorted(micro_batch_sizes(mini_batch, micro_batches), reverse=True):
-        options = [d for d in _divisors(num_devices) if b % d == 0] if space == "runtime" else [None]
-        # The bottleneck stage alone is busy mini_batch * TPS >= mini_batch * work / devices, so a
-        # micro-batch size whose perfect balance cannot beat the best plan so far is skipped.
-        if mini_batch * _work_fn(cm, b)(cm.full_mask) / num_devices >= best_time:
-            continue
+        # The DP minimises the bottleneck (the paper's objective, Eq. 1), which ignores pipeline
+        # fill and drain; with few micro-batches a shallower plan on one uniform data-parallel
+        # degree can finish sooner. So the full space also tries every uniform degree, and the
+        # simulator picks among the least-bottleneck plans, as it does among micro-batch sizes.
+        uniform = [d for d in _divisors(num_devices) if b % d == 0]
+        options = uniform if space == "runtime" else [None] + uniform
         for d in options:
+            # The bottleneck stage alone is busy mini_batch * TPS >= mini_batch * work / devices,
+            # so an option whose perfect balance cannot beat the best plan so far is skipped.
+            if mini_batch * _work_fn(cm, b / (d or 1))(cm.full_mask) / num_devices >= best_time:
+                continue
             stage_devices = [d] if d is not None else [n for n in _powers_of_two(b) if n <= num_devices]
             tps, stages, visited = bottleneck_search(cm, tree, num_devices=num_devices, micro_batch=b,
                                                      stage_devices=stage_devices, rel_tol=rel_tol)
