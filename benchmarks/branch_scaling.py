@@ -66,7 +66,7 @@ def main() -> None:
              f"max(4, k) V100s, mini-batch {PER_DEVICE} per device; same cost database, sweep and simulator for every "
              f"method; predictions of the analytic cost model. Run took {time.perf_counter() - start:.0f} s.", "",
              "| branches | devices | GraphPipe / PipeDream | GraphPipe / best baseline | best baseline | "
-             "GraphPipe depth | PipeDream depth | Piper |", "|---|---|---|---|---|---|---|---|"]
+             "GraphPipe peak in-flight | PipeDream peak in-flight | Piper |", "|---|---|---|---|---|---|---|---|"]
     for k, v in summary.items():
         mine = {r["method"]: r for r in rows if r["branches"] == k}
         piper = mine["piper"]["status"] if mine["piper"]["samples_per_s"] is None else "ok"

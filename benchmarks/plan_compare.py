@@ -149,7 +149,7 @@ def markdown(rows, summary, *, seconds: float) -> str:
              f"micro-batch sweep. Mini-batch: {PER_DEVICE} samples per device (the paper's one stated setting, MMT "
              f"with 128 on 8 GPUs), and {SENSITIVITY} per device as a sensitivity check. Run took {seconds:.0f} s.", "",
              "| model | devices | granularity | mini-batch | method | samples/s | iteration (ms) | peak GiB/device | "
-             "stages | depth | micro-batch | search (s) | status |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "stages | peak in-flight | micro-batch | search (s) | status |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         ok = r["samples_per_s"] is not None
         lines.append(
