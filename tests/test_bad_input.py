@@ -20,6 +20,8 @@ EXPECTED = {  # case -> words the message must contain
     "world_size_not_divisible": ["num_stages (3)", "world size (2)"],
     "unknown_partition_method": ["balanced", "uniform"],
     "unknown_config_key": ["graph_pipeline.scheduel"],
+    "plan_wrong_stage_count": ["3 stages", "has 2", "num_stages=3"],
+    "plan_file_missing": ['"no/such/plan.json"', "does not exist"],
     "wrong_number_of_inputs": ["1 tensor(s)", "['x']", "tuple of 2"],
 }
 

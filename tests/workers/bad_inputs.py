@@ -15,6 +15,7 @@ from torch import nn
 import deepspeed
 import gpp_deepspeed
 from gpp_deepspeed import GraphLayerSpec, GraphPipelineModule
+from gpp_deepspeed.planner import Plan, PlanStage
 
 
 def lin(name, *inputs, d=4):
@@ -40,6 +41,11 @@ CASES = {
     "world_size_not_divisible": lambda: GraphPipelineModule(GOOD, input_names=["x"], num_stages=3),
     "unknown_partition_method": lambda: GraphPipelineModule(GOOD, input_names=["x"], num_stages=2,
                                                             partition_method="balanced"),
+    "plan_wrong_stage_count": lambda: GraphPipelineModule(GOOD, input_names=["x"], num_stages=2, partition_method=Plan(
+        model="good", method="manual", source="test", micro_batch=1, mini_batch=1,
+        stages=(PlanStage(layers=("a",)), PlanStage(layers=("b",)), PlanStage(layers=("c",))))),
+    "plan_file_missing": lambda: GraphPipelineModule(GOOD, input_names=["x"], num_stages=2,
+                                                     partition_method="no/such/plan.json"),
     "unknown_config_key": lambda: gpp_deepspeed.initialize(
         model=GraphPipelineModule(GOOD, input_names=["x"], num_stages=2, loss_fn=nn.MSELoss()),
         model_parameters=None, config={**CONFIG, "graph_pipeline": {"scheduel": "1f1b"}}),
