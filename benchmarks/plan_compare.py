@@ -34,7 +34,6 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from gpp_deepspeed.models import V100_SUMMIT, analytic_costs, candle_uno, dlrm, multimodal_transformer, sequential_transformer  # noqa: E402
-from gpp_deepspeed.planner import CostDB  # noqa: E402
 from gpp_deepspeed.planner.baselines import BASELINES  # noqa: E402
 from gpp_deepspeed.planner.search import graphpipe_search  # noqa: E402
 

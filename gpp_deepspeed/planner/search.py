@@ -48,12 +48,12 @@ from typing import Callable, Sequence
 import networkx as nx
 
 from ..errors import GPPConfigError, InfeasiblePlanError
-from .costs import CostDB, StageCostModel, micro_batch_sizes
+from .costs import CommFit, CostDB, Hardware, LayerCost, StageCostModel, micro_batch_sizes
 from .plan import Plan, PlanStage, SearchResult
 from .simulate import predict
-from .sp import Leaf, Parallel, Series, sp_tree
+from .sp import Leaf, Series, sp_tree
 
-__all__ = ["graphpipe_search", "graphpipe_partition", "proxy_costs", "SPACES", "feasible_stages", "bottleneck_search"]
+__all__ = ["graphpipe_search", "graphpipe_partition", "proxy_costs", "SPACES", "bottleneck_search"]
 
 SPACES = ("full", "runtime")
 _REL_TOL = 1e-3
@@ -355,16 +355,6 @@ class _DP:
         return self.stages(node.children[i], n1, d) + self._parallel_stages(v, i + 1, e, n_rest, d)
 
 
-def feasible_stages(cm: StageCostModel, tree, *, num_devices: int, micro_batch: int, tmax: float,
-                    stage_devices: Sequence[int]) -> tuple[list[tuple[int, int]] | None, int]:
-    """One feasibility DP: stages ``[(mask, devices)]`` meeting ``tmax``, or None; and states visited."""
-    nodes = _flatten(tree, cm)
-    dp = _DP(cm, nodes, micro_batch, tmax, stage_devices, _work_fn(cm, micro_batch / min(stage_devices)))
-    root = len(nodes) - 1
-    r = dp.solve(root, num_devices, 0)
-    return (dp.stages(root, num_devices, 0) if r is not None else None), dp.states
-
-
 def _work_fn(cm: StageCostModel, shard: float) -> Callable[[int], float]:
     """Per-sample compute of a layer set on shards of ``shard`` samples: a lower bound on the
     device-seconds per sample any stage split of it needs when no device gets a larger shard
@@ -541,7 +531,6 @@ def graphpipe_partition(db: CostDB, *, num_stages: int, micro_batch: int = 1,
 def proxy_costs(graph, param_counts: Sequence[int], *, model: str = "model") -> CostDB:
     """A cost database from parameter counts alone (time proportional to parameters, free links,
     unlimited memory): what ``partition_method="graphpipe"`` plans with when no profile is given."""
-    from .costs import CommFit, Hardware, LayerCost
     free = CommFit(alpha_s=0.0, beta_s_per_byte=0.0)
     layers = tuple(LayerCost(name=node.name, inputs=tuple(str(r) for r in node.inputs), micro_batches=(1,),
                              fwd_s=(float(p),), bwd_s=(2.0 * p,), param_bytes=0, out_bytes=0, stash_bytes=0)
