@@ -57,6 +57,7 @@ __all__ = ["graphpipe_search", "graphpipe_partition", "proxy_costs", "SPACES", "
 
 SPACES = ("full", "runtime")
 _REL_TOL = 1e-3
+_GROWTH = 1.25
 _MISSING = object()
 
 
@@ -381,10 +382,11 @@ def _work_fn(cm: StageCostModel, shard: float) -> Callable[[int], float]:
 
 
 def bottleneck_search(cm: StageCostModel, tree, *, num_devices: int, micro_batch: int,
-                      stage_devices: Sequence[int], rel_tol: float = _REL_TOL):
+                      stage_devices: Sequence[int], rel_tol: float = _REL_TOL, floor: float = 0.0):
     """Binary search on ``tmax`` (Alg. 1, lines 1-9): the least feasible bottleneck time per
     sample within ``rel_tol``, its stages, and the DP states visited; ``(None, None, states)``
-    when no ``tmax`` is feasible (memory or device counts)."""
+    when no ``tmax`` is feasible (memory or device counts). ``floor`` is a known lower bound on
+    the answer (the optimum of a larger space), which narrows the first bracket."""
     nodes = _flatten(tree, cm)
     work = _work_fn(cm, micro_batch / min(stage_devices))
     states = 0
@@ -397,16 +399,23 @@ def bottleneck_search(cm: StageCostModel, tree, *, num_devices: int, micro_batch
         states += dp.states
         return dp.stages(len(nodes) - 1, num_devices, 0) if r is not None else None
 
-    lo = work(cm.full_mask) / num_devices   # perfect balance: no plan does better
-    # Every layer as its own single-device stage bounds any stage made of them from above.
-    ceiling = 2 * max(lo, sum(cm.time_per_sample(1 << i, micro_batch, 1) for i in range(cm.num_layers)))
-    # Bracket the optimum by doubling from the perfect-balance bound (it is usually within 2x),
-    # which takes fewer DP runs than bisecting down from the ceiling.
     # A layer that fits on no stage, even alone with one micro-batch in flight, rules out every plan.
     widest = max(stage_devices)
     if not all(cm.fits(1 << i, micro_batch, widest, 1) for i in range(cm.num_layers)):
         return None, None, states
-    hi, best = lo, None
+    lo = max(floor, work(cm.full_mask) / num_devices)   # perfect balance: no plan does better
+    # Every layer as its own single-device stage bounds any stage made of them from above.
+    ceiling = 2 * max(lo, sum(cm.time_per_sample(1 << i, micro_batch, 1) for i in range(cm.num_layers)))
+    # Bracket the optimum by growing from the lower bound (it is usually within tens of percent
+    # of it), which takes fewer DP runs than bisecting down from the ceiling. When that first
+    # guess fails with one data-parallel degree, where memory often rules out every plan, one DP
+    # at the ceiling (cheap with one degree) says so before doubling towards it.
+    hi = min(_GROWTH * lo, ceiling)
+    best = attempt(hi)
+    if best is None:
+        lo = hi
+        if len(stage_devices) == 1 and attempt(ceiling) is None:
+            return None, None, states
     while best is None and hi < ceiling:
         hi = min(2 * hi, ceiling)
         best = attempt(hi)
@@ -449,15 +458,26 @@ def graphpipe_search(db: CostDB, *, num_devices: int, mini_batch: int, micro_bat
         # simulator picks among the least-bottleneck plans, as it does among micro-batch sizes.
         uniform = [d for d in _divisors(num_devices) if b % d == 0]
         options = uniform if space == "runtime" else [None] + uniform
+        full_devices = [n for n in _powers_of_two(b) if n <= num_devices]
+        full_tps = None   # the full space's least bottleneck at this b: a floor for its subsets
         for d in options:
             # The bottleneck stage alone is busy mini_batch * TPS >= mini_batch * work / devices,
             # so an option whose perfect balance cannot beat the best plan so far is skipped.
             if mini_batch * _work_fn(cm, b / (d or 1))(cm.full_mask) / num_devices >= best_time:
                 continue
-            stage_devices = [d] if d is not None else [n for n in _powers_of_two(b) if n <= num_devices]
+            floor = 0.0
+            if d is not None and space == "full" and d in full_devices:
+                if full_tps is None:
+                    continue      # the full space had no plan at this b; neither has its subset
+                floor = full_tps * (1 - rel_tol)
+                if mini_batch * floor >= best_time:
+                    continue
+            stage_devices = [d] if d is not None else full_devices
             tps, stages, visited = bottleneck_search(cm, tree, num_devices=num_devices, micro_batch=b,
-                                                     stage_devices=stage_devices, rel_tol=rel_tol)
+                                                     stage_devices=stage_devices, rel_tol=rel_tol, floor=floor)
             states += visited
+            if d is None:
+                full_tps = tps
             if progress is not None:
                 what = f"micro-batch {b}" + (f", degree {d}" if d else "")
                 progress(f"graphpipe: {what}: " + ("no feasible plan" if tps is None else
