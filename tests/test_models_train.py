@@ -4,7 +4,9 @@ The ``dist`` test trains the tiny preset of every paper model (``gpp_deepspeed.m
 gloo ranks, 4 stages cut by parameter count, in one launch (``tests/workers/paper_models.py``):
 3 steps of 4 micro-batches of 2, SGD with momentum, DeepSpeed's default clipping at 1.0. Per-step
 losses and every final parameter must equal a single-process ``GraphModel`` trained on the same
-micro-batches. The other tests check the torch layers against their descriptions, in-process.
+micro-batches. One more case profiles the tiny MMT on this machine first and lets every rank cut it
+with GraphPipe's search on that profile. The other tests check the torch layers against their
+descriptions, in-process.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ import torch
 from dist import launch
 from gpp_deepspeed import GraphModel
 from gpp_deepspeed.models import build_layers, loss_fn, make_batch, tiny
+from gpp_deepspeed.planner import CommFit, Hardware
+from gpp_deepspeed.profiler import profile_layers
 
 WORKER = Path(__file__).resolve().parent / "workers" / "paper_models.py"
 WORLD = 4
@@ -27,6 +31,9 @@ BASE = {"stages": 4, "partition": "parameters", "steps": 3, "gas": 4, "mbs": 2, 
 CASES = [{"id": f"{m}-{g}", "model": m, "granularity": g, **BASE}
          for m, g in [("mmt", "layer"), ("mmt", "sublayer"), ("dlrm", "layer"), ("candle_uno", "layer"),
                       ("sequential_transformer", "layer")]]
+# The user's flow end to end: profile the model on this machine, then let GraphPipe's search cut it
+# on every rank (partition_method="graphpipe", cost_db=<the profile>).
+CASES.append({**CASES[0], "id": "mmt-layer-profiled-graphpipe", "partition": "graphpipe"})
 
 
 def _reference(case: dict) -> tuple[list[float], dict]:
@@ -53,7 +60,14 @@ def _reference(case: dict) -> tuple[list[float], dict]:
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     out = tmp_path_factory.mktemp("paper_models")
-    (out / "cases.json").write_text(json.dumps(CASES))
+    desc = tiny("mmt")
+    link = CommFit(alpha_s=50e-6, beta_s_per_byte=5e-10)
+    hardware = Hardware(name="cpu (test)", memory_bytes=2**34, devices_per_node=4, intra=link, inter=link)
+    db = profile_layers(build_layers(desc), input_names=desc.input_names, micro_batches=(1, 2), repeats=2,
+                        make_inputs=lambda b: make_batch(desc, b, seed=0)[0], model_name="mmt", hardware=hardware)
+    db.save(out / "mmt_costs.json")
+    cases = [{**c, "cost_db": str(out / "mmt_costs.json")} if c["partition"] == "graphpipe" else c for c in CASES]
+    (out / "cases.json").write_text(json.dumps(cases))
     result = launch(WORLD, WORKER, str(out / "cases.json"), str(out), timeout=240, log_dir=out / "logs")
     assert result.ok, result.report()
     return out

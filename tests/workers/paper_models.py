@@ -26,7 +26,8 @@ def batches(desc, case, step):
 def run_case(case, out, rank):
     desc = tiny(case["model"], granularity=case["granularity"])
     module = GraphPipelineModule(build_layers(desc), input_names=desc.input_names, num_stages=case["stages"],
-                                 loss_fn=loss_fn(desc), partition_method=case["partition"])
+                                 loss_fn=loss_fn(desc), partition_method=case["partition"],
+                                 cost_db=case.get("cost_db"))
     params = [p for p in module.parameters() if p.requires_grad]
     opt = torch.optim.SGD(params, lr=case["lr"], momentum=case["momentum"])
     config = {"train_micro_batch_size_per_gpu": case["mbs"], "gradient_accumulation_steps": case["gas"],
