@@ -39,6 +39,18 @@ class GraphPipelineConfig(BaseModel):
     print_stage_graph: bool = True
     """Print the stage graph (layers per stage, tensors per stage edge) on global rank 0."""
 
+    print_idle_fractions: bool = True
+    """Every ``steps_per_print`` steps, print each stage's idle fraction in the last batch (time
+    spent waiting for tensors or for sends to finish, over the batch's wall time) on global rank 0,
+    after DeepSpeed's own loss and samples/sec line."""
+
+    trace_dir: str | None = None
+    """If set, every rank writes ``<trace_dir>/rank<global rank>.json``: a Chrome/Perfetto trace
+    (chrome://tracing, ui.perfetto.dev) of the instructions it ran, one event per action."""
+
+    trace_steps: int = Field(default=10, gt=0)
+    """How many training steps the trace keeps (the first ones), so long runs stay small."""
+
     p2p_timeout_s: float = Field(default=1800.0, gt=0)
     """Seconds a stage waits for a tensor from another stage before it fails with an error that
     names the stage and rank it waited on (gloo would otherwise wait forever for a dead peer)."""

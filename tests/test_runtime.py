@@ -1,4 +1,8 @@
-"""DeepSpeed features through the graph engine: checkpoints, the drop-in path, bf16."""
+"""DeepSpeed features through the graph engine: checkpoints, the drop-in path, bf16, logging and
+traces."""
+
+import json
+import re
 
 import pytest
 import torch
@@ -12,7 +16,8 @@ CKPT = [case("four_branch", 4, 1, checkpoint=True), case("four_branch", 2, 0, ch
         case("tied", 4, 1, checkpoint=True)]
 DROP_IN = [case("chain", 4, z, clip=0.0, **extra) for z in (0, 1) for extra in ({}, {"deepspeed_module": True})]
 BF16 = [case("four_branch", 4, 1, bf16=True), case("skip", 4, 1, bf16=True)]
-CASES = CKPT + DROP_IN + BF16
+TRACED = case("four_branch", 4, 1, trace=True, steps_per_print=1)
+CASES = CKPT + DROP_IN + BF16 + [TRACED]
 
 
 @pytest.fixture(scope="module")
@@ -48,3 +53,25 @@ def test_bf16_training_tracks_the_fp32_single_device_model(out, c):
         # bf16 keeps 8 mantissa bits: agreement to a few percent is what bf16 can promise.
         assert res["losses"] == pytest.approx(ref.losses, rel=3e-2)
         assert res["eval"] == pytest.approx(ref.eval_loss, rel=3e-2)
+
+
+def test_a_traced_run_writes_each_ranks_instructions_and_logs_idle_fractions(out):
+    c = TRACED
+    ref = train_reference(c, dp=1)
+    for r, res in enumerate(ranks(out, c)):
+        assert res["losses"] == pytest.approx(ref.losses, rel=1e-5), "tracing changes nothing"
+        events = json.loads((out / f"trace_{c['id']}" / f"rank{r}.json").read_text())["traceEvents"]
+        names = [e["name"] for e in events]
+        stage = res["stage"]
+        # every micro-batch of every step: one forward and one backward, in program order
+        assert names.count(f"{stage}F0") == c["steps"] and sum(n.startswith(f"{stage}F") for n in names) == \
+            c["steps"] * c["gas"]
+        assert sum(n.startswith(f"{stage}B") for n in names) == c["steps"] * c["gas"]
+        starts = [e["ts"] for e in events]
+        assert starts == sorted(starts) and all(e["dur"] >= 0 and e["tid"] == stage for e in events)
+    log = (out / "logs" / "rank0.log").read_text()
+    lines = re.findall(r"steps: (\d+) graph pipeline idle per stage: ((?:\d+:\d+% ?)+)", log)
+    assert [int(step) for step, _ in lines] == list(range(1, c["steps"] + 1))
+    for _, shown in lines:
+        fractions = [int(x.split(":")[1].rstrip("%")) for x in shown.split()]
+        assert len(fractions) == 4 and all(0 <= f < 100 for f in fractions)

@@ -18,7 +18,9 @@ Buffers per micro-batch slot: ``loaded`` (graph inputs read from the batch), ``r
 
 from __future__ import annotations
 
-
+import json
+import time
+from pathlib import Path
 
 import torch
 from deepspeed import comm as dist
@@ -29,7 +31,7 @@ from deepspeed.utils import logger
 from ..config import GraphPipelineConfig
 from ..errors import GPPConfigError
 from ..schedule.generators import build_schedule
-from ..schedule.ir import Action, format_schedule
+from ..schedule.ir import Action, ActionKind as K, format_schedule
 from ..schedule.validate import validate_schedule
 from .flat import flatten, port_ranges, unflatten
 from .instructions import (GraphPipeSchedule, RecvActivationFrom, RecvGradFrom, SendActivationTo, SendGradTo,
@@ -40,6 +42,7 @@ from .p2p import EdgeTransport
 __all__ = ["GraphPipelineEngine"]
 
 _EXTRA_BUFFERS = ("loaded", "received", "grads", "losses")
+_WAITING = frozenset({K.RECV_F, K.RECV_B, K.WAIT_SENDS})
 
 
 class GraphPipelineEngine(PipelineEngine):
@@ -65,6 +68,9 @@ class GraphPipelineEngine(PipelineEngine):
         self._in_edges = {e.src: e for e in self.stage_graph.edges if e.dst == self.stage_id}
         self._out_edges = {e.dst: e for e in self.stage_graph.edges if e.src == self.stage_id}
         self._schedules: dict[tuple[int, bool], tuple[list[Action], int]] = {}
+        self.last_timeline: list[tuple[Action, float, float]] = []   # this stage's last batch, timed
+        self._trace_events: list[dict] = []
+        self._trace_t0 = time.perf_counter()
         for key in _EXTRA_BUFFERS:
             self.pipe_buffers[key] = [None] * self.num_pipe_buffers
         self.module.engine_attached = True
@@ -116,8 +122,46 @@ class GraphPipelineEngine(PipelineEngine):
 
     def _graph_pipe_schedule(self, micro_batches: int, train: bool) -> GraphPipeSchedule:
         actions, buffers = self.graph_schedule(micro_batches, train=train)
+        self.last_timeline = []
         return GraphPipeSchedule(actions, micro_batches=micro_batches, stages=self.num_stages,
-                                 stage_id=self.stage_id, num_buffers=buffers)
+                                 stage_id=self.stage_id, num_buffers=buffers, record=self.last_timeline)
+
+    # -- what the last batch did ------------------------------------------------------------------
+
+    def idle_fraction(self) -> float:
+        """Share of the last batch's wall time this stage spent waiting: on receives and for its
+        sends to complete (the pipeline bubble as this rank saw it)."""
+        spans = self.last_timeline
+        if not spans:
+            return 0.0
+        wall = spans[-1][2] - spans[0][1]
+        waiting = sum(end - start for a, start, end in spans if a.kind in _WAITING)
+        return waiting / wall if wall > 0 else 0.0
+
+    def train_batch(self, data_iter=None):
+        loss = super().train_batch(data_iter)
+        if self.gpp_config.trace_dir is not None:
+            self._trace(self.gpp_config.trace_dir)
+        every = self.steps_per_print()
+        if self.gpp_config.print_idle_fractions and every and self.global_steps % every == 0:
+            idle = [None] * self.num_stages
+            torch.distributed.all_gather_object(idle, self.idle_fraction(), group=self.grid.get_pipe_parallel_group())
+            if self.global_rank == 0:
+                shown = " ".join(f"{s}:{f:.0%}" for s, f in enumerate(idle))
+                print(f"steps: {self.global_steps} graph pipeline idle per stage: {shown}", flush=True)
+        return loss
+
+    def _trace(self, folder: str) -> None:
+        """Add the last batch to this rank's Chrome trace and rewrite the file."""
+        if self.global_steps > self.gpp_config.trace_steps:
+            return
+        for action, start, end in self.last_timeline:
+            self._trace_events.append({"name": str(action), "ph": "X", "pid": self.global_rank, "tid": self.stage_id,
+                                       "ts": (start - self._trace_t0) * 1e6, "dur": (end - start) * 1e6,
+                                       "args": {"step": self.global_steps}})
+        path = Path(folder) / f"rank{self.global_rank}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"traceEvents": self._trace_events, "displayTimeUnit": "ms"}))
 
     def _train_schedule(self):
         return self._graph_pipe_schedule(self.micro_batches, True)

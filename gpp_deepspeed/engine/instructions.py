@@ -7,6 +7,8 @@ of the stage one-to-one to an instruction: the engine runs exactly the list that
 
 from __future__ import annotations
 
+import time
+
 from deepspeed.runtime.pipe import schedule as ds
 
 from ..schedule.ir import Action, ActionKind as K
@@ -75,16 +77,26 @@ def to_instruction(action: Action, num_buffers: int) -> ds.PipeInstruction:
 
 
 class GraphPipeSchedule(ds.PipeSchedule):
-    """Yields one stage's actions as DeepSpeed instructions, one step per action."""
+    """Yields one stage's actions as DeepSpeed instructions, one step per action.
 
-    def __init__(self, actions: list[Action], *, micro_batches: int, stages: int, stage_id: int, num_buffers: int):
+    With ``record`` (a list), every action is appended with its start and end time
+    (``time.perf_counter``): the engine runs a step's instruction between yielding it and asking
+    for the next one, so the generator itself can time it without touching the engine's loop.
+    """
+
+    def __init__(self, actions: list[Action], *, micro_batches: int, stages: int, stage_id: int, num_buffers: int,
+                 record: list | None = None):
         super().__init__(micro_batches=micro_batches, stages=stages, stage_id=stage_id)
         self.actions = actions
         self._num_buffers = num_buffers
+        self._record = record
 
     def num_pipe_buffers(self) -> int:
         return self._num_buffers
 
     def steps(self):
         for action in self.actions:
+            start = time.perf_counter()
             yield [to_instruction(action, self._num_buffers)]
+            if self._record is not None:
+                self._record.append((action, start, time.perf_counter()))

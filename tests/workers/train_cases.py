@@ -26,9 +26,11 @@ def ds_config(case, dp):
         "train_batch_size": case["mbs"] * case["gas"] * dp,
         "zero_optimization": {"stage": case["zero"], **case.get("zero_extra", {})},
         "zero_allow_untested_optimizer": True,
-        "steps_per_print": 10**6,
+        "steps_per_print": case.get("steps_per_print", 10**6),
         "graph_pipeline": {"schedule": case.get("schedule", "1f1b"), "print_stage_graph": False},
     }
+    if case.get("trace_dir"):
+        cfg["graph_pipeline"]["trace_dir"] = case["trace_dir"]
     if case.get("optimizer") == "adam":
         cfg["optimizer"] = {"type": "Adam", "params": {"lr": case["lr"], "torch_adam": True, "adam_w_mode": False}}
     if case.get("bf16"):
@@ -77,6 +79,8 @@ def train(engine, mc, case, steps):
 
 
 def run_case(case, out, rank, world_size):
+    if case.get("trace"):
+        case = {**case, "trace_dir": str(out / f"trace_{case['id']}")}
     mc, module, engine = build(case, world_size)
     result = {"stage": engine.stage_id, "dp": engine.grid.data_parallel_id}
     if case.get("checkpoint"):
