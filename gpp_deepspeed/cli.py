@@ -7,6 +7,7 @@ Synopsis::
     gpp plan COSTS --devices N --mini-batch B [--method METHOD] [--space full|runtime]
                    [--micro-batches 1,2,4] [-o PLAN]
     gpp simulate PLAN --costs COSTS
+    gpp viz PLAN --costs COSTS [-o OUTDIR] [--format png|svg|both]
     gpp compare COSTS --devices N --mini-batch B [--methods graphpipe,pipedream,...] [--space full|runtime]
                       [--micro-batches 1,2,4]
 
@@ -240,6 +241,29 @@ def _compare(args) -> None:
     _emit(args, data, "\n".join(lines))
 
 
+def _viz(args) -> None:
+    """Pictures of a plan: layer DAG, stage DAG, simulated Gantt chart, and a Chrome trace."""
+    from . import viz
+
+    db = _load_costs(args.costs)
+    plan = _load_plan(args.plan)
+    sim = simulate_plan(plan, db)
+    out = Path(args.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    suffixes = ("png", "svg") if args.format == "both" else (args.format,)
+    title = (f"{plan.model}: simulated {plan.method} schedule, {plan.num_stages} stages, {plan.num_microbatches} "
+             f"micro-batches of {plan.micro_batch}, {_ms(sim.prediction.iteration_time_s)} ms")
+    written = []
+    for suffix in suffixes:
+        written.append(viz.draw_layer_dag(db, plan.stage_of, out / f"layer_dag.{suffix}"))
+        written.append(viz.draw_stage_dag(plan, db, out / f"stage_dag.{suffix}"))
+        written.append(viz.draw_gantt(sim.timeline, out / f"gantt.{suffix}", title=title))
+    written.append(viz.write_chrome_trace(sim.timeline, out / "trace.json"))
+    files = [str(p) for p in written]
+    _emit(args, {"plan": args.plan, "costs": args.costs, "files": files},
+          "\n".join(f"wrote {f}" for f in files) + "\n(open trace.json in chrome://tracing or ui.perfetto.dev)")
+
+
 def _compare_cells(row: dict) -> list[str]:
     """The table cells from iteration time to micro-batch; dashes when there is no plan."""
     if row["iteration_time_s"] is None:
@@ -427,4 +451,11 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("compare", parents=[common, search], help="every planner on the same inputs")
     p.add_argument("--methods", type=_names, metavar="A,B", help="default: graphpipe and every baseline")
     p.set_defaults(run=_compare)
+
+    p = sub.add_parser("viz", parents=[common], help="draw a plan's DAGs and simulated schedule")
+    p.add_argument("plan", metavar="PLAN", help="plan written by gpp plan")
+    p.add_argument("--costs", required=True, help="cost database to price it with")
+    p.add_argument("-o", "--output-dir", default=".", metavar="OUTDIR", help="folder to write into (default: .)")
+    p.add_argument("--format", choices=("png", "svg", "both"), default="png", help="picture format (default: png)")
+    p.set_defaults(run=_viz)
     return parser

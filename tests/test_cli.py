@@ -167,6 +167,7 @@ def test_gpp_subcommands_and_options_are_frozen():
                                     "--no-link-measure", "--output", "--size", "--tiny"]),
         "plan": sorted(search + ["--method", "--output"]),
         "simulate": sorted(common + ["--costs"]),
+        "viz": sorted(common + ["--costs", "--format", "--output-dir"]),
         "compare": sorted(search + ["--methods"]),
     }
 
