@@ -8,6 +8,7 @@ Synopsis::
                    [--micro-batches 1,2,4] [-o PLAN]
     gpp simulate PLAN --costs COSTS
     gpp viz PLAN --costs COSTS [-o OUTDIR] [--format png|svg|both]
+    gpp viz-run TRACE_DIR [--step N] [-o OUTDIR] [--format png|svg|both]
     gpp compare COSTS --devices N --mini-batch B [--methods graphpipe,pipedream,...] [--space full|runtime]
                       [--micro-batches 1,2,4]
 
@@ -241,6 +242,19 @@ def _compare(args) -> None:
     _emit(args, data, "\n".join(lines))
 
 
+def _viz_run(args) -> None:
+    """The Gantt chart of one step of a real run, from the engine's per-rank traces."""
+    from . import viz
+
+    timeline, step = viz.timeline_from_traces(args.trace_dir, step=args.step)
+    out = Path(args.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    suffixes = ("png", "svg") if args.format == "both" else (args.format,)
+    title = f"measured schedule, step {step}, {len(timeline.spans)} stages, {_ms(timeline.makespan)} ms"
+    files = [str(viz.draw_gantt(timeline, out / f"gantt_run.{s}", title=title)) for s in suffixes]
+    _emit(args, {"trace_dir": args.trace_dir, "step": step, "files": files}, "\n".join(f"wrote {f}" for f in files))
+
+
 def _viz(args) -> None:
     """Pictures of a plan: layer DAG, stage DAG, simulated Gantt chart, and a Chrome trace."""
     from . import viz
@@ -458,4 +472,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--output-dir", default=".", metavar="OUTDIR", help="folder to write into (default: .)")
     p.add_argument("--format", choices=("png", "svg", "both"), default="png", help="picture format (default: png)")
     p.set_defaults(run=_viz)
+
+    p = sub.add_parser("viz-run", parents=[common], help="draw a real run's schedule from its traces")
+    p.add_argument("trace_dir", metavar="TRACE_DIR", help="the run's graph_pipeline.trace_dir")
+    p.add_argument("--step", type=int, help="training step to draw (default: the last one traced)")
+    p.add_argument("-o", "--output-dir", default=".", metavar="OUTDIR", help="folder to write into (default: .)")
+    p.add_argument("--format", choices=("png", "svg", "both"), default="png", help="picture format (default: png)")
+    p.set_defaults(run=_viz_run)
     return parser

@@ -34,14 +34,15 @@ from collections import defaultdict
 from collections.abc import Mapping
 from pathlib import Path
 
+from .errors import GPPConfigError
 from .graph.ir import LayerGraph
 from .planner.costs import CostDB, StageCostModel
 from .planner.plan import Plan
-from .schedule.ir import ActionKind as K
+from .schedule.ir import Action, ActionKind as K
 from .schedule.validate import Timeline
 
 __all__ = ["draw_layer_dag", "draw_stage_dag", "draw_gantt", "write_chrome_trace", "stage_edge_bytes",
-           "format_bytes"]
+           "format_bytes", "timeline_from_traces"]
 
 _DPI = 110
 _LABEL_LIMIT = 80          # the layer DAG names its nodes up to this many layers
@@ -258,6 +259,28 @@ def write_chrome_trace(timeline: Timeline, path: str | Path) -> Path:
     path = Path(path)
     path.write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
     return path
+
+
+def timeline_from_traces(folder: str | Path, *, step: int | None = None) -> tuple[Timeline, int]:
+    """One training step of a real run as a :class:`Timeline`, from the ``rank<r>.json`` traces
+    the engine writes with ``graph_pipeline.trace_dir``; ``step`` defaults to the last one
+    recorded. Times are seconds from the step's first instruction on any rank (the ranks of one
+    machine share ``perf_counter``'s clock; traces from several machines are not aligned)."""
+    files = sorted(Path(folder).glob("rank*.json"))
+    if not files:
+        raise GPPConfigError(f'no rank*.json trace files in "{folder}"; train with graph_pipeline.trace_dir set')
+    events = [e for f in files for e in json.loads(f.read_text())["traceEvents"] if e.get("ph") == "X"]
+    steps = sorted({e["args"]["step"] for e in events})
+    chosen = steps[-1] if step is None else step
+    if chosen not in steps:
+        raise GPPConfigError(f"step {step} is not in the traces of {folder}; recorded steps: {steps}")
+    mine = [e for e in events if e["args"]["step"] == chosen]
+    t0 = min(e["ts"] for e in mine)
+    spans: dict[int, list] = {}
+    for e in sorted(mine, key=lambda e: e["ts"]):
+        start = (e["ts"] - t0) / 1e6
+        spans.setdefault(e["tid"], []).append((Action.parse(e["name"]), start, start + e["dur"] / 1e6))
+    return Timeline(dict(sorted(spans.items()))), chosen
 
 
 def _mpl():

@@ -168,6 +168,7 @@ def test_gpp_subcommands_and_options_are_frozen():
         "plan": sorted(search + ["--method", "--output"]),
         "simulate": sorted(common + ["--costs"]),
         "viz": sorted(common + ["--costs", "--format", "--output-dir"]),
+        "viz-run": sorted(common + ["--step", "--format", "--output-dir"]),
         "compare": sorted(search + ["--methods"]),
     }
 

@@ -75,3 +75,16 @@ def test_a_traced_run_writes_each_ranks_instructions_and_logs_idle_fractions(out
     for _, shown in lines:
         fractions = [int(x.split(":")[1].rstrip("%")) for x in shown.split()]
         assert len(fractions) == 4 and all(0 <= f < 100 for f in fractions)
+
+
+def test_gpp_viz_run_draws_the_measured_schedule_of_a_traced_step(out, tmp_path):
+    from gpp_deepspeed.cli import main
+    from gpp_deepspeed.viz import timeline_from_traces
+
+    c = TRACED
+    timeline, step = timeline_from_traces(out / f"trace_{c['id']}")
+    assert step == c["steps"] and sorted(timeline.spans) == [0, 1, 2, 3]
+    for stage, spans in timeline.spans.items():
+        assert sum(a.kind.value == "F" for a, _, _ in spans) == c["gas"]
+    assert main(["viz-run", str(out / f"trace_{c['id']}"), "-o", str(tmp_path), "--quiet"]) == 0
+    assert (tmp_path / "gantt_run.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
