@@ -26,11 +26,12 @@ _LAZY = {
     "GraphPipelineEngine": ".engine",
     "GraphPipelineConfig": ".config",
     "initialize": ".initialize",
+    "capture": ".capture",
 }
 
 __all__ = [
     "GraphLayerSpec", "GraphModel", "GraphPipelineModule", "GraphPipelineEngine", "GraphPipelineConfig",
-    "initialize", "GPPError", "GPPConfigError", "GraphError", "PartitionError", "ScheduleError",
+    "initialize", "capture", "GPPError", "GPPConfigError", "GraphError", "PartitionError", "ScheduleError",
 ]
 
 

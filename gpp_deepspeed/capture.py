@@ -1,0 +1,301 @@
+"""Capture an ordinary multi-branch ``nn.Module`` as a layer list with torch.fx.
+
+Users need not rewrite a model as ``GraphLayerSpec`` entries: :func:`capture` traces ``forward``
+symbolically and returns the layers, graph inputs and output that ``GraphModel`` and
+``GraphPipelineModule`` take::
+
+    captured = capture(model, input_names=["text", "image"])
+    module = GraphPipelineModule(captured.layers, input_names=captured.input_names,
+                                 output=captured.output, num_stages=2, loss_fn=nn.CrossEntropyLoss())
+
+Glossary
+--------
+leaf
+    A submodule kept whole as one layer: by default each top-level child of the module; with
+    ``layers=[...]`` the named submodules, their ancestors being traced through and every other
+    module met on the way kept whole.
+glue
+    The code of ``forward`` between leaves: ``torch.cat``, ``+``, slicing, tensor methods, the
+    module's own parameters. A glue value read by a leaf or by more than one op ends a function
+    layer: a ``torch.fx.GraphModule`` that runs it and the glue ops that feed only it.
+metadata op
+    Glue that needs no parameter and no non-metadata tensor produced by another op (``x.shape[1] // 2``,
+    ``x.size(0)``, a buffer, ``torch.zeros(3)``): copied into every layer that reads it instead of
+    becoming a layer, because only tensors cross stages.
+
+Every layer is a :class:`CapturedLayerSpec` whose ``build()`` returns a *deep copy* of the captured
+submodule: models built from the list start from the module's current weights (nothing is
+re-initialised) and share no parameter with it or with each other.
+"""
+
+from __future__ import annotations
+
+import copy
+import difflib
+import inspect
+import operator
+import traceback
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import fx, nn
+
+from .errors import GPPConfigError, GPPError, GraphError
+from .spec import GraphLayerSpec
+
+__all__ = ["CapturedLayerSpec", "CapturedModel", "capture"]
+
+_METADATA_METHODS = {"size", "dim", "numel", "ndimension", "nelement", "get_device", "type"}
+_ASSERTS = (torch._assert, torch.fx._symbolic_trace._assert_is_none)
+
+
+class CapturedLayerSpec(GraphLayerSpec):
+    """A ``GraphLayerSpec`` around an already-built module; ``build()`` returns a deep copy of it."""
+
+    def __init__(self, name: str, module: nn.Module, *, inputs: Sequence[str]):
+        super().__init__(name, type(module), inputs=inputs)
+        self.module = module
+
+    def build(self, log=False) -> nn.Module:
+        return copy.deepcopy(self.module)
+
+
+@dataclass(frozen=True)
+class CapturedModel:
+    """The result of :func:`capture`: a layer list with its graph inputs and output layer.
+
+    ``prefixes`` maps each layer name to the prefix its parameters have in the original module.
+    """
+
+    layers: list[CapturedLayerSpec]
+    input_names: tuple[str, ...]
+    output: str
+    prefixes: dict[str, str]
+
+    def graph_model(self, **kwargs: Any):
+        """The single-device :class:`~gpp_deepspeed.GraphModel` of the captured layers."""
+        from .model import GraphModel
+        return GraphModel(self.layers, input_names=self.input_names, output=self.output, **kwargs)
+
+    def module_state_dict(self, graph_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Rename a GraphModel (or ``graph_state_dict()``) state to the original module's names."""
+        out = {}
+        for key, value in graph_state.items():
+            _, layer, rest = key.split(".", 2)
+            out[self.prefixes[layer] + rest] = value
+        return out
+
+
+class _LeafTracer(fx.Tracer):
+    """Keeps as leaves the named submodules and every module that contains none of them."""
+
+    def __init__(self, named: set[str]):
+        super().__init__()
+        self.named = named
+        self.record_stack_traces = True  # so errors about a node can quote its source line
+        self.failed_in: str | None = None
+
+    def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
+        return qualname in self.named or not any(n.startswith(qualname + ".") for n in self.named)
+
+    def call_module(self, m, forward, args, kwargs):
+        try:
+            return super().call_module(m, forward, args, kwargs)
+        except Exception:
+            # The innermost traced-through module records itself first.
+            self.failed_in = self.failed_in or self.path_of_module(m)
+            raise
+
+
+def capture(module: nn.Module, *, input_names: Sequence[str] | None = None, layers: Sequence[str] | None = None,
+            concrete_args: dict[str, Any] | None = None) -> CapturedModel:
+    """Trace ``module`` at module granularity into a :class:`CapturedModel`.
+
+    ``input_names`` names the graph inputs (default: the forward's argument names); ``layers``
+    names the submodules to keep as leaves (default: each top-level child); ``concrete_args`` fixes
+    arguments such as flags, as in ``torch.fx.symbolic_trace``.
+    """
+    named = _check_layers(module, layers)
+    tracer = _LeafTracer(named)
+    try:
+        graph = tracer.trace(module, concrete_args=concrete_args)
+    except GPPError:
+        raise
+    except Exception as exc:
+        raise _trace_error(module, tracer.failed_in, exc) from exc
+    placeholders = _strip_concrete(graph, module, concrete_args or {})
+    if input_names is None:
+        input_names = [str(p.target) for p in placeholders]
+    elif isinstance(input_names, str) or len(input_names) != len(placeholders):
+        raise GPPConfigError(f"input_names {input_names!r} must list one name per input of "
+                             f"{type(module).__name__}.forward: {[str(p.target) for p in placeholders]}")
+    return _to_layers(module, graph, placeholders, tuple(input_names))
+
+
+def _check_layers(module: nn.Module, layers: Sequence[str] | None) -> set[str]:
+    if layers is None:
+        return set()
+    if isinstance(layers, str):
+        raise GPPConfigError(f"layers must be a list of submodule names, got the string {layers!r}")
+    known = [n for n, _ in module.named_modules() if n]
+    for name in layers:
+        if name not in known:
+            close = difflib.get_close_matches(str(name), known, n=5, cutoff=0.5)
+            raise GPPConfigError(f'layers names "{name}", which is not a submodule of {type(module).__name__}; '
+                                 f"close names: {close or known[:10]}")
+    return set(layers)
+
+
+def _trace_error(module: nn.Module, failed_in: str | None, exc: Exception) -> GraphError:
+    torch_dir = inspect.getfile(torch).rsplit("/", 1)[0]
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if not f.filename.startswith(torch_dir)]
+    where = f" at {frames[-1].filename}:{frames[-1].lineno}: {frames[-1].line}" if frames else ""
+    if failed_in:
+        fix = (f'mark that submodule as a layer (capture(..., layers=[..., "{failed_in}"])) so it is kept '
+               "whole instead of traced")
+        culprit = f'submodule "{failed_in}"'
+    else:
+        fix = ("move that code into a submodule (which is kept whole), or fix the values it depends on "
+               "with concrete_args")
+        culprit = f"{type(module).__name__}.forward"
+    return GraphError(f"cannot trace {culprit}{where}: {type(exc).__name__}: {exc}. Data-dependent control "
+                      f"flow cannot be captured: {fix}")
+
+
+def _strip_concrete(graph: fx.Graph, module: nn.Module, concrete_args: dict) -> list[fx.Node]:
+    """Drop the placeholders of ``concrete_args`` and fx's asserts on them; return the others."""
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    params = list(inspect.signature(module.forward).parameters)
+    fixed = {p for p, name in zip(placeholders, params) if name in concrete_args}
+    derived = set(fixed)
+    for node in list(graph.nodes):
+        if node.op == "call_function" and node.target in _ASSERTS:
+            graph.erase_node(node)
+        elif node.op != "placeholder" and node.all_input_nodes and set(node.all_input_nodes) <= derived:
+            derived.add(node)
+    for node in reversed(list(graph.nodes)):
+        if node in derived and not node.users:
+            graph.erase_node(node)
+    for node in graph.nodes:
+        if node.op in ("call_function", "call_method") and not node.users:
+            raise GraphError(f'the result of glue op "{node.name}" ({node.target}) is unused{_line(node)}; '
+                             "in-place ops between submodules cannot be captured: assign the result instead")
+    return [p for p in placeholders if p not in fixed or p.users]
+
+
+def _line(node: fx.Node) -> str:
+    lines = (node.stack_trace or "").strip().splitlines()
+    return f" ({lines[-2].strip()}: {lines[-1].strip()})" if len(lines) >= 2 else ""
+
+
+def _is_int_getitem(node: fx.Node) -> bool:
+    return node.op == "call_function" and node.target is operator.getitem and isinstance(node.args[1], int)
+
+
+def _to_layers(module: nn.Module, graph: fx.Graph, placeholders: list[fx.Node],
+               input_names: tuple[str, ...]) -> CapturedModel:
+    nodes = list(graph.nodes)
+    result = nodes[-1].args[0]
+    if not isinstance(result, fx.Node) or result.op in ("placeholder", "get_attr"):
+        what = f"a {type(result).__name__.replace('immutable_', '')} {result!r}" if result is not None else "None"
+        raise GraphError(f"{type(module).__name__}.forward returns {what}; the "
+                         "runtime feeds one tensor to the loss, so forward must return one tensor computed "
+                         "from its inputs (return extra values from a separate method)")
+    params = dict(module.named_parameters())
+    is_param = lambda n: n.op == "get_attr" and n.target in params
+    called: dict[str, fx.Node] = {}
+    inline: set[fx.Node] = set()
+    for n in nodes:
+        if n.op == "call_module":
+            if n.target in called:
+                raise GraphError(f'submodule "{n.target}" is called more than once{_line(n)}; a layer runs once per '
+                                 "forward, so shared weights need one submodule per use (or TiedLayerSpec)")
+            called[n.target] = n
+        elif n.op not in ("placeholder", "output") and n is not result and not is_param(n):
+            metadata = (n.op == "get_attr" or n.op == "call_function" and n.target is getattr
+                        or n.op == "call_method" and n.target in _METADATA_METHODS)
+            if metadata or all(a in inline for a in n.all_input_nodes):
+                inline.add(n)
+    # A value read only through integer indexing is a tuple: its elements become "name:i" refs.
+    refs: dict[fx.Node, tuple[fx.Node, int]] = {}
+    for n in nodes:
+        users = list(n.users)
+        if n.op in ("call_module", "call_function", "call_method") and n not in inline and users \
+                and all(_is_int_getitem(u) and u is not result for u in users):
+            refs.update({u: (n, u.args[1]) for u in users})
+    # Each glue op joins the layer of its only user when that user is glue: a chain ends in one layer.
+    group: dict[fx.Node, fx.Node] = {}
+    for n in reversed(nodes):
+        if n.op in ("placeholder", "output") or n in inline or n in refs or is_param(n):
+            continue
+        users = list(n.users)
+        joins = (n.op != "call_module" and n is not result and len(users) == 1 and users[0] in group
+                 and users[0].op != "call_module")
+        group[n] = group[users[0]] if joins else n
+    roots = [n for n in nodes if group.get(n) is n]
+    taken = set(input_names)
+    name_of: dict[fx.Node, str] = dict(zip(placeholders, input_names))
+    for root in roots:
+        base = str(root.target).replace(".", "_") if root.op == "call_module" else root.name
+        name, k = base, 1
+        while name in taken:
+            name, k = f"{base}_{k}", k + 1
+        taken.add(name)
+        name_of[root] = name
+
+    def ref(n: fx.Node) -> str:
+        if n in refs:
+            src, idx = refs[n]
+            return f"{name_of[src]}:{idx}"
+        return name_of[n]
+
+    owners: dict[str, str] = {}
+    specs, prefixes = [], {}
+    for root in roots:
+        members = [n for n in nodes if group.get(n) is root]
+        args = list(root.args)
+        if root.op == "call_module" and not root.kwargs and args and all(
+                isinstance(a, fx.Node) and (a in name_of or a in refs) for a in args):
+            layer, inputs = module.get_submodule(root.target), [ref(a) for a in args]
+            prefixes[name_of[root]] = root.target + "."
+        else:
+            layer, inputs = _function_layer(module, members, root, inline, is_param, ref, owners, name_of[root])
+            prefixes[name_of[root]] = ""
+        specs.append(CapturedLayerSpec(name_of[root], layer, inputs=inputs))
+    return CapturedModel(specs, input_names, name_of[result], prefixes)
+
+
+def _function_layer(module, members, root, inline, is_param, ref, owners, name):
+    """A GraphModule running ``members`` (plus copies of the metadata ops they read) -> (layer, inputs)."""
+    member_set = set(members)
+    copied, external = [], []
+
+    def walk(n):
+        for a in n.all_input_nodes:
+            if a in member_set or a in copied or a in external:
+                continue
+            if a in inline or is_param(a):
+                walk(a)
+                copied.append(a)
+            else:
+                external.append(a)
+
+    for n in members:
+        walk(n)
+    if not external:
+        raise GraphError(f'layer "{name}" ({root.name}{_line(root)}) reads no tensor from the inputs or other '
+                         "layers; compute it inside a submodule or from an input")
+    sub = fx.Graph()
+    env = {a: sub.placeholder(f"in{i}") for i, a in enumerate(external)}
+    keep = set(copied) | member_set
+    for n in (n for n in root.graph.nodes if n in keep):
+        if is_param(n):
+            owner = owners.setdefault(n.target, name)
+            if owner != name:
+                raise GraphError(f'parameter "{n.target}" is read by the glue code of two layers ("{owner}" and '
+                                 f'"{name}"){_line(n)}; move the code that uses it into a submodule')
+        env[n] = sub.node_copy(n, lambda a: env[a])
+    sub.output(env[root])
+    return fx.GraphModule(module, sub, class_name=f"Glue_{name}"), [ref(a) for a in external]

@@ -1,0 +1,261 @@
+"""capture(): an ordinary nn.Module traced into a layer list computes what the module computes.
+
+The reference is always the original module itself: outputs and parameter gradients of
+``captured.graph_model()`` must equal the module's exactly (same ops in the same order). One
+``dist`` test trains the captured list with the real runtime on 2 gloo ranks
+(``tests/workers/capture_worker.py``) and compares with the module trained on one process.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from dist import launch
+from gpp_deepspeed.capture import CapturedLayerSpec, capture
+from gpp_deepspeed.errors import GPPConfigError, GraphError
+from workers.capture_worker import GAS, LR, STEPS, TwoTower, batches, make_model
+
+
+class Residual(nn.Module):
+    def __init__(self, dim=8):
+        super().__init__()
+        self.inp = nn.Linear(4, dim)
+        self.f = nn.Sequential(nn.Linear(dim, dim), nn.Tanh(), nn.Linear(dim, dim))
+        self.out = nn.Linear(dim, 2)
+
+    def forward(self, x):
+        h = self.inp(x)
+        return self.out(h + self.f(h))
+
+
+class SplitPair(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.lin = nn.Linear(dim, 2 * dim)
+
+    def forward(self, x):
+        a, b = self.lin(x).chunk(2, dim=-1)
+        return torch.tanh(a), b
+
+
+class ThreeInputs(nn.Module):
+    """Three inputs; a tuple-returning submodule whose two outputs are used separately."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(3, 6), nn.Linear(5, 6), nn.Linear(2, 6)
+        self.split = SplitPair(6)
+        self.mix = nn.Linear(6, 6)
+        self.head = nn.Linear(12, 4)
+
+    def forward(self, x, y, z):
+        left, right = self.split(self.a(x) + self.b(y))
+        return self.head(torch.cat([self.mix(left) * self.c(z), right], dim=-1))
+
+
+class Glue(nn.Module):
+    """Glue with cat, scaling by a parameter of the root, slicing by a computed size, a method."""
+
+    def __init__(self):
+        super().__init__()
+        self.enc = nn.Linear(4, 8)
+        self.side = nn.Linear(4, 8)
+        self.scale = nn.Parameter(torch.full((8, ), 0.7))
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x):
+        h = self.enc(x)
+        both = torch.cat([h, self.side(x) * self.scale], dim=-1)
+        half = both[:, : both.shape[1] // 2] * 2.0 + both[:, both.size(1) // 2:].sigmoid()
+        return self.head(half.relu())
+
+
+class Gated(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = nn.Linear(4, 4)
+        self.other = nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.inner(x)
+        if h.sum() > 0:
+            return self.other(h)
+        return h
+
+
+class WithGate(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.gate = Gated()
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.head(self.gate(x))
+
+
+def _inputs(*dims, batch=5, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return tuple(torch.randn(batch, d, generator=g) for d in dims)
+
+
+CASES = {
+    "two_tower": (TwoTower, (6, 10), None),
+    "residual": (Residual, (4, ), None),
+    "three_inputs": (ThreeInputs, (3, 5, 2), None),
+    "glue": (Glue, (4, ), None),
+    "two_tower_deeper": (TwoTower, (6, 10), ["text.proj", "text.out", "image"]),
+}
+
+
+def _assert_same_function(module: nn.Module, layers, dims):
+    torch.manual_seed(0)
+    module = module()
+    captured = capture(module, layers=layers)
+    model = captured.graph_model()
+    inputs = _inputs(*dims)
+    expected, got = module(*inputs), model(*inputs)
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    expected.square().sum().backward()
+    got.square().sum().backward()
+    grads = captured.module_state_dict({n: p.grad for n, p in model.named_parameters()})
+    assert set(grads) == {n for n, _ in module.named_parameters()}
+    for name, p in module.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, rtol=0, atol=0, msg=name)
+    return captured
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_capture_graph_model_equals_the_module_with_gradients(case):
+    cls, dims, layers = CASES[case]
+    _assert_same_function(cls, layers, dims)
+
+
+def test_capture_keeps_each_top_level_child_whole_by_default():
+    captured = capture(make_model())
+    leaves = {s.name: s for s in captured.layers if captured.prefixes[s.name]}
+    # The forward's arguments are named like the towers: a taken name gets a numeric suffix.
+    assert set(leaves) == {"text_1", "image_1", "head"}
+    assert captured.input_names == ("text", "image")
+    assert captured.output == "head"
+    assert leaves["text_1"].inputs == ("text", ) and leaves["image_1"].inputs == ("image", )
+    assert captured.prefixes["text_1"] == "text."
+    assert isinstance(leaves["text_1"].build(), type(make_model().text))
+
+
+def test_capture_at_deeper_granularity_splits_only_the_named_ancestors():
+    captured = capture(make_model(), layers=["text.proj", "text.out"])
+    names = [s.name for s in captured.layers]
+    assert {"text_proj", "text_out", "image_1", "head"} <= set(names)
+    assert "text_1" not in names
+    assert captured.layers[names.index("text_proj")].inputs == ("text", )
+
+
+def test_capture_reads_tuple_outputs_as_indexed_refs():
+    captured = _assert_same_function(ThreeInputs, None, (3, 5, 2))
+    reads = {r for s in captured.layers for r in s.inputs}
+    assert {"split:0", "split:1"} <= reads
+    assert captured.input_names == ("x", "y", "z")
+
+
+def test_capture_builds_copies_with_the_module_weights():
+    module = make_model()
+    layer = capture(module).layers[0]
+    assert isinstance(layer, CapturedLayerSpec)
+    built = layer.build()
+    assert built is not layer.module
+    for (_, a), (_, b) in zip(built.named_parameters(), layer.module.named_parameters()):
+        assert a is not b and torch.equal(a, b)
+
+
+def test_capture_data_dependent_if_names_the_submodule_and_the_fix():
+    with pytest.raises(GraphError, match=r'submodule "gate".*if h.sum\(\) > 0.*layers=\[\.\.\., "gate"\]'):
+        capture(WithGate(), layers=["gate.inner"])
+    with pytest.raises(GraphError, match=r"Gated.forward.*move that code into a submodule"):
+        capture(Gated())
+    capture(WithGate())  # kept whole by default: traceable
+
+
+def test_capture_rejects_unknown_layer_names_listing_close_ones():
+    with pytest.raises(GPPConfigError, match=r'"text.poj".*close names:.*text.proj'):
+        capture(make_model(), layers=["text.poj"])
+
+
+def test_capture_rejects_a_forward_that_does_not_return_one_tensor():
+    class Pair(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(2, 2)
+
+        def forward(self, x):
+            return {"out": self.a(x)}
+
+    with pytest.raises(GraphError, match="forward returns a dict"):
+        capture(Pair())
+
+
+def test_capture_rejects_a_submodule_called_twice():
+    class Twice(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(2, 2)
+
+        def forward(self, x):
+            return self.a(self.a(x))
+
+    with pytest.raises(GraphError, match='"a" is called more than once'):
+        capture(Twice())
+
+
+def test_capture_concrete_args_fix_flags_and_drop_their_inputs():
+    class Flag(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(3, 3)
+
+        def forward(self, x, double=False):
+            h = self.a(x)
+            return h * 2 if double else h
+
+    module = Flag()
+    captured = capture(module, concrete_args={"double": True}, input_names=["features"])
+    assert captured.input_names == ("features", )
+    x, = _inputs(3)
+    torch.testing.assert_close(captured.graph_model()(x), module(x, double=True), rtol=0, atol=0)
+
+
+def _reference() -> list[float]:
+    module = make_model()
+    opt = torch.optim.SGD(module.parameters(), lr=LR)
+    losses = []
+    for step in range(STEPS):
+        opt.zero_grad()
+        total = 0.0
+        for inputs, labels in batches(step):
+            loss = nn.functional.cross_entropy(module(*inputs), labels)
+            (loss / GAS).backward()
+            total += loss.item()
+        torch.nn.utils.clip_grad_norm_(module.parameters(), 1.0)
+        opt.step()
+        losses.append(total / GAS)
+    return losses, module.state_dict()
+
+
+@pytest.mark.dist
+def test_capture_layers_train_pipelined_like_the_module(tmp_path):
+    worker = Path(__file__).resolve().parent / "workers" / "capture_worker.py"
+    result = launch(2, worker, str(tmp_path), timeout=120, log_dir=tmp_path / "logs")
+    assert result.ok, result.report()
+    losses, state = _reference()
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    assert sorted(r["stage"] for r in ranks) == [0, 1]
+    seen = set()
+    for res in ranks:
+        assert res["losses"] == pytest.approx(losses, rel=1e-5)
+        for name, value in res["state"].items():
+            torch.testing.assert_close(value, state[name], rtol=1e-5, atol=1e-6, msg=name)
+            seen.add(name)
+    assert seen == set(state)
