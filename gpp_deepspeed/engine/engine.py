@@ -25,7 +25,8 @@ from pathlib import Path
 import torch
 from deepspeed import comm as dist
 from deepspeed.runtime.pipe import schedule as ds
-from deepspeed.runtime.pipe.engine import PipelineEngine
+from deepspeed.runtime.pipe.engine import (PIPE_RECV_GRAD_TIMER, PIPE_RECV_INPUT_TIMER, PIPE_SEND_GRAD_TIMER,
+                                            PIPE_SEND_OUTPUT_TIMER, PipelineEngine)
 from deepspeed.utils import logger
 
 from ..config import GraphPipelineConfig
@@ -43,6 +44,22 @@ __all__ = ["GraphPipelineEngine"]
 
 _EXTRA_BUFFERS = ("loaded", "received", "grads", "losses")
 _WAITING = frozenset({K.RECV_F, K.RECV_B, K.WAIT_SENDS})
+
+
+def _wall_clock(timer: str, handler):
+    """``handler`` timed by DeepSpeed's pipe timer ``timer`` when ``wall_clock_breakdown`` is on,
+    so DeepSpeed's breakdown reports our edge transfers where it reports its own."""
+
+    def timed(self, *args, **kwargs):
+        if not self.wall_clock_breakdown():
+            return handler(self, *args, **kwargs)
+        self.timers(timer).start()
+        try:
+            return handler(self, *args, **kwargs)
+        finally:
+            self.timers(timer).stop()
+
+    return timed
 
 
 class GraphPipelineEngine(PipelineEngine):
@@ -253,6 +270,13 @@ class GraphPipelineEngine(PipelineEngine):
             torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
         finally:
             self._running_engine_backward = False
+        # The module's output hooks ran DeepSpeed's backward prologue, which starts the backward
+        # timers; engine.backward() would stop them in its epilogue, which we skip (its all-reduce
+        # belongs to REDUCE_GRAD). Stop them here, or wall_clock_breakdown fails on the next one.
+        for name in (*self.engine_timers.backward_inner_timers, *self.engine_timers.backward_timers):
+            timer = self.timers(name)
+            if getattr(timer, "started_", False):
+                timer.stop()
         if self.using_bf16_optimizer and not self._config.bfloat16_config.immediate_grad_update:
             self.optimizer.update_hp_grads(clear_lp_grads=False)
 
@@ -328,10 +352,10 @@ class GraphPipelineEngine(PipelineEngine):
         ds.LoadMicroBatch: _exec_load_micro_batch,
         ds.ForwardPass: _exec_forward_pass,
         ds.BackwardPass: _exec_backward_pass,
-        SendActivationTo: _exec_send_activations_to,
-        RecvActivationFrom: _exec_recv_activations_from,
-        SendGradTo: _exec_send_grads_to,
-        RecvGradFrom: _exec_recv_grads_from,
+        SendActivationTo: _wall_clock(PIPE_SEND_OUTPUT_TIMER, _exec_send_activations_to),
+        RecvActivationFrom: _wall_clock(PIPE_RECV_INPUT_TIMER, _exec_recv_activations_from),
+        SendGradTo: _wall_clock(PIPE_SEND_GRAD_TIMER, _exec_send_grads_to),
+        RecvGradFrom: _wall_clock(PIPE_RECV_GRAD_TIMER, _exec_recv_grads_from),
         WaitSends: _exec_wait_sends,
     }
 

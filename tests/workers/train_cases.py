@@ -29,6 +29,8 @@ def ds_config(case, dp):
         "steps_per_print": case.get("steps_per_print", 10**6),
         "graph_pipeline": {"schedule": case.get("schedule", "1f1b"), "print_stage_graph": False},
     }
+    if case.get("wall_clock"):
+        cfg["wall_clock_breakdown"] = True
     if case.get("trace_dir"):
         cfg["graph_pipeline"]["trace_dir"] = case["trace_dir"]
     if case.get("optimizer") == "adam":
