@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from dist import free_port
+
 pytestmark = pytest.mark.dist
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -44,7 +46,7 @@ def run(cmd: list[str]) -> tuple[int, str]:
 
 @pytest.mark.parametrize("name,extra", EXAMPLES, ids=[name for name, _ in EXAMPLES])
 def test_example_matches_single_device_under_deepspeed_launcher(name, extra):
-    rc, out = run([str(BIN / "deepspeed"), "--num_gpus", "2", f"examples/{name}.py",
+    rc, out = run([str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()), f"examples/{name}.py",
                    "--deepspeed_config", f"configs/{name}.json", "--steps", "3", *extra])
     assert rc == 0, out[-4000:]
     assert "pipelined losses EQUAL the single-device run" in out, out[-4000:]
@@ -53,7 +55,7 @@ def test_example_matches_single_device_under_deepspeed_launcher(name, extra):
 
 
 def test_captured_module_example_matches_the_original_module_under_deepspeed_launcher():
-    rc, out = run([str(BIN / "deepspeed"), "--num_gpus", "2", "examples/captured_model.py",
+    rc, out = run([str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()), "examples/captured_model.py",
                    "--deepspeed_config", "configs/example.json"])
     assert rc == 0, out[-4000:]
     assert "pipelined losses EQUAL the original module's" in out, out[-4000:]

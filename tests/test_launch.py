@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from dist import free_port
+
 pytestmark = pytest.mark.dist
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -21,7 +23,7 @@ def run(cmd):
 
 
 @pytest.mark.parametrize("launcher", [
-    [str(BIN / "deepspeed"), "--num_gpus", "4"],
+    [str(BIN / "deepspeed"), "--num_gpus", "4", "--master_port", str(free_port())],  # not 29500: may be taken
     [str(BIN / "mpiexec"), "-n", "4", sys.executable],
 ], ids=["deepspeed", "mpiexec"])
 def test_demo_trains_to_the_single_device_losses_under_the_launcher(launcher):

@@ -138,3 +138,18 @@ def test_two_nodes_in_separate_network_namespaces_train_to_the_single_device_los
     finally:
         for n in ns:  # deleting a namespace deletes its end of the veth pair, and with it the peer
             subprocess.run(["ip", "netns", "del", n], capture_output=True)
+
+
+def test_mpich_launcher_over_a_two_host_hostfile_trains_to_the_single_device_losses(tmp_path):
+    # deepspeed --launcher mpich turns the hostfile into one `mpirun -hosts localhost,127.0.0.1 -ppn 2`
+    # (MPICH's hydra); both names are this machine, so hydra starts both hosts' ranks locally and
+    # DeepSpeed's MPI discovery (mpi4py) wires the world of 4. Its exit status can be 0 even when
+    # ranks fail, so the verdict line is what counts.
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("localhost slots=2\n127.0.0.1 slots=2\n")
+    cmd = [str(BIN / "deepspeed"), "--hostfile", str(hostfile), "--launcher", "mpich", "--no_ssh_check",
+           "--master_addr", "127.0.0.1", *DEMO]
+    rcs, outputs, timed_out, report = run_nodes([cmd], [base_env()], tmp_path)
+    assert not timed_out and rcs == [0], report
+    assert "-hosts localhost,127.0.0.1" in outputs[0], report
+    assert EQUAL in outputs[0], report
