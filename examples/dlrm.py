@@ -24,6 +24,7 @@ import deepspeed
 import torch
 
 import gpp_deepspeed
+from twin import check_against_single_device
 from gpp_deepspeed import GraphModel, GraphPipelineModule
 from gpp_deepspeed.models import build_layers, dlrm, loss_fn, make_batch, tiny
 
@@ -71,27 +72,7 @@ for step in range(args.steps):
 # -- the check: the same model on one process, plain PyTorch, same micro-batches --------------
 if rank == 0 and args.size == "tiny":
     twin = GraphModel(build_layers(desc), input_names=desc.input_names)
-    opt_params = config["optimizer"]["params"]
-    opt = torch.optim.Adam(twin.parameters(), lr=opt_params["lr"], weight_decay=opt_params.get("weight_decay", 0.0))
-    criterion = loss_fn(desc)
-    reference = []
-    for step in range(args.steps):
-        opt.zero_grad()
-        total = 0.0
-        for inputs, labels in micro_batches(step):
-            loss = criterion(twin(*inputs), labels)
-            (loss / gas).backward()
-            total += loss.item()
-        torch.nn.utils.clip_grad_norm_(twin.parameters(), config["gradient_clipping"])
-        opt.step()
-        reference.append(total / gas)
-    worst = max(abs(a - b) / abs(b) for a, b in zip(losses, reference))
-    same = worst <= 1e-5
-    print(f"single-device GraphModel losses: {[round(x, 5) for x in reference]}")
-    print(f"pipelined losses {'EQUAL' if same else 'DIFFER FROM'} the single-device run "
-          f"(max relative difference {worst:.2e})", flush=True)
-    if not same:
-        raise SystemExit(1)
+    check_against_single_device(twin, loss_fn(desc), micro_batches, losses, config)
 if rank == 0:
     steady = sorted(times[1:])[len(times[1:]) // 2] if len(times) > 1 else times[0]
     print(f"median step time after warm-up: {steady * 1000:.1f} ms "
