@@ -21,6 +21,7 @@ from deepspeed.constants import TORCH_DISTRIBUTED_DEFAULT_PORT
 from .config import CONFIG_KEY, parse_graph_pipeline_config
 from .engine.engine import GraphPipelineEngine
 from .engine.module import GraphPipelineModule
+from .engine.topology import stage_batch_config
 from .errors import GPPConfigError
 
 __all__ = ["initialize"]
@@ -60,6 +61,8 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     config = _load_config(args, config, config_params)
     gpp_config = parse_graph_pipeline_config(config)
     ds_config = {k: v for k, v in config.items() if k != CONFIG_KEY}
+    # Per-stage degrees: the user's batch values describe the pipeline; DeepSpeed gets this rank's.
+    ds_config = stage_batch_config(ds_config, model.placement, model.stage_id)
     if args is not None and getattr(args, "deepspeed_config", None) is not None:
         args.deepspeed_config = None  # the config travels as a dict from here on
 

@@ -35,10 +35,12 @@ from ..schedule.generators import build_schedule
 from ..schedule.ir import Action, ActionKind as K, format_schedule
 from ..schedule.validate import validate_schedule
 from .flat import flatten, port_ranges, unflatten
+from .compat import count_each_stage_once
 from .instructions import (GraphPipeSchedule, RecvActivationFrom, RecvGradFrom, SendActivationTo, SendGradTo,
                            WaitSends)
 from .module import GraphPipelineModule
 from .p2p import EdgeTransport
+from .reshard import cut_rows, edge_peers, grad_scale, join_rows
 
 __all__ = ["GraphPipelineEngine"]
 
@@ -84,6 +86,15 @@ class GraphPipelineEngine(PipelineEngine):
         # This stage's edges by peer, in the order the schedule visits them (fixed for the run).
         self._in_edges = {e.src: e for e in self.stage_graph.edges if e.dst == self.stage_id}
         self._out_edges = {e.dst: e for e in self.stage_graph.edges if e.src == self.stage_id}
+        # Per-stage degrees: the ranks of each peer stage this rank exchanges rows with.
+        self.placement = self.module.placement
+        place = dict(replica=self.grid.replica_id, idx=self.grid.stage_idx)
+        self._in_peers = {s: edge_peers(self.placement, src=s, dst=self.stage_id, side="dst", **place)
+                          for s in self._in_edges}
+        self._out_peers = {t: edge_peers(self.placement, src=self.stage_id, dst=t, side="src", **place)
+                           for t in self._out_edges}
+        count_each_stage_once(self.optimizer, is_stage_leader=self.grid.is_stage_leader(),
+                              group=self.grid.get_model_parallel_group())
         self._schedules: dict[tuple[int, bool], tuple[list[Action], int]] = {}
         self.last_timeline: list[tuple[Action, float, float]] = []   # this stage's last batch, timed
         self._trace_events: list[dict] = []
@@ -97,20 +108,49 @@ class GraphPipelineEngine(PipelineEngine):
 
     # -- roles ------------------------------------------------------------------------------------
 
+    # While the parent's __init__ runs, both are true: that skips its p2p warm-up along stage ids
+    # 0..S-1 (a chain, which neither the stage DAG nor per-stage degrees are) and hands the data
+    # loader, if any, to every stage.
     def is_first_stage(self):
         """True if this stage reads graph inputs from the batch."""
-        if not self._dag_ready:
-            return super().is_first_stage()
-        return bool(self.spec.loads)
+        return bool(self.spec.loads) if self._dag_ready else True
 
     def is_last_stage(self):
         """True if this is the output stage (labels, loss)."""
-        if not self._dag_ready:
-            return super().is_last_stage()
-        return self.stage_id == self.stage_graph.output_stage
+        return self.stage_id == self.stage_graph.output_stage if self._dag_ready else True
 
     def _loss_stage_global_rank(self):
         return self.grid.stage_to_global(self.stage_graph.output_stage)
+
+    def _aggregate_total_loss(self):
+        """The batch's mean loss, on every rank: averaged over the output stage's data-parallel
+        group, then broadcast over this replica from the output stage's first rank.
+
+        DeepSpeed's version broadcasts from every output-stage rank as its own source, which
+        needs exactly one output rank per pipeline group.
+        """
+        losses = torch.zeros(2, dtype=torch.float32, device=self.device)
+        if self.is_last_stage():
+            loss = self._scale_loss_by_gas(self.total_loss).detach()
+            agg = loss.clone()
+            if self.is_data_parallel:
+                dist.all_reduce(agg, group=self.grid.get_data_parallel_group())
+                agg /= self.dp_world_size
+            losses = torch.stack([loss, agg]).float()
+        if self.is_pipe_parallel:
+            dist.broadcast(losses, src=self._loss_stage_global_rank(), group=self.grid.get_pipe_parallel_group())
+        self.dp_group_loss = losses[0].clone()
+        return losses[1].clone()
+
+    def _exec_reduce_tied_grads(self):
+        """Sum each tied weight's gradient over the stages holding a copy, each copy first divided
+        by its stage's data-parallel size: the data-parallel all-reduce that follows averages equal
+        values, so every copy ends with the total gradient whatever the stage degrees."""
+        for weight, group in self.module.get_tied_weights_and_groups():
+            grad = weight._hp_grad if self.using_bf16_optimizer else weight.grad
+            if grad is not None:
+                grad.div_(self.dp_world_size)
+                dist.all_reduce(grad, group=group)
 
     # -- schedules ----------------------------------------------------------------------------------
 
@@ -161,10 +201,11 @@ class GraphPipelineEngine(PipelineEngine):
             self._trace(self.gpp_config.trace_dir)
         every = self.steps_per_print()
         if self.gpp_config.print_idle_fractions and every and self.global_steps % every == 0:
-            idle = [None] * self.num_stages
-            torch.distributed.all_gather_object(idle, self.idle_fraction(), group=self.grid.get_pipe_parallel_group())
+            idle = [None] * len(self.grid.pp_group)  # every rank of this replica, one entry each
+            torch.distributed.all_gather_object(idle, (self.stage_id, self.grid.stage_idx, self.idle_fraction()),
+                                                group=self.grid.get_pipe_parallel_group())
             if self.global_rank == 0:
-                shown = " ".join(f"{s}:{f:.0%}" for s, f in enumerate(idle))
+                shown = " ".join(f"{s}:{f:.0%}" for s, i, f in sorted(idle) if i == 0)
                 print(f"steps: {self.global_steps} graph pipeline idle per stage: {shown}", flush=True)
         return loss
 
@@ -215,17 +256,30 @@ class GraphPipelineEngine(PipelineEngine):
         if self.spec.loads:
             loaded = {}
             for name in self.spec.loads:
-                t = values[name].clone().detach().to(self.device)
+                t = self._my_rows(values[name], f'graph input "{name}"').clone().detach().to(self.device)
                 if self._reentrant_activation_checkpointing():
                     t.requires_grad = t.is_floating_point()
                 loaded[name] = t
             self.pipe_buffers["loaded"][buffer_id] = loaded
         if self.is_last_stage():
             if torch.is_tensor(labels):
-                labels = labels.to(self.device)
+                labels = self._my_rows(labels, "labels").to(self.device)
             elif isinstance(labels, (tuple, list)):
-                labels = tuple(x.to(self.device).detach() for x in labels)
+                labels = tuple(self._my_rows(x, "labels").to(self.device).detach() for x in labels)
             self.pipe_buffers["labels"][buffer_id] = labels
+
+    def _my_rows(self, tensor: torch.Tensor, what: str) -> torch.Tensor:
+        """This rank's row shard of a micro-batch tensor (all of it on a stage of one rank)."""
+        degree = self.placement.degrees[self.stage_id]
+        if degree == 1:
+            return tensor
+        rows = tensor.shape[0] if tensor.dim() else 0
+        if rows == 0 or rows % degree:
+            raise GPPConfigError(f"stage {self.stage_id} runs on {degree} ranks, each taking an equal share of the "
+                                 f"micro-batch's rows, but {what} has shape {tuple(tensor.shape)}; make the "
+                                 f"micro-batch a multiple of every stage degree {list(self.placement.degrees)}")
+        size = rows // degree
+        return tensor[self.grid.stage_idx * size:(self.grid.stage_idx + 1) * size]
 
     # -- compute ----------------------------------------------------------------------------------
 
@@ -294,6 +348,8 @@ class GraphPipelineEngine(PipelineEngine):
         for p in params:
             if not getattr(p, "ds_pipe_replicated", False):
                 local += p.grad.detach().float().pow(2).sum()
+        if not self.grid.is_stage_leader():
+            local.zero_()  # the stage's ranks hold the same all-reduced gradients: count them once
         dist.all_reduce(local, group=self.grid.get_model_parallel_group())
         clip_coef = self.gradient_clipping() / (local.sqrt() + 1e-6)
         if clip_coef.item() < 1.0:
@@ -308,14 +364,21 @@ class GraphPipelineEngine(PipelineEngine):
 
     def _exec_send_activations_to(self, buffer_id, peer):
         flat, arity = self._flat_ports(buffer_id, self._out_edges[peer].tensors)
-        self.transport.send((self.stage_id, peer), peer, arity, flat, always_layout=self.dynamic_shape)
+        for to in self._out_peers[peer]:  # each rank of the peer stage gets its rows
+            piece = cut_rows(flat, to, what=f"edge {self.stage_id} -> {peer}")
+            self.transport.send((self.stage_id, peer), peer, arity, piece, always_layout=self.dynamic_shape,
+                                rank=to.rank)
         if not torch.is_grad_enabled() and peer == next(reversed(self._out_edges)):
             self.pipe_buffers["outputs"][buffer_id] = None
 
     def _exec_recv_activations_from(self, buffer_id, peer):
         edge = self._in_edges[peer]
-        layout = self.transport.recv_layout((peer, self.stage_id), peer, always_layout=self.dynamic_shape)
-        tensors = self.transport.recv_tensors(peer, layout.specs)
+        pieces = []
+        for frm in self._in_peers[peer]:  # this rank's rows, from the ranks of the peer stage that hold them
+            layout = self.transport.recv_layout((peer, self.stage_id), peer, always_layout=self.dynamic_shape,
+                                                rank=frm.rank)
+            pieces.append(self.transport.recv_tensors(peer, layout.specs, rank=frm.rank))
+        tensors = join_rows(pieces)
         for t in tensors:
             t.requires_grad = t.is_floating_point() and torch.is_grad_enabled()
         received = self.pipe_buffers["received"][buffer_id] or {}
@@ -327,7 +390,9 @@ class GraphPipelineEngine(PipelineEngine):
         flat, _ = flatten([received[ref] for ref in self._in_edges[peer].tensors])
         # A tensor this stage did not use still gets a (zero) gradient: the producer waits for one.
         grads = [t.grad if t.grad is not None else torch.zeros_like(t) for t in flat if t.is_floating_point()]
-        self.transport.send_tensors(peer, grads)
+        for to in self._in_peers[peer]:  # each producer rank gets the gradient of the rows it sent
+            self.transport.send_tensors(peer, cut_rows(grads, to, what=f"edge {peer} -> {self.stage_id}"),
+                                        rank=to.rank)
         if peer == next(reversed(self._in_edges)):
             for key in ("inputs", "loaded", "received"):
                 self.pipe_buffers[key][buffer_id] = None
@@ -338,7 +403,14 @@ class GraphPipelineEngine(PipelineEngine):
         # Flat output positions of this edge's floating-point tensors, in the order they were sent.
         positions = [i for ref in self._out_edges[peer].tensors for i in ranges[self._out_index[ref]]
                      if flat[i].is_floating_point()]
-        got = self.transport.recv_tensors(peer, [(tuple(flat[i].shape), flat[i].dtype) for i in positions])
+        pieces = []
+        for frm in self._out_peers[peer]:
+            rows = cut_rows([flat[i] for i in positions], frm, what=f"edge {self.stage_id} -> {peer}")
+            pieces.append(self.transport.recv_tensors(peer, [(tuple(t.shape), t.dtype) for t in rows], rank=frm.rank))
+        got = join_rows(pieces)
+        scale = grad_scale(self.placement, src=self.stage_id, dst=peer)
+        if scale != 1:
+            got = [g * scale for g in got]
         grads: dict[int, torch.Tensor] = self.pipe_buffers["grads"][buffer_id] or {}
         for pos, g in zip(positions, got):
             grads[pos] = g if pos not in grads else grads[pos] + g
@@ -350,6 +422,7 @@ class GraphPipelineEngine(PipelineEngine):
     _INSTRUCTION_MAP = {
         **PipelineEngine._INSTRUCTION_MAP,
         ds.LoadMicroBatch: _exec_load_micro_batch,
+        ds.ReduceTiedGrads: _exec_reduce_tied_grads,
         ds.ForwardPass: _exec_forward_pass,
         ds.BackwardPass: _exec_backward_pass,
         SendActivationTo: _wall_clock(PIPE_SEND_OUTPUT_TIMER, _exec_send_activations_to),

@@ -24,7 +24,7 @@ from torch import nn
 from deepspeed import comm as dist
 from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.activation_checkpointing import checkpointing
-from deepspeed.runtime.pipe.module import LayerSpec, PipelineModule
+from deepspeed.runtime.pipe.module import LayerSpec, PipelineModule, TiedLayerSpec
 
 from ..errors import GPPError, PartitionError
 from ..graph.ir import LayerGraph, TensorRef, build_layer_graph
@@ -32,9 +32,12 @@ from ..graph.partition import balanced_partition, sequential_partition
 from ..planner.costs import CostDB
 from ..planner.plan import Plan
 from ..planner.search import graphpipe_partition, proxy_costs
+from ..graph.placement import Placement
 from ..graph.stages import Partition, StageSpec, derive_partition
 from ..spec import LayerEntry, call_layer, normalize_layers, resolve
+from .compat import pipeline_grid
 from .flat import flatten, unflatten
+from .topology import StageGrid, StageTopology
 
 __all__ = ["GraphPipelineModule", "PARTITION_METHODS"]
 
@@ -67,20 +70,28 @@ class GraphPipelineModule(PipelineModule):
         ``{layer_name: stage_idx}`` mapping. Every rank computes or loads the same partition.
     cost_db
         The cost database ``partition_method="graphpipe"`` plans with.
+    stage_degrees
+        Ranks per stage (data-parallel degree of each stage), e.g. ``[2, 1, 1]``; ``sum`` must divide
+        the world size (the quotient is the number of replicas of the whole stage DAG). Each stage
+        splits every micro-batch into equal row shards, one per rank, and stage edges reshard
+        rows between stages of different degrees. A plan file carries its own (its stages'
+        ``devices``). Default: one rank per stage.
     """
 
     def __init__(self, layers: Sequence[Any], *, input_names: Sequence[str] = ("input", ), output: str | None = None,
                  num_stages: int | None = None, topology=None, loss_fn=None, partition_method: Any = "parameters",
                  base_seed: int = 1234, seed_layers: bool = False, seed_fn=None, activation_checkpoint_interval: int = 0,
                  activation_checkpoint_func=checkpointing.checkpoint, checkpointable_layers=None,
-                 dynamic_shape: bool = False, cost_db: Any = None):
+                 dynamic_shape: bool = False, cost_db: Any = None, stage_degrees: Sequence[int] | None = None):
         entries = normalize_layers(layers, input_names, base_seed=base_seed)
         graph = build_layer_graph(input_names, [(e.name, e.inputs) for e in entries], output=output)
         if not dist.is_initialized():
             dist.init_distributed(dist_backend=get_accelerator().communication_backend_name())
-        stages = _stage_count(num_stages, topology, dist.get_world_size())
-        partition = derive_partition(graph, _assign(graph, entries, stages, partition_method, cost_db),
-                                     num_stages=stages)
+        plan = _load_plan(partition_method)
+        placement = _placement(num_stages, topology, stage_degrees, plan, dist.get_world_size())
+        stages = placement.num_stages
+        method = plan.stage_of if plan is not None else partition_method
+        partition = derive_partition(graph, _assign(graph, entries, stages, method, cost_db), num_stages=stages)
         by_name = {e.name: e for e in entries}
         # Plain attributes may be set before nn.Module.__init__; the parent's __init__ needs them.
         self.graph: LayerGraph = graph
@@ -90,11 +101,14 @@ class GraphPipelineModule(PipelineModule):
         # tensor, k: a tuple of k), learned from the layouts of the received edges.
         self.in_arity: list[int] | None = None
         self.engine_attached = False
-        super().__init__(layers=[e.layer for e in self._entries], num_stages=num_stages, topology=topology,
-                         loss_fn=loss_fn, seed_layers=seed_layers, seed_fn=seed_fn, base_seed=base_seed,
-                         partition_method="graph", activation_checkpoint_interval=activation_checkpoint_interval,
-                         activation_checkpoint_func=activation_checkpoint_func,
-                         checkpointable_layers=checkpointable_layers, dynamic_shape=dynamic_shape)
+        self.placement: Placement = placement
+        # The parent builds DeepSpeed's cartesian grid by name; ours answers the same queries per stage.
+        with pipeline_grid(lambda process_group=None, topology=None: StageGrid(placement, topology)):
+            super().__init__(layers=[e.layer for e in self._entries], topology=StageTopology(placement),
+                             loss_fn=loss_fn, seed_layers=seed_layers, seed_fn=seed_fn, base_seed=base_seed,
+                             partition_method="graph", activation_checkpoint_interval=activation_checkpoint_interval,
+                             activation_checkpoint_func=activation_checkpoint_func,
+                             checkpointable_layers=checkpointable_layers, dynamic_shape=dynamic_shape)
         self.stage_spec: StageSpec = partition.stages[self.stage_id]
         self._local_entries = self._entries[self._local_start:self._local_stop]
 
@@ -116,6 +130,32 @@ class GraphPipelineModule(PipelineModule):
 
     def _seed_for_build(self, seed: int) -> None:
         torch.manual_seed(self._entries[seed - self.base_seed].seed)
+
+    def _index_tied_modules(self):
+        """One group per tie key: every rank, of every replica, of every stage holding a copy.
+
+        DeepSpeed builds one group per data-parallel index, which assumes every stage has the
+        same degree. The engine divides each copy's gradient by its stage's data-parallel size
+        before summing over this group, so the sum is the tied weight's total gradient whatever
+        the degrees. Copies outside the first stage holding the key are marked
+        ``ds_pipe_replicated`` so that gradient norms count the weight once.
+        """
+        tied_comms = {}
+        if self.num_stages == 1:
+            return tied_comms
+        specs = self._layer_specs
+        for key in sorted({s.key for s in specs if isinstance(s, TiedLayerSpec)}):
+            stages = sorted({self.stage_owner(i) for i, s in enumerate(specs)
+                             if isinstance(s, TiedLayerSpec) and s.key == key})
+            ranks = sorted(r for s in stages for r in self.placement.stage_group(s))
+            group = dist.new_group(ranks=ranks)
+            if self.global_rank in ranks:
+                tied_comms[key] = {"ranks": ranks, "group": group, "weight_attr": self.tied_weight_attrs[key],
+                                   "module": self.tied_modules[key]}
+                if self.stage_id != stages[0]:
+                    for p in self.tied_modules[key].parameters():
+                        p.ds_pipe_replicated = True
+        return tied_comms
 
     # -- stage forward ------------------------------------------------------------------------
 
@@ -203,28 +243,64 @@ class GraphPipelineModule(PipelineModule):
         return out
 
 
-def _stage_count(num_stages: int | None, topology, world_size: int) -> int:
+def _load_plan(method: Any) -> Plan | None:
+    """The plan ``partition_method`` names (a Plan or a JSON path), or None."""
+    if isinstance(method, Plan):
+        return method
+    if isinstance(method, os.PathLike) or isinstance(method, str) and method.endswith(".json"):
+        path = Path(method)
+        if not path.is_file():
+            raise PartitionError(f'partition_method names plan file "{method}", which does not exist')
+        return Plan.load(path)
+    return None
+
+
+def _placement(num_stages: int | None, topology, stage_degrees, plan: Plan | None, world_size: int) -> Placement:
+    """Which ranks run which stage: from ``stage_degrees``, the plan's devices per stage, DeepSpeed's
+    ``topology`` (one rank per stage) or ``num_stages`` (one rank per stage), checked against the
+    world size before any communication."""
+    local_size = int(os.environ.get("LOCAL_SIZE", world_size))
     if topology is not None:
-        stages = topology.get_dim("pipe")
+        if set(topology.get_axis_names()) - {"pipe", "data"}:
+            raise PartitionError(f"the topology has axes {topology.get_axis_names()}; a GraphPipelineModule supports "
+                                 "'pipe' and 'data' only (no tensor slicing)")
         if topology.world_size() != world_size:
             raise PartitionError(f"the topology has {topology.world_size()} ranks but the world size is {world_size}")
-        return stages
+        num_stages = topology.get_dim("pipe")
+    if plan is not None:
+        if num_stages is not None and plan.num_stages != num_stages:
+            raise PartitionError(f"plan {plan.method} for {plan.model} has {plan.num_stages} stages but the pipeline "
+                                 f"has {num_stages}; launch with {plan.num_stages} pipeline stages "
+                                 f"(num_stages={plan.num_stages})")
+        devices = tuple(s.devices for s in plan.stages)
+        if stage_degrees is not None and tuple(stage_degrees) != devices:
+            raise PartitionError(f"stage_degrees={list(stage_degrees)} disagrees with the plan's devices per stage "
+                                 f"{list(devices)}; drop stage_degrees to run the plan as planned")
+        if world_size % plan.num_devices:
+            raise PartitionError(f"plan {plan.method} for {plan.model} places its {plan.num_stages} stages on "
+                                 f"{plan.num_devices} devices {list(devices)}, but the world size is {world_size}; "
+                                 f"launch {plan.num_devices} ranks (or a multiple for data-parallel replicas)")
+        return Placement.build(devices, world_size=world_size, local_size=local_size)
+    if stage_degrees is not None:
+        degrees = tuple(stage_degrees)
+        if num_stages is not None and len(degrees) != num_stages:
+            raise PartitionError(f"stage_degrees={list(degrees)} gives {len(degrees)} stages but num_stages is "
+                                 f"{num_stages}")
+        return Placement.build(degrees, world_size=world_size, local_size=local_size)
     if num_stages is None:
-        raise PartitionError("give num_stages or topology")
+        raise PartitionError("give num_stages, stage_degrees, a plan or topology")
     if not isinstance(num_stages, int) or num_stages < 1:
         raise PartitionError(f"num_stages must be a positive integer, got {num_stages!r}")
     if world_size % num_stages:
         raise PartitionError(f"num_stages ({num_stages}) must divide the world size ({world_size}): each "
                              "pipeline replica needs one rank per stage")
-    return num_stages
+    return Placement.build((1, ) * num_stages, world_size=world_size, local_size=local_size)
 
 
 def _assign(graph: LayerGraph, entries: list[LayerEntry], num_stages: int, method: Any,
             cost_db: Any = None) -> dict[str, int]:
     if isinstance(method, Mapping):
         return dict(method)
-    if isinstance(method, (Plan, os.PathLike)) or isinstance(method, str) and method.endswith(".json"):
-        return _from_plan(graph, num_stages, method)
     if not isinstance(method, str):
         raise PartitionError(f"partition_method must be one of {PARTITION_METHODS}, got {method!r}")
     name = method.lower()
@@ -245,18 +321,6 @@ def _assign(graph: LayerGraph, entries: list[LayerEntry], num_stages: int, metho
     if name == "sequential":
         return sequential_partition(graph, num_stages, weights=weights)
     return balanced_partition(graph, num_stages, weights=weights, slack=BRANCH_SLACK)
-
-
-def _from_plan(graph: LayerGraph, num_stages: int, plan: Any) -> dict[str, int]:
-    if not isinstance(plan, Plan):
-        path = Path(plan)
-        if not path.is_file():
-            raise PartitionError(f'partition_method names plan file "{plan}", which does not exist')
-        plan = Plan.load(path)
-    if plan.num_stages != num_stages:
-        raise PartitionError(f"plan {plan.method} for {plan.model} has {plan.num_stages} stages but the pipeline has "
-                             f"{num_stages}; launch with {plan.num_stages} pipeline stages (num_stages={plan.num_stages})")
-    return plan.stage_of
 
 
 def _cost_db(graph: LayerGraph, entries: list[LayerEntry], cost_db: Any) -> CostDB:

@@ -85,8 +85,8 @@ class EdgeTransport:
         self.stage = stage
         self.timeout = timedelta(seconds=timeout_s)
         self._pending: list[tuple[object, torch.Tensor]] = []
-        self._layouts: dict[tuple[int, int], Layout] = {}
-        self._sent_layout: set[tuple[int, int]] = set()
+        self._layouts: dict[tuple[tuple[int, int], int], Layout] = {}   # (edge, peer rank) -> layout
+        self._sent_layout: set[tuple[tuple[int, int], int]] = set()
 
     def _rank(self, stage: int) -> int:
         return self.grid.stage_to_global(stage_id=stage)
@@ -96,49 +96,55 @@ class EdgeTransport:
         self._layouts.clear()
         self._sent_layout.clear()
 
-    def _isend(self, tensor: torch.Tensor, stage: int) -> None:
+    def _isend(self, tensor: torch.Tensor, rank: int) -> None:
         tensor = tensor.detach().contiguous()
-        self._pending.append((dist.isend(tensor, self._rank(stage)), tensor))
+        self._pending.append((dist.isend(tensor, rank), tensor))
 
-    def send(self, edge: tuple[int, int], peer: int, arity, tensors, *, always_layout: bool) -> None:
-        """Post the asynchronous sends of one edge message (layout first when needed)."""
+    def send(self, edge: tuple[int, int], peer: int, arity, tensors, *, always_layout: bool,
+             rank: int | None = None) -> None:
+        """Post the asynchronous sends of one edge message (layout first when needed) to stage
+        ``peer``'s rank ``rank`` (default: its first rank in this replica)."""
         self._reap()
-        if always_layout or edge not in self._sent_layout:
+        rank = self._rank(peer) if rank is None else rank
+        if always_layout or (edge, rank) not in self._sent_layout:
             ints = encode_layout(arity, tensors)
-            self._isend(torch.tensor([len(ints)], dtype=torch.int64, device=self.device), peer)
-            self._isend(torch.tensor(ints, dtype=torch.int64, device=self.device), peer)
-            self._sent_layout.add(edge)
+            self._isend(torch.tensor([len(ints)], dtype=torch.int64, device=self.device), rank)
+            self._isend(torch.tensor(ints, dtype=torch.int64, device=self.device), rank)
+            self._sent_layout.add((edge, rank))
         for t in tensors:
-            self._isend(t, peer)
+            self._isend(t, rank)
 
-    def send_tensors(self, peer: int, tensors) -> None:
+    def send_tensors(self, peer: int, tensors, *, rank: int | None = None) -> None:
         """Post asynchronous sends of tensors whose layout the peer knows (gradients)."""
         self._reap()
+        rank = self._rank(peer) if rank is None else rank
         for t in tensors:
-            self._isend(t, peer)
+            self._isend(t, rank)
 
-    def recv_layout(self, edge: tuple[int, int], peer: int, *, always_layout: bool) -> Layout:
-        if always_layout or edge not in self._layouts:
+    def recv_layout(self, edge: tuple[int, int], peer: int, *, always_layout: bool, rank: int | None = None) -> Layout:
+        rank = self._rank(peer) if rank is None else rank
+        if always_layout or (edge, rank) not in self._layouts:
             length = torch.empty(1, dtype=torch.int64, device=self.device)
-            self._wait(dist.irecv(length, self._rank(peer)), peer)
+            self._wait(dist.irecv(length, rank), peer, rank)
             ints = torch.empty(int(length.item()), dtype=torch.int64, device=self.device)
-            self._wait(dist.irecv(ints, self._rank(peer)), peer)
-            self._layouts[edge] = decode_layout(ints.tolist())
-        return self._layouts[edge]
+            self._wait(dist.irecv(ints, rank), peer, rank)
+            self._layouts[(edge, rank)] = decode_layout(ints.tolist())
+        return self._layouts[(edge, rank)]
 
-    def recv_tensors(self, peer: int, specs) -> list[torch.Tensor]:
+    def recv_tensors(self, peer: int, specs, *, rank: int | None = None) -> list[torch.Tensor]:
         """Receive tensors of known shapes and dtypes from ``peer``; blocks until all arrived."""
+        rank = self._rank(peer) if rank is None else rank
         bufs = [torch.empty(shape, dtype=dtype, device=self.device) for shape, dtype in specs]
-        works = [dist.irecv(b, self._rank(peer)) for b in bufs]
+        works = [dist.irecv(b, rank) for b in bufs]
         for w in works:
-            self._wait(w, peer)
+            self._wait(w, peer, rank)
         return bufs
 
-    def _wait(self, work, peer: int) -> None:
+    def _wait(self, work, peer: int, rank: int) -> None:
         try:
             work.wait(timeout=self.timeout)
         except RuntimeError as exc:
-            raise GPPError(f"stage {self.stage} waited for stage {peer} (global rank {self._rank(peer)}), which sent "
+            raise GPPError(f"stage {self.stage} waited for stage {peer} (global rank {rank}), which sent "
                            f"nothing (the wait ends after graph_pipeline.p2p_timeout_s = "
                            f"{self.timeout.total_seconds():g} s, or when the peer disconnects); that rank has "
                            f"probably failed: see its log. gloo said: {exc}") from exc

@@ -46,6 +46,13 @@ CASES = {
         stages=(PlanStage(layers=("a",)), PlanStage(layers=("b",)), PlanStage(layers=("c",))))),
     "plan_file_missing": lambda: GraphPipelineModule(GOOD, input_names=["x"], num_stages=2,
                                                      partition_method="no/such/plan.json"),
+    "degrees_do_not_divide_world": lambda: GraphPipelineModule(GOOD, input_names=["x"], stage_degrees=[2, 1]),
+    "plan_wrong_world_size": lambda: GraphPipelineModule(GOOD, input_names=["x"], partition_method=Plan(
+        model="good", method="graphpipe", source="test", micro_batch=2, mini_batch=4,
+        stages=(PlanStage(layers=("a", "b")), PlanStage(layers=("c",), devices=2)))),
+    "micro_batch_not_divisible_by_degree": lambda: gpp_deepspeed.initialize(
+        model=GraphPipelineModule(GOOD, input_names=["x"], stage_degrees=[2], loss_fn=nn.MSELoss()),
+        model_parameters=None, config={**CONFIG, "train_micro_batch_size_per_gpu": 3}),
     "unknown_config_key": lambda: gpp_deepspeed.initialize(
         model=GraphPipelineModule(GOOD, input_names=["x"], num_stages=2, loss_fn=nn.MSELoss()),
         model_parameters=None, config={**CONFIG, "graph_pipeline": {"scheduel": "1f1b"}}),

@@ -52,18 +52,21 @@ def to_model_dtype(batches, case):
 
 def build(case, world_size):
     mc = MODELS[case["model"]]()
-    dp = world_size // case["stages"]
+    degrees = case.get("degrees")
+    dp = world_size // (sum(degrees) if degrees else case["stages"])  # replicas of the stage DAG
     if case.get("deepspeed_module"):
         module = PipelineModule(mc.layers, num_stages=case["stages"], loss_fn=nn.CrossEntropyLoss(),
                                 partition_method="uniform", seed_layers=True)
     else:
-        method = mc.partitions[case["stages"]] if case["partition"] == "explicit" else case["partition"]
+        method = case["partition"]
+        if method == "explicit":
+            method = mc.partitions[case["stages"]]
         if isinstance(method, str) and method.endswith(".json"):  # a plan file, relative to tests/
             method = str(Path(__file__).resolve().parents[1] / method)
         module = GraphPipelineModule(mc.layers, input_names=mc.input_names, num_stages=case["stages"],
                                      loss_fn=nn.CrossEntropyLoss(), partition_method=method,
                                      activation_checkpoint_interval=case.get("ckpt_interval", 0),
-                                     dynamic_shape=bool(mc.seq_lens))
+                                     dynamic_shape=bool(mc.seq_lens), stage_degrees=degrees)
     params = [p for p in module.parameters() if p.requires_grad]
     opt = None if case.get("optimizer") == "adam" else torch.optim.SGD(params, lr=case["lr"], momentum=case.get("momentum", 0.9))
     init = deepspeed.initialize if case.get("deepspeed_module") else gpp_deepspeed.initialize
@@ -71,8 +74,13 @@ def build(case, world_size):
     return mc, module, engine
 
 
+def replica(engine):
+    """Which copy of the stage DAG this rank is in: the micro-batches it is fed."""
+    return getattr(engine.grid, "replica_id", engine.grid.data_parallel_id)
+
+
 def train(engine, mc, case, steps):
-    dp_rank = engine.grid.data_parallel_id
+    dp_rank = replica(engine)
     losses = []
     for step in steps:
         batches = make_batches(mc, step=step, dp_rank=dp_rank, micro_batches=case["gas"], micro_batch_size=case["mbs"])
@@ -84,7 +92,7 @@ def run_case(case, out, rank, world_size):
     if case.get("trace"):
         case = {**case, "trace_dir": str(out / f"trace_{case['id']}")}
     mc, module, engine = build(case, world_size)
-    result = {"stage": engine.stage_id, "dp": engine.grid.data_parallel_id}
+    result = {"stage": engine.stage_id, "dp": replica(engine), "shard": getattr(engine.grid, "stage_idx", 0)}
     if case.get("checkpoint"):
         ckpt = str(out / f"ckpt_{case['id']}")
         train(engine, mc, case, range(2))
@@ -95,7 +103,7 @@ def run_case(case, out, rank, world_size):
         result["resumed"] = train(engine, mc, case, range(2, 4))
     else:
         result["losses"] = train(engine, mc, case, range(case["steps"]))
-        it = iter(to_model_dtype(make_batches(mc, step=100, dp_rank=engine.grid.data_parallel_id,
+        it = iter(to_model_dtype(make_batches(mc, step=100, dp_rank=replica(engine),
                                               micro_batches=case["gas"], micro_batch_size=case["mbs"]), case))
         loss, logits = engine.eval_batch(it, return_logits=True)
         result["eval"] = loss.item()
