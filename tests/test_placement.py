@@ -65,3 +65,10 @@ def test_placement_rejects_a_micro_batch_naming_the_stage_whose_degree_does_not_
     with pytest.raises(GPPConfigError, match="stage 1 runs on 3 ranks .* 4 samples"):
         Placement.build((1, 3), world_size=4).check_micro_batch(4)
     Placement.build((1, 3), world_size=4).check_micro_batch(6)
+
+
+def test_the_deepspeed_internals_reached_into_are_those_of_the_pinned_deepspeed():
+    from gpp_deepspeed.engine import compat
+    assert compat.installed_version() == compat.DEEPSPEED_VERSION, (
+        "engine/compat.py reaches into DeepSpeed internals (PipelineParallelGrid by name, ZeRO's "
+        "_model_parallel_all_reduce); check them against the new version, then update DEEPSPEED_VERSION")
