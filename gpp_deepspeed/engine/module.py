@@ -33,7 +33,7 @@ from ..planner.costs import CostDB
 from ..planner.plan import Plan
 from ..planner.search import graphpipe_partition, proxy_costs
 from ..graph.stages import Partition, StageSpec, derive_partition
-from ..spec import LayerEntry, call_layer, normalize_layers, resolve
+from ..spec import LayerEntry, call_layer, normalize_layers, port_leaves, resolve
 from .flat import flatten, unflatten
 
 __all__ = ["GraphPipelineModule", "PARTITION_METHODS"]
@@ -137,7 +137,7 @@ class GraphPipelineModule(PipelineModule):
             self._run(env, range(len(self._local_entries)))
         if self.is_output_stage:
             return resolve(env, TensorRef(self.graph.output))
-        return tuple(resolve(env, ref) for ref in self.stage_spec.out_ports)
+        return tuple(port_leaves(ref, resolve(env, ref)) for ref in self.stage_spec.out_ports)
 
     def _run(self, env: dict, local_idxs) -> None:
         for i in local_idxs:
