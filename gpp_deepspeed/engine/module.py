@@ -35,6 +35,7 @@ from ..planner.search import graphpipe_partition, proxy_costs
 from ..graph.stages import Partition, StageSpec, derive_partition
 from ..spec import LayerEntry, call_layer, normalize_layers, port_leaves, resolve
 from .flat import flatten, unflatten
+from .shm import release_own_shm
 
 __all__ = ["GraphPipelineModule", "PARTITION_METHODS"]
 
@@ -90,6 +91,9 @@ class GraphPipelineModule(PipelineModule):
         # tensor, k: a tuple of k), learned from the layouts of the received edges.
         self.in_arity: list[int] | None = None
         self.engine_attached = False
+        # The first communication: every rank has passed init_distributed, so each can unlink its
+        # DeepSpeed shm file now (the memory stays mapped) and nothing is left in /dev/shm.
+        release_own_shm()
         super().__init__(layers=[e.layer for e in self._entries], num_stages=num_stages, topology=topology,
                          loss_fn=loss_fn, seed_layers=seed_layers, seed_fn=seed_fn, base_seed=base_seed,
                          partition_method="graph", activation_checkpoint_interval=activation_checkpoint_interval,
