@@ -34,9 +34,10 @@ from ..planner.plan import Plan
 from ..planner.search import graphpipe_partition, proxy_costs
 from ..graph.placement import Placement
 from ..graph.stages import Partition, StageSpec, derive_partition
-from ..spec import LayerEntry, call_layer, normalize_layers, resolve
+from ..spec import LayerEntry, call_layer, normalize_layers, port_leaves, resolve
 from .compat import pipeline_grid
 from .flat import flatten, unflatten
+from .shm import release_own_shm
 from .topology import StageGrid, StageTopology
 
 __all__ = ["GraphPipelineModule", "PARTITION_METHODS"]
@@ -102,6 +103,9 @@ class GraphPipelineModule(PipelineModule):
         self.in_arity: list[int] | None = None
         self.engine_attached = False
         self.placement: Placement = placement
+        # The first communication: every rank has passed init_distributed, so each can unlink its
+        # DeepSpeed shm file now (the memory stays mapped) and nothing is left in /dev/shm.
+        release_own_shm()
         # The parent builds DeepSpeed's cartesian grid by name; ours answers the same queries per stage.
         with pipeline_grid(lambda process_group=None, topology=None: StageGrid(placement, topology)):
             super().__init__(layers=[e.layer for e in self._entries], topology=StageTopology(placement),
@@ -177,7 +181,7 @@ class GraphPipelineModule(PipelineModule):
             self._run(env, range(len(self._local_entries)))
         if self.is_output_stage:
             return resolve(env, TensorRef(self.graph.output))
-        return tuple(resolve(env, ref) for ref in self.stage_spec.out_ports)
+        return tuple(port_leaves(ref, resolve(env, ref)) for ref in self.stage_spec.out_ports)
 
     def _run(self, env: dict, local_idxs) -> None:
         for i in local_idxs:
