@@ -152,19 +152,20 @@ def _plan(args) -> None:
 
 
 def _how_to_run(plan: Plan, path: str | None) -> str:
-    """How to train with ``plan``, or why the engine cannot run it as is."""
-    dp = plan.uniform_devices
-    if dp is None:
-        degrees = [s.devices for s in plan.stages]
-        return (f"  not runnable as is: stages use different device counts {degrees}, and the engine runs one "
-                f"data-parallel degree for all stages; for a runnable plan use --method graphpipe --space runtime "
-                f"or a ds-* method")
-    # A plan's micro-batch is split over a stage's data-parallel replicas (StageCostModel), so each
-    # GPU sees micro_batch / dp samples and DeepSpeed's train_batch_size is the mini-batch.
-    text = (f"  to run it: GraphPipelineModule(layers, ..., num_stages={plan.num_stages}, "
-            f'partition_method="{path or "plan.json"}") on {plan.num_devices} ranks ({dp}-way data parallel)\n'
+    """The launch line and DeepSpeed config values that run ``plan`` as planned."""
+    degrees = [s.devices for s in plan.stages]
+    bad = [i for i, n in enumerate(degrees) if plan.micro_batch % n]
+    if bad:
+        return (f"  not runnable as is: stage {bad[0]} runs on {degrees[bad[0]]} devices, which do not split the "
+                f"micro-batch of {plan.micro_batch} into equal shards")
+    # Stage s splits each micro-batch over its degrees[s] ranks (StageCostModel; the engine does
+    # the same), so the DeepSpeed values describe the pipeline: the micro-batch of the plan.
+    spread = "one rank per stage" if set(degrees) == {1} else f"ranks per stage {degrees}"
+    text = (f'  to run it: GraphPipelineModule(layers, ..., partition_method="{path or "plan.json"}") on '
+            f"{plan.num_devices} ranks ({spread}), e.g. deepspeed --num_gpus {plan.num_devices} train.py\n"
             f'  DeepSpeed config: "train_batch_size": {plan.mini_batch}, "train_micro_batch_size_per_gpu": '
-            f'{plan.micro_batch // dp}, "gradient_accumulation_steps": {plan.num_microbatches}'
+            f'{plan.micro_batch}, "gradient_accumulation_steps": {plan.num_microbatches}'
+            f"{'' if set(degrees) == {1} else ' (each rank of stage s processes micro-batch / ranks of s rows)'}"
             + ("" if path else "\n  (write the plan with -o plan.json)"))
     if plan.pipeline == "chain":
         # The prediction relays every tensor along a chain; the engine sends along the stage DAG.
@@ -437,7 +438,7 @@ def _parser() -> argparse.ArgumentParser:
     search.add_argument("--devices", type=_positive, required=True, metavar="N", help="devices to plan for")
     search.add_argument("--mini-batch", type=_positive, required=True, metavar="B", help="samples per iteration")
     search.add_argument("--space", choices=("full", "runtime"), help="graphpipe: per-stage degrees (full, "
-                        "the default) or one degree for all stages (runtime, what the engine runs)")
+                        "the default) or one degree for all stages (runtime); the engine runs both")
 
     p = sub.add_parser("profile", parents=[common, sweep], help="write a model's cost database")
     p.add_argument("model", metavar="MODEL", help=f"one of {', '.join(sorted(BUILDERS))}")

@@ -181,3 +181,15 @@ def test_the_installed_gpp_script_prints_help():
     assert proc.returncode == 0, proc.stderr
     for command in ("profile", "plan", "simulate", "compare"):
         assert command in proc.stdout
+
+
+def test_gpp_plan_defaults_to_the_full_space_and_prints_the_launch_and_batch_values_that_run_it(costs, tmp_path,
+                                                                                                  capsys):
+    path = tmp_path / "full.json"
+    assert gpp("plan", costs, "--devices", DEVICES, "--mini-batch", MINI_BATCH, "-o", path, "--quiet") == 0
+    out = capsys.readouterr().out
+    plan = Plan.load(path)
+    assert f"deepspeed --num_gpus {plan.num_devices}" in out and f"on {plan.num_devices} ranks" in out
+    assert (f'"train_batch_size": {plan.mini_batch}, "train_micro_batch_size_per_gpu": {plan.micro_batch}, '
+            f'"gradient_accumulation_steps": {plan.num_microbatches}') in out
+    assert "not runnable" not in out

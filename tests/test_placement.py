@@ -41,12 +41,22 @@ def test_shard_rows_tile_the_micro_batch():
     assert [shard_rows(6, 3, i) for i in range(3)] == [(0, 2), (2, 4), (4, 6)]
 
 
-def test_placement_gives_each_stage_contiguous_ranks_replica_after_replica():
+def test_placement_gives_each_stage_contiguous_ranks_stage_by_stage_as_deepspeed_does():
     p = Placement.build((2, 1, 1), world_size=8)
-    assert [p.ranks(s, 0) for s in range(3)] == [(0, 1), (2, ), (3, )]
-    assert [p.ranks(s, 1) for s in range(3)] == [(4, 5), (6, ), (7, )]
-    assert p.stage_group(0) == (0, 1, 4, 5) and p.replica_group(1) == (4, 5, 6, 7)
-    assert [p.locate(r).stage for r in range(8)] == [0, 0, 1, 2, 0, 0, 1, 2]
+    assert [p.ranks(s, 0) for s in range(3)] == [(0, 1), (4, ), (6, )]
+    assert [p.ranks(s, 1) for s in range(3)] == [(2, 3), (5, ), (7, )]
+    assert p.stage_group(0) == (0, 1, 2, 3) and p.replica_group(1) == (2, 3, 5, 7)
+    assert [(p.locate(r).stage, p.locate(r).replica) for r in range(8)] == [
+        (0, 0), (0, 0), (0, 1), (0, 1), (1, 0), (1, 1), (2, 0), (2, 1)]
+
+
+def test_placement_with_one_rank_per_stage_is_deepspeeds_pipe_data_topology():
+    from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
+    topo = PipeDataParallelTopology(num_pp=3, num_dp=2)
+    p = Placement.build((1, 1, 1), world_size=6)
+    for rank in range(6):
+        coord = topo.get_coord(rank)
+        assert (p.locate(rank).stage, p.locate(rank).replica) == (coord.pipe, coord.data)
 
 
 def test_placement_keeps_a_stage_that_fits_in_a_node_inside_one_node():
@@ -72,3 +82,24 @@ def test_the_deepspeed_internals_reached_into_are_those_of_the_pinned_deepspeed(
     assert compat.installed_version() == compat.DEEPSPEED_VERSION, (
         "engine/compat.py reaches into DeepSpeed internals (PipelineParallelGrid by name, ZeRO's "
         "_model_parallel_all_reduce); check them against the new version, then update DEEPSPEED_VERSION")
+
+
+def test_the_simulator_charges_a_link_latency_for_each_message_resharding_adds():
+    from costdbs import chain, hardware
+    from gpp_deepspeed.planner import CommFit, Plan, PlanStage
+    from gpp_deepspeed.planner.simulate import simulate_plan
+
+    alpha = 1e-3
+    db = chain(2, out_bytes={"l0": 4}, hw=hardware(link=CommFit(alpha_s=alpha, beta_s_per_byte=0.0)))
+
+    def stage_costs(degrees):
+        plan = Plan(model="m", method="manual", source="test", micro_batch=6, mini_batch=12,
+                    stages=(PlanStage(layers=("l0",), devices=degrees[0]), PlanStage(layers=("l1",), devices=degrees[1])))
+        return simulate_plan(plan, db).stage_costs
+
+    same = stage_costs((2, 2))
+    resharded = stage_costs((2, 3))   # consumer rows [2, 4) come from both producers; producer 0 sends to 2 ranks
+    assert resharded[0].fwd_s == pytest.approx(same[0].fwd_s + alpha)
+    assert resharded[0].bwd_s == pytest.approx(same[0].bwd_s + alpha)
+    compute_ratio = 2 / 3   # stage 1's shard shrinks from 3 to 2 rows; the edge itself is one more message
+    assert resharded[1].fwd_s - alpha == pytest.approx((same[1].fwd_s - alpha) * compute_ratio + alpha)

@@ -88,13 +88,16 @@ class RankPlace:
 class Placement:
     """Stage ``s`` on ``degrees[s]`` contiguous ranks in each of ``replicas`` copies of the DAG.
 
-    ``order`` is the order in which stage blocks are laid out, replica after replica: stage
-    order, except that a stage that fits in one node (``local_size`` ranks) is not split across
-    two when another order of the blocks avoids it (see :meth:`build`).
+    Ranks are laid out stage by stage, as DeepSpeed's ``PipeDataParallelTopology`` lays them out
+    (with every degree 1 the two agree rank for rank): the block of stage ``s`` holds its
+    ``replicas * degrees[s]`` ranks, replica after replica, so a stage's ranks are contiguous and
+    its gradient all-reduce stays as local as possible. ``order`` is the order of the stage blocks:
+    stage order, except that a block that fits in one node (``local_size`` ranks) is not split
+    across two when another order avoids it (see :meth:`build`).
 
     >>> p = Placement.build((2, 1, 1), world_size=8)
-    >>> p.replicas, p.ranks(0, 0), p.ranks(0, 1), p.locate(6)
-    (2, (0, 1), (4, 5), RankPlace(stage=1, replica=1, idx=0))
+    >>> p.replicas, p.ranks(0, 0), p.ranks(0, 1), p.ranks(1, 1), p.locate(5)
+    (2, (0, 1), (2, 3), (5,), RankPlace(stage=1, replica=1, idx=0))
     """
 
     degrees: tuple[int, ...]
@@ -116,8 +119,9 @@ class Placement:
             raise GPPConfigError(f"stage degrees {list(degrees)} need {per_replica} ranks per copy of the stage DAG, "
                                  f"which does not divide the world size ({world_size}); launch "
                                  f"{per_replica} ranks (or a multiple of {per_replica} for data-parallel replicas)")
-        return cls(degrees=degrees, replicas=world_size // per_replica,
-                   order=_pack(degrees, local_size or world_size))
+        replicas = world_size // per_replica
+        return cls(degrees=degrees, replicas=replicas,
+                   order=_pack(tuple(n * replicas for n in degrees), local_size or world_size))
 
     def __post_init__(self):
         if not self.order:
@@ -137,7 +141,8 @@ class Placement:
 
     def _first(self, stage: int, replica: int) -> int:
         pos = self.order.index(stage)
-        return replica * self.ranks_per_replica + sum(self.degrees[s] for s in self.order[:pos])
+        block = self.replicas * sum(self.degrees[s] for s in self.order[:pos])
+        return block + replica * self.degrees[stage]
 
     def ranks(self, stage: int, replica: int) -> tuple[int, ...]:
         """The global ranks of ``stage`` in ``replica``, by index."""
@@ -150,19 +155,20 @@ class Placement:
 
     def replica_group(self, replica: int) -> tuple[int, ...]:
         """Every rank of one copy of the stage DAG, sorted."""
-        first = replica * self.ranks_per_replica
-        return tuple(range(first, first + self.ranks_per_replica))
+        return tuple(sorted(r for s in range(self.num_stages) for r in self.ranks(s, replica)))
 
     def locate(self, rank: int) -> RankPlace:
         """The stage, replica and index of ``rank``."""
         if not 0 <= rank < self.world_size:
             raise GPPConfigError(f"rank {rank} is outside a placement of {self.world_size} ranks")
-        replica, pos = divmod(rank, self.ranks_per_replica)
+        pos = rank
         for s in self.order:
-            if pos < self.degrees[s]:
-                return RankPlace(s, replica, pos)
-            pos -= self.degrees[s]
-        raise AssertionError("unreachable: the stage blocks cover the replica")
+            size = self.replicas * self.degrees[s]
+            if pos < size:
+                replica, idx = divmod(pos, self.degrees[s])
+                return RankPlace(s, replica, idx)
+            pos -= size
+        raise AssertionError("unreachable: the stage blocks cover the world")
 
     def check_micro_batch(self, micro_batch: int) -> None:
         """Raise a :class:`GPPConfigError` naming the first stage whose degree does not divide
@@ -174,8 +180,9 @@ class Placement:
                                      f"a multiple of every stage degree {list(self.degrees)}")
 
 
-def _pack(degrees: tuple[int, ...], local_size: int) -> tuple[int, ...]:
-    """Order stage blocks so that a stage that fits in a node stays in one (greedy, stable).
+def _pack(sizes: tuple[int, ...], local_size: int) -> tuple[int, ...]:
+    """Order stage blocks of ``sizes`` ranks so that a block that fits in a node stays in one
+    (greedy, stable).
 
     At each position take the first stage, in stage order, that fits in what is left of the
     current node; if none does, the first one (it has to cross a node boundary anyway, or
@@ -186,13 +193,13 @@ def _pack(degrees: tuple[int, ...], local_size: int) -> tuple[int, ...]:
     >>> _pack((2, 1, 1), 8)
     (0, 1, 2)
     """
-    left = list(range(len(degrees)))
+    left = list(range(len(sizes)))
     order: list[int] = []
     pos = 0
     while left:
         room = local_size - pos % local_size
-        pick = next((s for s in left if degrees[s] <= room), left[0])
+        pick = next((s for s in left if sizes[s] <= room), left[0])
         order.append(pick)
         left.remove(pick)
-        pos += degrees[pick]
+        pos += sizes[pick]
     return tuple(order)

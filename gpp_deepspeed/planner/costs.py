@@ -35,8 +35,10 @@ from typing import Iterable, Sequence
 
 from ..errors import GPPConfigError
 from ..graph.ir import LayerGraph, build_layer_graph
+from ..graph.placement import reshard
 
-__all__ = ["CommFit", "LayerCost", "Hardware", "CostDB", "StageCost", "StageCostModel", "micro_batch_sizes"]
+__all__ = ["CommFit", "LayerCost", "Hardware", "CostDB", "StageCost", "StageCostModel", "micro_batch_sizes",
+           "reshard_messages", "extra_reshard_messages"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -211,6 +213,10 @@ class StageCostModel:
       ``comm(bytes * b / n)`` each (affine fit, GraphPipe Sec. 5);
     * all-reduce: ring, ``2 (n-1)/n * param_bytes`` per device plus ``2 (n-1)`` latencies, once
       per mini-batch; its share per micro-batch is ``b / B`` of it.
+    * resharding: between stages of different degrees a rank's rows come from (or go to) several
+      ranks of the peer stage, the bytes unchanged (each rank moves only its own rows, as the
+      engine does); each message beyond the first costs one more link latency
+      (``extra_messages``, see :func:`extra_reshard_messages`).
     """
 
     db: CostDB
@@ -296,13 +302,16 @@ class StageCostModel:
                                   if self.consumers[i] & ~before)))
         return [(cuts[k - 1] if k > 0 else 0.0, cuts[k] if k < len(cuts) else 0.0) for k in range(len(masks))]
 
-    def stage(self, mask: int, b: int, n: int, *, boundary: tuple[float, float] | None = None) -> StageCost:
+    def stage(self, mask: int, b: int, n: int, *, boundary: tuple[float, float] | None = None,
+              extra_messages: int = 0) -> StageCost:
         """Price layer set ``mask`` as one stage with micro-batch ``b`` on ``n`` devices.
 
         ``boundary`` overrides the bytes per sample entering and leaving the stage (a chain
-        pipeline relays skip tensors, see :meth:`chain_boundaries`).
+        pipeline relays skip tensors, see :meth:`chain_boundaries`). ``extra_messages`` is the
+        number of additional messages a rank of the stage exchanges per micro-batch and direction
+        because its neighbours have other degrees (:func:`extra_reshard_messages`).
         """
-        key = (mask, b, n, boundary)
+        key = (mask, b, n, boundary, extra_messages)
         hit = self._cache.get(key)
         if hit is not None:
             return hit
@@ -320,8 +329,8 @@ class StageCostModel:
             stash += layers[i].stash_bytes
         in_b, out_b = self.boundary_bytes(mask) if boundary is None else boundary
         # Activations arrive before the forward and leave after it; gradients mirror them.
-        fwd += self.link.time(in_b * shard) + self.link.time(out_b * shard)
-        bwd += self.link.time(out_b * shard) + self.link.time(in_b * shard)
+        fwd += self.link.time(in_b * shard) + self.link.time(out_b * shard) + extra_messages * self.link.alpha_s
+        bwd += self.link.time(out_b * shard) + self.link.time(in_b * shard) + extra_messages * self.link.alpha_s
         allreduce = 0.0
         if n > 1 and params > 0:
             ring = hw.link(n)
@@ -354,3 +363,32 @@ def micro_batch_sizes(mini_batch: int, candidates: Sequence[int] | None = None) 
     if candidates is not None:
         return sorted(b for b in candidates if mini_batch % b == 0)
     return [1 << i for i in range(int(math.log2(mini_batch)) + 1) if mini_batch % (1 << i) == 0]
+
+
+def reshard_messages(num_src: int, num_dst: int) -> tuple[int, int]:
+    """Messages per micro-batch on one edge from a stage of ``num_src`` ranks to one of
+    ``num_dst``: the most any producer rank sends and the most any consumer rank receives
+    (:func:`~gpp_deepspeed.graph.placement.reshard`, what the engine exchanges).
+
+    >>> reshard_messages(2, 3), reshard_messages(1, 4), reshard_messages(2, 2)
+    ((2, 2), (4, 1), (1, 1))
+    """
+    transfers = reshard(math.lcm(num_src, num_dst), num_src=num_src, num_dst=num_dst)
+    sends = max(sum(1 for t in transfers if t.src_idx == i) for i in range(num_src))
+    recvs = max(sum(1 for t in transfers if t.dst_idx == j) for j in range(num_dst))
+    return sends, recvs
+
+
+def extra_reshard_messages(edges: Iterable[tuple[int, int]], degrees: Sequence[int]) -> list[int]:
+    """Per stage: messages beyond one per edge that resharding adds to each micro-batch (each
+    direction), over the stage's in-edges (receives) and out-edges (sends).
+
+    >>> extra_reshard_messages([(0, 2), (1, 2)], [1, 1, 2])   # stage 2's ranks each get one message per edge
+    [1, 1, 0]
+    """
+    extra = [0] * len(degrees)
+    for src, dst in edges:
+        sends, recvs = reshard_messages(degrees[src], degrees[dst])
+        extra[src] += sends - 1
+        extra[dst] += recvs - 1
+    return extra

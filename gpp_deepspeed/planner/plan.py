@@ -95,7 +95,7 @@ class Plan:
 
     @property
     def uniform_devices(self) -> int | None:
-        """The common data-parallel degree, or None when stages differ (not runnable today)."""
+        """The common data-parallel degree, or None when stages differ."""
         degrees = {s.devices for s in self.stages}
         return degrees.pop() if len(degrees) == 1 else None
 

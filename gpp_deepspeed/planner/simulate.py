@@ -18,7 +18,7 @@ from ..graph.stages import StageGraph
 from ..schedule.generators import build_schedule
 from ..schedule.ir import Action, ActionKind as K, Schedule
 from ..schedule.validate import Timeline, simulate
-from .costs import CostDB, StageCost, StageCostModel
+from .costs import CostDB, StageCost, StageCostModel, extra_reshard_messages
 from .plan import Plan, Prediction
 
 __all__ = ["SimulatedPlan", "simulate_plan", "predict"]
@@ -50,7 +50,10 @@ def simulate_plan(plan: Plan, db: CostDB, *, schedule: str = "1f1b") -> Simulate
         stage_graph = StageGraph.chain(plan.num_stages)
         bounds = model.chain_boundaries(masks)
     b = plan.micro_batch
-    costs = tuple(model.stage(m, b, s.devices, boundary=bd) for m, s, bd in zip(masks, plan.stages, bounds))
+    degrees = [s.devices for s in plan.stages]
+    extra = extra_reshard_messages(((e.src, e.dst) for e in stage_graph.edges), degrees)
+    costs = tuple(model.stage(m, b, s.devices, boundary=bd, extra_messages=x)
+                  for m, s, bd, x in zip(masks, plan.stages, bounds, extra))
     lists = build_schedule(stage_graph, plan.num_microbatches, name=schedule)
 
     def duration(a: Action) -> float:
@@ -69,7 +72,7 @@ def simulate_plan(plan: Plan, db: CostDB, *, schedule: str = "1f1b") -> Simulate
     span = timeline.makespan
     busy = tuple(timeline.busy(s) for s in range(plan.num_stages))
     device_busy = sum(t * s.devices for t, s in zip(busy, plan.stages))
-    tps = max(model.time_per_sample(m, b, s.devices, boundary=bd) for m, s, bd in zip(masks, plan.stages, bounds))
+    tps = max((c.fwd_s + c.bwd_s + c.allreduce_s * b / plan.mini_batch) / b for c in costs)
     prediction = Prediction(
         iteration_time_s=span, samples_per_s=plan.mini_batch / span if span > 0 else float("inf"),
         bottleneck_tps_s=tps, peak_mem_bytes=max(mem), stage_mem_bytes=mem, stage_in_flight=in_flight,
