@@ -15,7 +15,7 @@ pytestmark = pytest.mark.dist
 
 MODELS = ["chain", "diamond", "four_branch", "skip", "fanout3", "three_input"]
 # Models whose shape is forced by an explicit partition at this stage count (see tests/models.py).
-EXPLICIT = {3: {"skip", "fanout3"}, 4: {"diamond", "skip", "fanout3", "tied", "varlen"}}
+EXPLICIT = {2: {"glue_out"}, 3: {"skip", "fanout3"}, 4: {"diamond", "skip", "fanout3", "tied", "varlen"}}
 BASE = {"steps": 3, "mbs": 4, "gas": 4, "lr": 0.1}
 
 
@@ -31,6 +31,14 @@ def golden(stages):
     return [case(m, stages, z) for m in MODELS for z in (0, 1)]
 
 
+# Stages without parameters (glue only), under every partition method, SGD and DeepSpeed's Adam,
+# ZeRO-0 and ZeRO-1, and a glue loss stage in pipe 2 x data 2.
+GLUE = [case("glue", 4, 0, partition="uniform"), case("glue", 4, 1, partition="parameters"),
+        case("glue", 4, 0, partition="sequential", optimizer="adam", lr=0.01),
+        case("glue", 4, 1, partition="graphpipe", optimizer="adam", lr=0.01),
+        case("glue_out", 4, 1, partition="sequential"), case("glue_out", 4, 0, partition="uniform", optimizer="adam",
+                                                              lr=0.01),
+        case("glue_out", 2, 1, optimizer="adam", lr=0.01)]
 WORLDS = {
     2: golden(2),
     3: golden(3),
@@ -40,7 +48,8 @@ WORLDS = {
        case("fanout3", 4, 1, schedule="gpipe"), case("tied", 4, 0), case("tied", 4, 1),
        case("varlen", 4, 1),  # dynamic_shape: activation shapes change every micro-batch
        case("four_branch", 4, 1, partition="graphpipe"),  # GraphPipe's search on every rank
-       case("four_branch", 4, 0, partition="golden/plan_four_branch_s4.json")],  # a plan file
+       case("four_branch", 4, 0, partition="golden/plan_four_branch_s4.json")]  # a plan file
+    + GLUE,
 }
 ALL = [(world, c) for world, cases in WORLDS.items() for c in cases]
 
@@ -68,3 +77,9 @@ def test_pipeline_training_matches_single_device_model(run_cases, world, c):
             torch.testing.assert_close(value, ref.state[name], rtol=1e-5, atol=1e-6, msg=name)
             seen.add(name)
     assert seen == set(ref.state), "every parameter lives on exactly the stages that own it"
+
+
+@pytest.mark.parametrize("c", GLUE, ids=[c["id"] for c in GLUE])
+def test_glue_cases_have_a_stage_without_parameters(run_cases, c):
+    ranks = _load(run_cases("golden_w4", 4, WORLDS[4]), c, 4)
+    assert any(not res["state"] for res in ranks), [sorted(res["state"]) for res in ranks]
