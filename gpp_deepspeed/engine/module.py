@@ -33,7 +33,7 @@ from ..planner.costs import CostDB
 from ..planner.plan import Plan
 from ..planner.search import graphpipe_partition, proxy_costs
 from ..graph.stages import Partition, StageSpec, derive_partition
-from ..spec import LayerEntry, call_layer, normalize_layers, resolve
+from ..spec import LayerEntry, call_layer, normalize_layers, port_leaves, resolve
 from .flat import flatten, unflatten
 from .shm import release_own_shm
 
@@ -150,21 +150,22 @@ class GraphPipelineModule(PipelineModule):
             self._run(env, range(len(self._local_entries)))
         if self.is_output_stage:
             return self._touch_placeholder(resolve(env, TensorRef(self.graph.output)))
-        return self._touch_placeholder(tuple(resolve(env, ref) for ref in self.stage_spec.out_ports))
+        return self._touch_placeholder(tuple(port_leaves(ref, resolve(env, ref)) for ref in self.stage_spec.out_ports))
 
     def _touch_placeholder(self, outputs):
-        """``outputs`` (a tensor, or a tuple of tensors and tuples of tensors) with
+        """``outputs`` (a tensor, or tuples / lists of tensors) with
         ``0 * glue_placeholder`` added to its first floating-point tensor: the values do not change
         (x + 0.0 == x) and the placeholder joins the autograd graph."""
         if self.glue_placeholder is None or not torch.is_grad_enabled():
             return outputs
         if torch.is_tensor(outputs):
             return outputs + 0 * self.glue_placeholder.to(outputs.dtype).sum() if outputs.is_floating_point() else outputs
-        if isinstance(outputs, tuple):
+        if isinstance(outputs, (tuple, list)):
             for i, value in enumerate(outputs):
                 touched = self._touch_placeholder(value)
                 if touched is not value:
-                    return outputs[:i] + (touched, ) + outputs[i + 1:]
+                    rebuilt = [*outputs[:i], touched, *outputs[i + 1:]]
+                    return outputs._make(rebuilt) if hasattr(outputs, "_make") else type(outputs)(rebuilt)
         return outputs
 
     def _run(self, env: dict, local_idxs) -> None:
