@@ -26,6 +26,7 @@ EXPECTED = {  # case -> words the message must contain
     "plan_wrong_world_size": ["3 devices", "[1, 2]", "world size is 2"],
     "micro_batch_not_divisible_by_degree": ["stage 0 runs on 2 ranks", "3 samples"],
     "wrong_number_of_inputs": ["1 tensor(s)", "['x']", "tuple of 2"],
+    "split_schedule_with_checkpointing": ['"zb1"', "activation_checkpoint_interval=0", "1f1b"],
 }
 
 

@@ -29,11 +29,12 @@ from deepspeed.runtime.pipe.engine import (PIPE_RECV_GRAD_TIMER, PIPE_RECV_INPUT
                                             PIPE_SEND_OUTPUT_TIMER, PipelineEngine)
 from deepspeed.utils import logger
 
-from ..config import GraphPipelineConfig
+from ..config import GraphPipelineConfig, with_plan_schedule
 from ..errors import GPPConfigError
 from ..schedule.generators import build_schedule
 from ..schedule.ir import Action, ActionKind as K, format_schedule
 from ..schedule.validate import validate_schedule
+from ..schedule.zero_bubble import buffers_needed
 from .flat import flatten, port_ranges, unflatten
 from .compat import count_each_stage_once
 from .instructions import (GraphPipeSchedule, RecvActivationFrom, RecvGradFrom, SendActivationTo, SendGradTo,
@@ -41,10 +42,11 @@ from .instructions import (GraphPipeSchedule, RecvActivationFrom, RecvGradFrom, 
 from .module import GraphPipelineModule
 from .p2p import EdgeTransport
 from .reshard import cut_rows, edge_peers, grad_scale, join_rows
+from .split_engine import SPLIT_SCHEDULES, SplitBackwardMixin, check_split_backward_supported
 
 __all__ = ["GraphPipelineEngine"]
 
-_EXTRA_BUFFERS = ("loaded", "received", "grads", "losses")
+_EXTRA_BUFFERS = ("loaded", "received", "grads", "losses", "weight_grad")
 _WAITING = frozenset({K.RECV_F, K.RECV_B, K.WAIT_SENDS})
 
 
@@ -64,20 +66,24 @@ def _wall_clock(timer: str, handler):
     return timed
 
 
-class GraphPipelineEngine(PipelineEngine):
+class GraphPipelineEngine(SplitBackwardMixin, PipelineEngine):
     """Trains a :class:`GraphPipelineModule`; built by :func:`gpp_deepspeed.initialize`."""
 
     def __init__(self, *args, gpp_config: GraphPipelineConfig | None = None, **kwargs):
         # The parent's __init__ warms up p2p along stage ids 0..S-1 with is_first/last_stage() in
         # their linear sense; the DAG meaning applies once construction is over.
         self._dag_ready = False
+        # The config's schedule wins over the one a loaded plan was priced with (see config.py).
+        gpp_config = with_plan_schedule(gpp_config or GraphPipelineConfig(),
+                                        getattr(kwargs.get("model"), "plan_schedule", None))
+        check_split_backward_supported(gpp_config.schedule, kwargs.get("model"))
         super().__init__(*args, **kwargs)
         if not isinstance(self.module, GraphPipelineModule):
             raise GPPConfigError("GraphPipelineEngine needs a GraphPipelineModule")
         if self.is_pipe_partitioned or self.is_grad_partitioned:
             raise GPPConfigError('"pipeline.pipe_partitioned" and "pipeline.grad_partitioned" (tensor-parallel '
                                  "activation partitioning) are not supported by the graph pipeline; set them false")
-        self.gpp_config = gpp_config or GraphPipelineConfig()
+        self.gpp_config = gpp_config
         self.spec = self.module.stage_spec
         self.stage_graph = self.module.partition.stage_graph
         self.transport = EdgeTransport(self.grid, self.device, stage=self.stage_id,
@@ -103,6 +109,14 @@ class GraphPipelineEngine(PipelineEngine):
             self.pipe_buffers[key] = [None] * self.num_pipe_buffers
         self.module.engine_attached = True
         self._dag_ready = True
+        if self.training_data:
+            if any(n > 1 for n in self.placement.degrees):
+                # DeepSpeed's loader shards samples over a stage's data-parallel ranks, but the ranks of
+                # a stage of several need the same samples as the single ranks of the others.
+                raise GPPConfigError(f"training_data= with per-stage degrees {list(self.placement.degrees)} is not "
+                                     "supported: pass the batches to train_batch(data_iter=...), every rank of a "
+                                     "replica the same micro-batches")
+            self._place_data_iter()
         if self.gpp_config.print_stage_graph and self.global_rank == 0:
             print(self.module.partition.describe(), flush=True)
 
@@ -119,6 +133,20 @@ class GraphPipelineEngine(PipelineEngine):
         finally:
             for p in scalars:
                 p.data = p.data.view(())
+
+    def _place_data_iter(self) -> None:
+        """Give ``training_data=``'s loader to the stages that read batches in the DAG.
+
+        DeepSpeed's constructor built it for the linear stages 0 and S-1 (``is_first/last_stage``
+        were linear then). Every stage that reads graph inputs, and the output stage (labels), needs
+        DeepSpeed's own loader: a ``DistributedSampler`` over the data-parallel replicas, unshuffled,
+        so the stages of one pipeline read the same samples in the same order and the replicas read
+        disjoint shards, as on a chain."""
+        if self.is_first_stage() or self.is_last_stage():
+            if self.data_iterator is None:
+                self._build_data_iter(self.training_data)
+        else:
+            self.data_iterator = None
 
     # -- roles ------------------------------------------------------------------------------------
 
@@ -168,9 +196,11 @@ class GraphPipelineEngine(PipelineEngine):
 
     # -- schedules ----------------------------------------------------------------------------------
 
-    def _num_buffers(self, stage: int, micro_batches: int, train: bool) -> int:
+    def _num_buffers(self, stage: int, micro_batches: int, train: bool, actions: list[Action]) -> int:
         if not train:
             return min(micro_batches, 2)
+        if self.gpp_config.schedule in SPLIT_SCHEDULES:  # W keeps a micro-batch's buffer after its I
+            return buffers_needed(actions)
         if self.gpp_config.schedule == "gpipe":
             return micro_batches
         return max(1, min(micro_batches, self.stage_graph.depth(stage)))
@@ -183,7 +213,7 @@ class GraphPipelineEngine(PipelineEngine):
             loading.add(self.stage_graph.output_stage)
             full = build_schedule(self.stage_graph, micro_batches, name=self.gpp_config.schedule, train=train,
                                   loading_stages=loading)
-            buffers = {s: self._num_buffers(s, micro_batches, train) for s in full}
+            buffers = {s: self._num_buffers(s, micro_batches, train, full[s]) for s in full}
             if self.gpp_config.validate_schedule:
                 validate_schedule(full, self.stage_graph, micro_batches, train=train, num_buffers=buffers)
             if self.global_rank == 0:
@@ -444,6 +474,7 @@ class GraphPipelineEngine(PipelineEngine):
         SendGradTo: _wall_clock(PIPE_SEND_GRAD_TIMER, _exec_send_grads_to),
         RecvGradFrom: _wall_clock(PIPE_RECV_GRAD_TIMER, _exec_recv_grads_from),
         WaitSends: _exec_wait_sends,
+        **SplitBackwardMixin._SPLIT_INSTRUCTIONS,
     }
 
 
