@@ -28,10 +28,13 @@ class GraphPipelineConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    schedule: Literal["1f1b", "gpipe"] = "1f1b"
+    schedule: Literal["1f1b", "gpipe", "pipedream", "2bw", "pipeoptim"] = "1f1b"
     """Training schedule: ``"1f1b"`` is the branch-aware synchronous 1F1B (PipeDream-Flush on a
     DAG, GraphPipe's default); ``"gpipe"`` runs every forward before any backward (more
-    activation memory, useful as a baseline)."""
+    activation memory, useful as a baseline). ``"pipedream"``, ``"2bw"`` and ``"pipeoptim"`` are
+    asynchronous: the pipeline never drains between batches (``engine.flush()`` drains it) and
+    weights update inside it; see :mod:`gpp_deepspeed.schedule.asynchronous` for what each
+    computes."""
 
     validate_schedule: bool = True
     """Check every stage's instruction list for deadlock and buffer misuse before running it."""

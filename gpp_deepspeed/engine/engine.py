@@ -31,10 +31,12 @@ from deepspeed.utils import logger
 
 from ..config import GraphPipelineConfig
 from ..errors import GPPConfigError
+from ..schedule.asynchronous import is_async
 from ..schedule.generators import build_schedule
 from ..schedule.ir import Action, ActionKind as K, format_schedule
 from ..schedule.validate import validate_schedule
 from .flat import flatten, port_ranges, unflatten
+from . import asynchronous as _async
 from .instructions import (GraphPipeSchedule, RecvActivationFrom, RecvGradFrom, SendActivationTo, SendGradTo,
                            WaitSends)
 from .module import GraphPipelineModule
@@ -42,7 +44,7 @@ from .p2p import EdgeTransport
 
 __all__ = ["GraphPipelineEngine"]
 
-_EXTRA_BUFFERS = ("loaded", "received", "grads", "losses")
+_EXTRA_BUFFERS = ("loaded", "received", "grads", "losses", "grads_sent")
 _WAITING = frozenset({K.RECV_F, K.RECV_B, K.WAIT_SENDS})
 
 
@@ -92,6 +94,10 @@ class GraphPipelineEngine(PipelineEngine):
             self.pipe_buffers[key] = [None] * self.num_pipe_buffers
         self.module.engine_attached = True
         self._dag_ready = True
+        self._async = None
+        if is_async(self.gpp_config.schedule):
+            _async.check_async_options(self)
+            self._async = _async.AsyncPipeline(self)
         if self.gpp_config.print_stage_graph and self.global_rank == 0:
             print(self.module.partition.describe(), flush=True)
 
@@ -137,8 +143,11 @@ class GraphPipelineEngine(PipelineEngine):
             self._schedules[key] = (full[self.stage_id], buffers[self.stage_id])
         return self._schedules[key]
 
-    def _graph_pipe_schedule(self, micro_batches: int, train: bool) -> GraphPipeSchedule:
-        actions, buffers = self.graph_schedule(micro_batches, train=train)
+    def _graph_pipe_schedule(self, micro_batches: int, train: bool, *, flush: bool = False) -> GraphPipeSchedule:
+        if self._async is not None and train:
+            actions, buffers = self._async.segment(micro_batches, flush=flush), self._async.num_buffers()
+        else:
+            actions, buffers = self.graph_schedule(micro_batches, train=train)
         self.last_timeline = []
         return GraphPipeSchedule(actions, micro_batches=micro_batches, stages=self.num_stages,
                                  stage_id=self.stage_id, num_buffers=buffers, record=self.last_timeline)
@@ -156,7 +165,15 @@ class GraphPipelineEngine(PipelineEngine):
         return waiting / wall if wall > 0 else 0.0
 
     def train_batch(self, data_iter=None):
+        if self._async is not None:
+            self._async.in_batch = True
         loss = super().train_batch(data_iter)
+        if self._async is not None:
+            self._async.in_batch = False
+            # Updates are UPDATE actions inside the pipeline, not DeepSpeed's STEP: count the batch here.
+            self._async.batches += 1
+            self.global_steps += 1
+            self.global_samples += self.train_batch_size()
         if self.gpp_config.trace_dir is not None:
             self._trace(self.gpp_config.trace_dir)
         every = self.steps_per_print()
@@ -182,6 +199,27 @@ class GraphPipelineEngine(PipelineEngine):
 
     def _train_schedule(self):
         return self._graph_pipe_schedule(self.micro_batches, True)
+
+    def flush(self) -> None:
+        """Drain an asynchronous pipeline: run the backwards and updates of every micro-batch still
+        in flight, so the weights are final. Called before ``eval_batch`` and ``save_checkpoint``;
+        a no-op for the synchronous schedules and for an empty pipeline."""
+        if self._async is None or self._async.batches == 0:
+            return
+        self.module.train()
+        self._async.in_batch = True
+        self._exec_schedule(self._graph_pipe_schedule(self._async.micro_batches, True, flush=True))
+        self._async.in_batch = False
+        self._async.batches = 0
+        self._async.versions.reset()
+
+    def eval_batch(self, data_iter, *args, **kwargs):
+        self.flush()
+        return super().eval_batch(data_iter, *args, **kwargs)
+
+    def save_checkpoint(self, save_dir, *args, **kwargs):
+        self.flush()
+        return super().save_checkpoint(save_dir, *args, **kwargs)
 
     def _inference_schedule(self, micro_batches):
         return self._graph_pipe_schedule(micro_batches, False)
@@ -236,7 +274,11 @@ class GraphPipelineEngine(PipelineEngine):
                   for ref in self.spec.in_ports]
         flat, self.module.in_arity = flatten(values)
         self.pipe_buffers["inputs"][buffer_id] = tuple(flat)
-        super()._exec_forward_pass(buffer_id)
+        if self._async is not None and torch.is_grad_enabled():
+            with self._async.versions.forward_on_current():
+                super()._exec_forward_pass(buffer_id)
+        else:
+            super()._exec_forward_pass(buffer_id)
         if self.is_last_stage() and torch.is_grad_enabled():
             self.pipe_buffers["losses"][buffer_id] = self.loss
         if not torch.is_grad_enabled():
@@ -328,7 +370,11 @@ class GraphPipelineEngine(PipelineEngine):
         # A tensor this stage did not use still gets a (zero) gradient: the producer waits for one.
         grads = [t.grad if t.grad is not None else torch.zeros_like(t) for t in flat if t.is_floating_point()]
         self.transport.send_tensors(peer, grads)
-        if peer == next(reversed(self._in_edges)):
+        # Free the inputs after their last gradient send (asynchronous schedules may send to a far
+        # predecessor in a later batch than to a near one, so count instead of relying on order).
+        sent = self.pipe_buffers["grads_sent"][buffer_id] = (self.pipe_buffers["grads_sent"][buffer_id] or 0) + 1
+        if sent == len(self._in_edges):
+            self.pipe_buffers["grads_sent"][buffer_id] = None
             for key in ("inputs", "loaded", "received"):
                 self.pipe_buffers[key][buffer_id] = None
 
@@ -357,6 +403,9 @@ class GraphPipelineEngine(PipelineEngine):
         SendGradTo: _wall_clock(PIPE_SEND_GRAD_TIMER, _exec_send_grads_to),
         RecvGradFrom: _wall_clock(PIPE_RECV_GRAD_TIMER, _exec_recv_grads_from),
         WaitSends: _exec_wait_sends,
+        _async.StashWeights: _async.exec_stash,
+        _async.PredictWeights: _async.exec_predict,
+        _async.UpdateWeights: _async.exec_update,
     }
 
 

@@ -12,6 +12,7 @@ import time
 from deepspeed.runtime.pipe import schedule as ds
 
 from ..schedule.ir import Action, ActionKind as K
+from .asynchronous import WEIGHT_INSTRUCTIONS
 
 __all__ = ["SendActivationTo", "RecvActivationFrom", "SendGradTo", "RecvGradFrom", "WaitSends",
            "GraphPipeSchedule", "to_instruction"]
@@ -70,6 +71,8 @@ def to_instruction(action: Action, num_buffers: int) -> ds.PipeInstruction:
     """The DeepSpeed instruction that executes ``action``."""
     if action.kind in _SIMPLE:
         return _SIMPLE[action.kind]()
+    if action.kind in WEIGHT_INSTRUCTIONS:  # weight versions are named by micro-batch, not buffer
+        return WEIGHT_INSTRUCTIONS[action.kind](action.mb_idx)
     buffer_id = action.mb_idx % num_buffers
     if action.kind in _BUFFER:
         return _BUFFER[action.kind](buffer_id)

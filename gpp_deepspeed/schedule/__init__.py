@@ -7,10 +7,14 @@ from .ir import Action, ActionKind, Schedule, format_schedule
 from .generators import (SCHEDULES, add_epilogue, add_load, add_send_recv, build_schedule, forward_only,
                          get_schedule, gpipe, lower, one_f_one_b, warmup_forwards)
 from .validate import Timeline, default_duration, simulate, validate_schedule
+from .asynchronous import (ASYNC_SCHEDULES, AsyncReport, async_segment, is_async, predicted_updates,
+                           steady_batch_idx, validate_async)
 
 __all__ = [
     "Action", "ActionKind", "Schedule", "format_schedule",
     "SCHEDULES", "add_epilogue", "add_load", "add_send_recv", "build_schedule", "forward_only", "get_schedule",
     "gpipe", "lower", "one_f_one_b", "warmup_forwards",
     "Timeline", "default_duration", "simulate", "validate_schedule",
+    "ASYNC_SCHEDULES", "AsyncReport", "async_segment", "is_async", "predicted_updates", "steady_batch_idx",
+    "validate_async",
 ]

@@ -15,6 +15,7 @@ Representative forms::
 
     0LOAD0  0F0  0SEND_F0@2  2RECV_F0@0  2F0  2B0  2SEND_B0@0  0RECV_B0@2  0B0
     0WAIT_SENDS  0REDUCE_TIED  0REDUCE_GRAD  0STEP
+    0STASH4  0PREDICT4  0UPDATE4          (weight versions of the asynchronous schedules)
 """
 
 from __future__ import annotations
@@ -42,6 +43,11 @@ class ActionKind(str, Enum):
     REDUCE_TIED = "REDUCE_TIED"  # all-reduce gradients of tied layers across the stages sharing them
     REDUCE_GRAD = "REDUCE_GRAD"  # all-reduce gradients across data-parallel replicas of the stage
     STEP = "STEP"                # optimizer step
+    # Weight versions of the asynchronous schedules (schedule/asynchronous.py); their micro-batch
+    # index names a weight version: the micro-batch whose forward first runs on it.
+    STASH = "STASH"              # copy the stage's current weights into version mb_idx
+    PREDICT = "PREDICT"          # version mb_idx := the weights predicted for its backward (PipeOptim)
+    UPDATE = "UPDATE"            # optimizer step with version mb_idx's gradient, then free the version
 
     @property
     def has_mb(self) -> bool:
@@ -53,7 +59,8 @@ class ActionKind(str, Enum):
 
 
 _MB_KINDS = frozenset({ActionKind.LOAD, ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.SEND_F,
-                       ActionKind.RECV_F, ActionKind.SEND_B, ActionKind.RECV_B})
+                       ActionKind.RECV_F, ActionKind.SEND_B, ActionKind.RECV_B, ActionKind.STASH,
+                       ActionKind.PREDICT, ActionKind.UPDATE})
 _PEER_KINDS = frozenset({ActionKind.SEND_F, ActionKind.RECV_F, ActionKind.SEND_B, ActionKind.RECV_B})
 # Longest kinds first so that "SEND_F" is not read as "S" + ...
 _KIND_ALTERNATIVES = "|".join(sorted((re.escape(k.value) for k in ActionKind), key=len, reverse=True))
