@@ -29,22 +29,24 @@ from deepspeed.runtime.pipe.engine import (PIPE_RECV_GRAD_TIMER, PIPE_RECV_INPUT
                                             PIPE_SEND_OUTPUT_TIMER, PipelineEngine)
 from deepspeed.utils import logger
 
-from ..config import GraphPipelineConfig
+from ..config import GraphPipelineConfig, with_plan_schedule
 from ..errors import GPPConfigError
 from ..schedule.asynchronous import is_async
 from ..schedule.generators import build_schedule
 from ..schedule.ir import Action, ActionKind as K, format_schedule
 from ..schedule.validate import validate_schedule
+from ..schedule.zero_bubble import buffers_needed
 from .flat import flatten, port_ranges, unflatten
 from . import asynchronous as _async
 from .instructions import (GraphPipeSchedule, RecvActivationFrom, RecvGradFrom, SendActivationTo, SendGradTo,
                            WaitSends)
 from .module import GraphPipelineModule
 from .p2p import EdgeTransport
+from .split_engine import SPLIT_SCHEDULES, SplitBackwardMixin, check_split_backward_supported
 
 __all__ = ["GraphPipelineEngine"]
 
-_EXTRA_BUFFERS = ("loaded", "received", "grads", "losses", "grads_sent")
+_EXTRA_BUFFERS = ("loaded", "received", "grads", "losses", "weight_grad", "grads_sent")
 _WAITING = frozenset({K.RECV_F, K.RECV_B, K.WAIT_SENDS})
 
 
@@ -64,20 +66,24 @@ def _wall_clock(timer: str, handler):
     return timed
 
 
-class GraphPipelineEngine(PipelineEngine):
+class GraphPipelineEngine(SplitBackwardMixin, PipelineEngine):
     """Trains a :class:`GraphPipelineModule`; built by :func:`gpp_deepspeed.initialize`."""
 
     def __init__(self, *args, gpp_config: GraphPipelineConfig | None = None, **kwargs):
         # The parent's __init__ warms up p2p along stage ids 0..S-1 with is_first/last_stage() in
         # their linear sense; the DAG meaning applies once construction is over.
         self._dag_ready = False
+        # The config's schedule wins over the one a loaded plan was priced with (see config.py).
+        gpp_config = with_plan_schedule(gpp_config or GraphPipelineConfig(),
+                                        getattr(kwargs.get("model"), "plan_schedule", None))
+        check_split_backward_supported(gpp_config.schedule, kwargs.get("model"))
         super().__init__(*args, **kwargs)
         if not isinstance(self.module, GraphPipelineModule):
             raise GPPConfigError("GraphPipelineEngine needs a GraphPipelineModule")
         if self.is_pipe_partitioned or self.is_grad_partitioned:
             raise GPPConfigError('"pipeline.pipe_partitioned" and "pipeline.grad_partitioned" (tensor-parallel '
                                  "activation partitioning) are not supported by the graph pipeline; set them false")
-        self.gpp_config = gpp_config or GraphPipelineConfig()
+        self.gpp_config = gpp_config
         self.spec = self.module.stage_spec
         self.stage_graph = self.module.partition.stage_graph
         self.transport = EdgeTransport(self.grid, self.device, stage=self.stage_id,
@@ -101,6 +107,20 @@ class GraphPipelineEngine(PipelineEngine):
         if self.gpp_config.print_stage_graph and self.global_rank == 0:
             print(self.module.partition.describe(), flush=True)
 
+    def _broadcast_model(self):
+        """DeepSpeed's broadcast of the initial weights over data-parallel replicas, made to accept
+        0-dim parameters (CLIP's ``logit_scale``): DeepSpeed 0.19.8 sends each parameter as
+        ``p.data.view(torch.uint8)``, which torch refuses for a 0-dim tensor. Each one is viewed as
+        one element during the broadcast (same storage, so the received value lands in it)."""
+        scalars = [p for p in self.module.parameters() if p.dim() == 0]
+        for p in scalars:
+            p.data = p.data.view(1)
+        try:
+            super()._broadcast_model()
+        finally:
+            for p in scalars:
+                p.data = p.data.view(())
+
     # -- roles ------------------------------------------------------------------------------------
 
     def is_first_stage(self):
@@ -120,9 +140,11 @@ class GraphPipelineEngine(PipelineEngine):
 
     # -- schedules ----------------------------------------------------------------------------------
 
-    def _num_buffers(self, stage: int, micro_batches: int, train: bool) -> int:
+    def _num_buffers(self, stage: int, micro_batches: int, train: bool, actions: list[Action]) -> int:
         if not train:
             return min(micro_batches, 2)
+        if self.gpp_config.schedule in SPLIT_SCHEDULES:  # W keeps a micro-batch's buffer after its I
+            return buffers_needed(actions)
         if self.gpp_config.schedule == "gpipe":
             return micro_batches
         return max(1, min(micro_batches, self.stage_graph.depth(stage)))
@@ -135,7 +157,7 @@ class GraphPipelineEngine(PipelineEngine):
             loading.add(self.stage_graph.output_stage)
             full = build_schedule(self.stage_graph, micro_batches, name=self.gpp_config.schedule, train=train,
                                   loading_stages=loading)
-            buffers = {s: self._num_buffers(s, micro_batches, train) for s in full}
+            buffers = {s: self._num_buffers(s, micro_batches, train, full[s]) for s in full}
             if self.gpp_config.validate_schedule:
                 validate_schedule(full, self.stage_graph, micro_batches, train=train, num_buffers=buffers)
             if self.global_rank == 0:
@@ -270,7 +292,7 @@ class GraphPipelineEngine(PipelineEngine):
     def _exec_forward_pass(self, buffer_id):
         loaded = self.pipe_buffers["loaded"][buffer_id] or {}
         received = self.pipe_buffers["received"][buffer_id] or {}
-        values = [loaded[ref.node] if ref.index is None and ref.node in loaded else received[ref]
+        values = [loaded[ref.node] if not ref.path and ref.node in loaded else received[ref]
                   for ref in self.spec.in_ports]
         flat, self.module.in_arity = flatten(values)
         self.pipe_buffers["inputs"][buffer_id] = tuple(flat)
@@ -337,7 +359,7 @@ class GraphPipelineEngine(PipelineEngine):
             if not getattr(p, "ds_pipe_replicated", False):
                 local += p.grad.detach().float().pow(2).sum()
         dist.all_reduce(local, group=self.grid.get_model_parallel_group())
-        clip_coef = self.gradient_clipping() / (local.sqrt() + 1e-6)
+        clip_coef = self.gradient_clipping() / (local[0].sqrt() + 1e-6)  # 0-dim: scales 0-dim grads too
         if clip_coef.item() < 1.0:
             for p in params:
                 p.grad.detach().mul_(clip_coef.to(p.grad.dtype))
@@ -403,6 +425,7 @@ class GraphPipelineEngine(PipelineEngine):
         SendGradTo: _wall_clock(PIPE_SEND_GRAD_TIMER, _exec_send_grads_to),
         RecvGradFrom: _wall_clock(PIPE_RECV_GRAD_TIMER, _exec_recv_grads_from),
         WaitSends: _exec_wait_sends,
+        **SplitBackwardMixin._SPLIT_INSTRUCTIONS,
         _async.StashWeights: _async.exec_stash,
         _async.PredictWeights: _async.exec_predict,
         _async.UpdateWeights: _async.exec_update,

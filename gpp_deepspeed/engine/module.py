@@ -33,8 +33,9 @@ from ..planner.costs import CostDB
 from ..planner.plan import Plan
 from ..planner.search import graphpipe_partition, proxy_costs
 from ..graph.stages import Partition, StageSpec, derive_partition
-from ..spec import LayerEntry, call_layer, normalize_layers, resolve
+from ..spec import LayerEntry, call_layer, normalize_layers, port_leaves, resolve
 from .flat import flatten, unflatten
+from .shm import release_own_shm
 
 __all__ = ["GraphPipelineModule", "PARTITION_METHODS"]
 
@@ -90,6 +91,11 @@ class GraphPipelineModule(PipelineModule):
         # tensor, k: a tuple of k), learned from the layouts of the received edges.
         self.in_arity: list[int] | None = None
         self.engine_attached = False
+        # The schedule a plan was priced with; the engine runs it unless its config names one.
+        self.plan_schedule: str | None = _plan_schedule(partition_method)
+        # The first communication: every rank has passed init_distributed, so each can unlink its
+        # DeepSpeed shm file now (the memory stays mapped) and nothing is left in /dev/shm.
+        release_own_shm()
         super().__init__(layers=[e.layer for e in self._entries], num_stages=num_stages, topology=topology,
                          loss_fn=loss_fn, seed_layers=seed_layers, seed_fn=seed_fn, base_seed=base_seed,
                          partition_method="graph", activation_checkpoint_interval=activation_checkpoint_interval,
@@ -137,7 +143,7 @@ class GraphPipelineModule(PipelineModule):
             self._run(env, range(len(self._local_entries)))
         if self.is_output_stage:
             return resolve(env, TensorRef(self.graph.output))
-        return tuple(resolve(env, ref) for ref in self.stage_spec.out_ports)
+        return tuple(port_leaves(ref, resolve(env, ref)) for ref in self.stage_spec.out_ports)
 
     def _run(self, env: dict, local_idxs) -> None:
         for i in local_idxs:
@@ -257,6 +263,14 @@ def _from_plan(graph: LayerGraph, num_stages: int, plan: Any) -> dict[str, int]:
         raise PartitionError(f"plan {plan.method} for {plan.model} has {plan.num_stages} stages but the pipeline has "
                              f"{num_stages}; launch with {plan.num_stages} pipeline stages (num_stages={plan.num_stages})")
     return plan.stage_of
+
+
+def _plan_schedule(method: Any) -> str | None:
+    if isinstance(method, Plan):
+        return method.schedule
+    if isinstance(method, os.PathLike) or isinstance(method, str) and method.endswith(".json"):
+        return Plan.load(Path(method)).schedule  # _assign has loaded it once already: it exists
+    return None
 
 
 def _cost_db(graph: LayerGraph, entries: list[LayerEntry], cost_db: Any) -> CostDB:

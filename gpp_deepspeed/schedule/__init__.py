@@ -7,6 +7,7 @@ from .ir import Action, ActionKind, Schedule, format_schedule
 from .generators import (SCHEDULES, add_epilogue, add_load, add_send_recv, build_schedule, forward_only,
                          get_schedule, gpipe, lower, one_f_one_b, warmup_forwards)
 from .validate import Timeline, default_duration, simulate, validate_schedule
+from .zero_bubble import peak_in_flight, unit_split_duration, zb1, zb2
 from .asynchronous import (ASYNC_SCHEDULES, AsyncReport, async_segment, is_async, predicted_updates,
                            steady_batch_idx, validate_async)
 
@@ -15,6 +16,7 @@ __all__ = [
     "SCHEDULES", "add_epilogue", "add_load", "add_send_recv", "build_schedule", "forward_only", "get_schedule",
     "gpipe", "lower", "one_f_one_b", "warmup_forwards",
     "Timeline", "default_duration", "simulate", "validate_schedule",
+    "peak_in_flight", "unit_split_duration", "zb1", "zb2",
     "ASYNC_SCHEDULES", "AsyncReport", "async_segment", "is_async", "predicted_updates", "steady_batch_idx",
     "validate_async",
 ]

@@ -14,6 +14,8 @@ Registered generators (:data:`SCHEDULES`):
     PipeDream-Flush. A stage keeps at most ``depth`` micro-batches in flight.
 ``gpipe``
     All forwards, then all backwards (``M`` micro-batches in flight).
+``zb1``, ``zb2``
+    Zero-bubble schedules with the backward split into ``I`` and ``W`` (:mod:`.zero_bubble`).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from typing import Callable
 from ..errors import GPPConfigError
 from ..graph.stages import StageGraph
 from .ir import Action, ActionKind as K, Schedule
+from .zero_bubble import zb1, zb2
 
 __all__ = ["SCHEDULES", "get_schedule", "one_f_one_b", "gpipe", "forward_only", "warmup_forwards",
            "lower", "add_send_recv", "add_load", "add_epilogue", "build_schedule"]
@@ -65,7 +68,8 @@ def forward_only(stage_graph: StageGraph, num_microbatches: int) -> Schedule:
     return {s: [Action(s, K.FORWARD, j) for j in range(num_microbatches)] for s in range(stage_graph.num_stages)}
 
 
-SCHEDULES: dict[str, Callable[[StageGraph, int], Schedule]] = {"1f1b": one_f_one_b, "gpipe": gpipe}
+SCHEDULES: dict[str, Callable[[StageGraph, int], Schedule]] = {"1f1b": one_f_one_b, "gpipe": gpipe, "zb1": zb1,
+                                                              "zb2": zb2}
 
 
 def get_schedule(name: str) -> Callable[[StageGraph, int], Schedule]:
@@ -92,8 +96,9 @@ def add_send_recv(schedule: Schedule, stage_graph: StageGraph) -> Schedule:
     """Surround compute with the transfers of every stage edge.
 
     ``F`` is preceded by a ``RECV_F`` from each predecessor and followed by a ``SEND_F`` to each
-    successor; ``B`` is preceded by a ``RECV_B`` from each successor and followed by a ``SEND_B``
-    to each predecessor. Sends are asynchronous, receives block, so the order of receives is
+    successor; ``B`` (or ``I``, the input-gradient half of a split backward) is preceded by a
+    ``RECV_B`` from each successor and followed by a ``SEND_B`` to each predecessor; ``W`` talks
+    to no one. Sends are asynchronous, receives block, so the order of receives is
     what the validator checks.
 
     >>> from gpp_deepspeed.graph import StageGraph
@@ -109,7 +114,7 @@ def add_send_recv(schedule: Schedule, stage_graph: StageGraph) -> Schedule:
                 lowered += [Action(s, K.RECV_F, a.mb_idx, peer=p) for p in preds]
                 lowered.append(a)
                 lowered += [Action(s, K.SEND_F, a.mb_idx, peer=t) for t in succs]
-            elif a.kind is K.BACKWARD:
+            elif a.kind in (K.BACKWARD, K.BACKWARD_INPUT):  # W needs nothing from other stages
                 lowered += [Action(s, K.RECV_B, a.mb_idx, peer=t) for t in succs]
                 lowered.append(a)
                 lowered += [Action(s, K.SEND_B, a.mb_idx, peer=p) for p in preds]

@@ -22,8 +22,9 @@ __all__ = ["Timeline", "simulate", "validate_schedule", "default_duration"]
 
 
 def default_duration(action: Action) -> float:
-    """Unit forward, double backward, free everything else."""
-    return {K.FORWARD: 1.0, K.BACKWARD: 2.0}.get(action.kind, 0.0)
+    """Unit forward, double backward (a unit input gradient and a unit weight gradient when split),
+    free everything else."""
+    return {K.FORWARD: 1.0, K.BACKWARD: 2.0, K.BACKWARD_INPUT: 1.0, K.BACKWARD_WEIGHT: 1.0}.get(action.kind, 0.0)
 
 
 @dataclass
@@ -111,8 +112,8 @@ def validate_schedule(schedule: Schedule, stage_graph: StageGraph, num_microbatc
                       num_buffers: dict[int, int] | None = None) -> Timeline:
     """Check a schedule's structure and run it through :func:`simulate`.
 
-    Checks, per stage: every micro-batch has one forward (and one backward when training, after
-    its forward); every forward is preceded by a receive from each predecessor and followed by a
+    Checks, per stage: every micro-batch has one forward (and, when training, one backward after
+    its forward: a ``B``, or an ``I`` followed by a ``W``); every forward is preceded by a receive from each predecessor and followed by a
     send to each successor (mirrored for backwards); communication only uses stage edges; and, if
     ``num_buffers`` is given, no two micro-batches that share a buffer (``mb % num_buffers``) are in
     flight at once. Returns the simulated timeline.
@@ -139,11 +140,11 @@ def _check_stage(s: int, actions: list[Action], graph: StageGraph, num_mb: int, 
         if key in where:
             raise ScheduleError(f"stage {s} runs {a} twice (slots {where[key]} and {i})")
         where[key] = i
-    kinds = [K.FORWARD] + ([K.BACKWARD] if train else [])
     for j in range(num_mb):
-        for k in kinds:
-            if (k, j, None) not in where:
-                raise ScheduleError(f"stage {s} never runs {Action(s, k, j)}")
+        if (K.FORWARD, j, None) not in where:
+            raise ScheduleError(f"stage {s} never runs {Action(s, K.FORWARD, j)}")
+        if train:
+            _check_backward_kinds(s, j, where)
         f = where[(K.FORWARD, j, None)]
         if (K.LOAD, j, None) in where and where[(K.LOAD, j, None)] > f:
             raise ScheduleError(f"stage {s} loads micro-batch {j} after its forward")
@@ -154,7 +155,8 @@ def _check_stage(s: int, actions: list[Action], graph: StageGraph, num_mb: int, 
             if where.get((K.SEND_F, j, t), -1) < f:
                 raise ScheduleError(f"stage {s} does not send micro-batch {j} to stage {t} after its forward")
         if train:
-            b = where[(K.BACKWARD, j, None)]
+            # With a split backward, I is what receives and sends gradients; W follows it.
+            b = where.get((K.BACKWARD, j, None), where.get((K.BACKWARD_INPUT, j, None)))
             if b < f:
                 raise ScheduleError(f"stage {s} runs the backward of micro-batch {j} before its forward")
             for t in succs:
@@ -169,6 +171,19 @@ def _check_stage(s: int, actions: list[Action], graph: StageGraph, num_mb: int, 
         raise ScheduleError(f"stage {s} refers to micro-batches {extra} outside 0..{num_mb - 1}")
     if num_buffers:
         _check_buffers(s, actions, num_buffers)
+
+
+def _check_backward_kinds(s: int, j: int, where: dict[tuple, int]) -> None:
+    """A micro-batch's backward is one ``B``, or an ``I`` followed by a ``W`` (never both)."""
+    full, grad_in, grad_w = ((k, j, None) in where for k in (K.BACKWARD, K.BACKWARD_INPUT, K.BACKWARD_WEIGHT))
+    if full and (grad_in or grad_w):
+        raise ScheduleError(f"stage {s} runs {Action(s, K.BACKWARD, j)} and a split backward of the same micro-batch")
+    if not full and not (grad_in and grad_w):
+        missing = K.BACKWARD if not (grad_in or grad_w) else (K.BACKWARD_WEIGHT if grad_in else K.BACKWARD_INPUT)
+        raise ScheduleError(f"stage {s} never runs {Action(s, missing, j)}")
+    if grad_in and where[(K.BACKWARD_WEIGHT, j, None)] < where[(K.BACKWARD_INPUT, j, None)]:
+        raise ScheduleError(f"stage {s} runs {Action(s, K.BACKWARD_WEIGHT, j)} before {Action(s, K.BACKWARD_INPUT, j)}: "
+                            "the weight gradient needs the output gradients that the input-gradient pass received")
 
 
 def _check_buffers(s: int, actions: list[Action], num_buffers: int) -> None:
