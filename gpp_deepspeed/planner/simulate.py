@@ -81,8 +81,8 @@ def simulate_plan(plan: Plan, db: CostDB, *, schedule: str = "1f1b") -> Simulate
 def predict(plan: Plan, db: CostDB, *, schedule: str = "1f1b") -> Plan:
     """``plan`` with its :class:`Prediction` filled in."""
     sim = simulate_plan(plan, db, schedule=schedule)
-    edges = tuple(sorted({(a.stage_idx, a.peer) for actions in sim.schedule.values() for a in actions
-                          if a.kind is K.SEND_F}))
+    edges = tuple(sorted({(op.stage_idx, op.peer) for actions in sim.schedule.values() for a in actions
+                          for op in a.transfers if op.kind is K.SEND_F}))
     return plan.with_prediction(sim.prediction, edges)
 
 

@@ -6,11 +6,13 @@ Nothing in this package imports torch.distributed or deepspeed.
 from .ir import Action, ActionKind, Schedule, format_schedule
 from .generators import (SCHEDULES, add_epilogue, add_load, add_send_recv, build_schedule, forward_only,
                          get_schedule, gpipe, lower, one_f_one_b, warmup_forwards)
-from .validate import Timeline, default_duration, simulate, validate_schedule
+from .lowering import BufferSlots, add_release, assign_buffers, group_p2p, num_slots, order_transfers
+from .validate import MODES, Timeline, default_duration, simulate, validate_schedule
 
 __all__ = [
     "Action", "ActionKind", "Schedule", "format_schedule",
     "SCHEDULES", "add_epilogue", "add_load", "add_send_recv", "build_schedule", "forward_only", "get_schedule",
     "gpipe", "lower", "one_f_one_b", "warmup_forwards",
-    "Timeline", "default_duration", "simulate", "validate_schedule",
+    "BufferSlots", "add_release", "assign_buffers", "group_p2p", "num_slots", "order_transfers",
+    "MODES", "Timeline", "default_duration", "simulate", "validate_schedule",
 ]
