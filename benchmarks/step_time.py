@@ -24,6 +24,7 @@ import argparse
 import json
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -140,21 +141,10 @@ def main():
         return worker(args.worker, args.steps, args.out)
 
     sys.path.insert(0, str(ROOT / "tests"))
-    from dist import launch
-
     results = {}
-    tmp = ROOT / "benchmarks" / "results" / "tmp"
-    for config in CONFIGS:
-        out = tmp / (config.replace("/", "_") + ".json")
-        res = launch(STAGES, Path(__file__), "--worker", config, "--steps", str(args.steps), "--out", str(out),
-                     timeout=300, log_dir=tmp / "logs" / config.replace("/", "_"))
-        if not res.ok:
-            raise SystemExit(f"{config} failed:\n{res.report()}")
-        data = json.loads(out.read_text())
-        data["median_s"] = statistics.median(data["times"][1:])
-        results[config] = data
-        print(f"{config:22s} median step {data['median_s'] * 1e3:7.1f} ms  predicted {data['predicted'] * 1e3:7.1f} ms"
-              f"  depth {data['depth']}", flush=True)
+    with tempfile.TemporaryDirectory(prefix="gpp_step_time_") as tmp_dir:   # removed, whatever happens
+        for config in CONFIGS:
+            results[config] = run_config(config, args.steps, Path(tmp_dir))
     ratios = {
         "gpp / deepspeed on the chain (overhead)": results["chain/gpp"]["median_s"] / results["chain/deepspeed"]["median_s"],
         "sequential / gpp on 4 branches (speed-up)": results["branches/sequential"]["median_s"] / results["branches/gpp"]["median_s"],
@@ -163,6 +153,22 @@ def main():
         print(f"{name}: {value:.3f}")
     (ROOT / "benchmarks" / "results" / "step_time.json").write_text(json.dumps({"results": results, "ratios": ratios}, indent=1))
     write_table(results, ratios)
+
+
+def run_config(config, steps, tmp):
+    """Launch one configuration on STAGES gloo ranks; its timings (median after the first step)."""
+    from dist import launch
+
+    out = tmp / (config.replace("/", "_") + ".json")
+    res = launch(STAGES, Path(__file__), "--worker", config, "--steps", str(steps), "--out", str(out),
+                 timeout=300, log_dir=tmp / "logs" / config.replace("/", "_"))
+    if not res.ok:
+        raise SystemExit(f"{config} failed:\n{res.report()}")
+    data = json.loads(out.read_text())
+    data["median_s"] = statistics.median(data["times"][1:])
+    print(f"{config:22s} median step {data['median_s'] * 1e3:7.1f} ms  predicted {data['predicted'] * 1e3:7.1f} ms"
+          f"  depth {data['depth']}", flush=True)
+    return data
 
 
 def write_table(results, ratios):

@@ -43,6 +43,7 @@ import torch
 from torch import fx, nn
 
 from .errors import GPPConfigError, GPPError, GraphError
+from .graph.ir import TensorRef
 from .spec import GraphLayerSpec
 
 __all__ = ["CapturedLayerSpec", "CapturedModel", "capture"]
@@ -190,8 +191,46 @@ def _line(node: fx.Node) -> str:
     return f" ({lines[-2].strip()}: {lines[-1].strip()})" if len(lines) >= 2 else ""
 
 
-def _is_int_getitem(node: fx.Node) -> bool:
-    return node.op == "call_function" and node.target is operator.getitem and isinstance(node.args[1], int)
+def _selection_step(node: fx.Node) -> int | str | None:
+    """The path step of a selection op, ``x[i]``, ``x["key"]`` or ``x.field`` (not a tensor
+    attribute such as ``x.shape``): it becomes part of a reference, applied on the producer's stage."""
+    if node.op != "call_function" or len(node.args) != 2 or node.kwargs:
+        return None
+    key = node.args[1]
+    if node.target is operator.getitem and isinstance(key, (int, str)) and not isinstance(key, bool):
+        return key
+    if node.target is getattr and isinstance(key, str) and not hasattr(torch.Tensor, key):
+        return key
+    return None
+
+
+def _classify(nodes: list[fx.Node], result: fx.Node, is_param) -> tuple[set, dict]:
+    """Split glue into metadata ops copied into their readers (``inline``) and selections of a
+    layer's output (``refs``: node -> (producer, path)), so that only the selected leaves of a
+    structured output (a tuple, a dict, a ``ModelOutput``) cross stages."""
+    called: dict[str, fx.Node] = {}
+    inline: set[fx.Node] = set()
+    refs: dict[fx.Node, tuple[fx.Node, tuple]] = {}
+    for n in nodes:
+        if n.op == "call_module":
+            if n.target in called:
+                raise GraphError(f'submodule "{n.target}" is called more than once{_line(n)}; a layer runs once per '
+                                 "forward, so shared weights need one submodule per use (or TiedLayerSpec)")
+            called[n.target] = n
+        elif n.op not in ("placeholder", "output") and not is_param(n):
+            step, src = _selection_step(n), n.args[0] if n.args else None
+            if step is not None and isinstance(src, fx.Node) and (
+                    src in refs or src.op in ("call_module", "call_function", "call_method") and src not in inline):
+                base, path = refs.get(src, (src, ()))
+                refs[n] = (base, path + (step, ))
+                continue
+            if n is result:
+                continue
+            metadata = (n.op == "get_attr" or n.op == "call_function" and n.target is getattr
+                        or n.op == "call_method" and n.target in _METADATA_METHODS)
+            if metadata or all(a in inline for a in n.all_input_nodes):
+                inline.add(n)
+    return inline, refs
 
 
 def _to_layers(module: nn.Module, graph: fx.Graph, placeholders: list[fx.Node],
@@ -205,26 +244,7 @@ def _to_layers(module: nn.Module, graph: fx.Graph, placeholders: list[fx.Node],
                          "from its inputs (return extra values from a separate method)")
     params = dict(module.named_parameters())
     is_param = lambda n: n.op == "get_attr" and n.target in params
-    called: dict[str, fx.Node] = {}
-    inline: set[fx.Node] = set()
-    for n in nodes:
-        if n.op == "call_module":
-            if n.target in called:
-                raise GraphError(f'submodule "{n.target}" is called more than once{_line(n)}; a layer runs once per '
-                                 "forward, so shared weights need one submodule per use (or TiedLayerSpec)")
-            called[n.target] = n
-        elif n.op not in ("placeholder", "output") and n is not result and not is_param(n):
-            metadata = (n.op == "get_attr" or n.op == "call_function" and n.target is getattr
-                        or n.op == "call_method" and n.target in _METADATA_METHODS)
-            if metadata or all(a in inline for a in n.all_input_nodes):
-                inline.add(n)
-    # A value read only through integer indexing is a tuple: its elements become "name:i" refs.
-    refs: dict[fx.Node, tuple[fx.Node, int]] = {}
-    for n in nodes:
-        users = list(n.users)
-        if n.op in ("call_module", "call_function", "call_method") and n not in inline and users \
-                and all(_is_int_getitem(u) and u is not result for u in users):
-            refs.update({u: (n, u.args[1]) for u in users})
+    inline, refs = _classify(nodes, result, is_param)
     # Each glue op joins the layer of its only user when that user is glue: a chain ends in one layer.
     group: dict[fx.Node, fx.Node] = {}
     for n in reversed(nodes):
@@ -238,17 +258,12 @@ def _to_layers(module: nn.Module, graph: fx.Graph, placeholders: list[fx.Node],
     taken = set(input_names)
     name_of: dict[fx.Node, str] = dict(zip(placeholders, input_names))
     for root in roots:
-        base = str(root.target).replace(".", "_") if root.op == "call_module" else root.name
-        name, k = base, 1
-        while name in taken:
-            name, k = f"{base}_{k}", k + 1
-        taken.add(name)
-        name_of[root] = name
+        name_of[root] = _fresh(str(root.target).replace(".", "_") if root.op == "call_module" else root.name, taken)
 
     def ref(n: fx.Node) -> str:
         if n in refs:
-            src, idx = refs[n]
-            return f"{name_of[src]}:{idx}"
+            src, path = refs[n]
+            return str(TensorRef(name_of[src], path))
         return name_of[n]
 
     owners: dict[str, str] = {}
@@ -264,7 +279,20 @@ def _to_layers(module: nn.Module, graph: fx.Graph, placeholders: list[fx.Node],
             layer, inputs = _function_layer(module, members, root, inline, is_param, ref, owners, name_of[root])
             prefixes[name_of[root]] = ""
         specs.append(CapturedLayerSpec(name_of[root], layer, inputs=inputs))
+    if result in refs:  # forward returns a selection of a layer's output: the loss reads that leaf
+        name_of[result] = _fresh(result.name, taken)
+        specs.append(CapturedLayerSpec(name_of[result], nn.Identity(), inputs=[ref(result)]))
+        prefixes[name_of[result]] = ""
     return CapturedModel(specs, input_names, name_of[result], prefixes)
+
+
+def _fresh(base: str, taken: set[str]) -> str:
+    """``base``, or ``base_k`` for the least ``k`` that makes it a new name (added to ``taken``)."""
+    name, k = base, 1
+    while name in taken:
+        name, k = f"{base}_{k}", k + 1
+    taken.add(name)
+    return name
 
 
 def _function_layer(module, members, root, inline, is_param, ref, owners, name):

@@ -21,6 +21,7 @@ from deepspeed.constants import TORCH_DISTRIBUTED_DEFAULT_PORT
 from .config import CONFIG_KEY, parse_graph_pipeline_config
 from .engine.engine import GraphPipelineEngine
 from .engine.module import GraphPipelineModule
+from .engine.shm import release_own_shm
 from .errors import GPPConfigError
 
 __all__ = ["initialize"]
@@ -50,11 +51,13 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     :class:`GraphPipelineEngine`; the config's ``"graph_pipeline"`` section is validated first.
     """
     if not isinstance(model, GraphPipelineModule):
-        return deepspeed.initialize(args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
-                                    training_data=training_data, lr_scheduler=lr_scheduler,
-                                    distributed_port=distributed_port, mpu=mpu, dist_init_required=dist_init_required,
-                                    collate_fn=collate_fn, config=config, mesh_param=mesh_param,
-                                    config_params=config_params)
+        out = deepspeed.initialize(args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
+                                   training_data=training_data, lr_scheduler=lr_scheduler,
+                                   distributed_port=distributed_port, mpu=mpu, dist_init_required=dist_init_required,
+                                   collate_fn=collate_fn, config=config, mesh_param=mesh_param,
+                                   config_params=config_params)
+        release_own_shm()
+        return out
     if mpu is not None:
         raise GPPConfigError("mpu must be None with a GraphPipelineModule: its topology defines the groups")
     config = _load_config(args, config, config_params)
@@ -75,4 +78,5 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
                                  config_class=config_class, gpp_config=gpp_config)
     zero.partition_parameters.restore_init_context()
     engine._configure_python_gc()
+    release_own_shm()   # every rank has mapped every peer's shm workspace: nothing need stay in /dev/shm
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler

@@ -18,23 +18,28 @@ from __future__ import annotations
 
 import zlib
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_flatten_with_path
 from deepspeed.runtime.pipe.module import LayerSpec, TiedLayerSpec
 
 from .errors import GraphError
 from .graph.ir import TensorRef
 
-__all__ = ["GraphLayerSpec", "LayerEntry", "normalize_layers", "layer_seed", "call_layer", "build_entry"]
+__all__ = ["GraphLayerSpec", "LayerEntry", "normalize_layers", "layer_seed", "call_layer", "build_entry", "resolve",
+           "port_leaves"]
 
 
 class GraphLayerSpec(LayerSpec):
     """A DeepSpeed ``LayerSpec`` with a unique ``name`` and the names of its ``inputs``.
 
-    Each input is a graph input (from ``input_names``), another layer's name, or ``"name:i"`` for
-    element ``i`` of a layer that returns a tuple. The layer's forward gets them positionally::
+    Each input is a graph input (from ``input_names``), another layer's name, ``"name:i"`` for
+    element ``i`` of a layer that returns a tuple, or ``"name.key"`` for a key or attribute of a
+    layer that returns a dict, a dataclass or a ``ModelOutput`` (steps chain: ``"enc.hidden_states:-1"``).
+    A layer may return any such structure; only the tensors other stages read cross a stage edge.
+    The layer's forward gets them positionally::
 
         GraphLayerSpec("fuse", Concat, inputs=["text_block", "image_block"])  # Concat.forward(a, b)
     """
@@ -124,13 +129,40 @@ def resolve(env: dict[TensorRef, Any], ref: TensorRef) -> Any:
     """The value of ``ref`` in an environment of received ports and whole layer outputs."""
     if ref in env:
         return env[ref]
-    whole = env[TensorRef(ref.node)]
-    if ref.index is None:
-        return whole
-    if not isinstance(whole, (tuple, list)) or ref.index >= len(whole):
-        raise GraphError(f'"{ref}" selects element {ref.index} of layer "{ref.node}", whose output is '
-                         f"{_describe(whole)}")
-    return whole[ref.index]
+    value = env[ref.whole]
+    for i, step in enumerate(ref.path):
+        value = _select(value, step, ref, TensorRef(ref.node, ref.path[:i]))
+    return value
+
+
+def _select(value: Any, step: int | str, ref: TensorRef, at: TensorRef) -> Any:
+    """One step of a reference's path: an index (tuple, list, tensor, ``ModelOutput``) or a key /
+    attribute (dict, dataclass, ``ModelOutput``)."""
+    try:
+        if isinstance(step, int) and type(value) is not dict:
+            return value[step]
+        if isinstance(step, str) and isinstance(value, Mapping):
+            return value[step]
+        if isinstance(step, str) and not torch.is_tensor(value):
+            return getattr(value, step)
+    except (IndexError, KeyError, TypeError, AttributeError):
+        pass
+    what = f"element {step}" if isinstance(step, int) else f'"{step}"'
+    raise GraphError(f'"{ref}" selects {what} of "{at}", which is {_describe(value)}')
+
+
+def port_leaves(ref: TensorRef, value: Any) -> Any:
+    """Check that a value sent between stages is a tensor or a tuple / list of tensors.
+
+    Only tensors cross a stage edge: a structured value (a dict, a dataclass, a ``ModelOutput``)
+    is read by its leaves, which the producer's stage selects (``"enc.pooler_output"``).
+    """
+    if torch.is_tensor(value) or isinstance(value, (tuple, list)) and all(torch.is_tensor(v) for v in value):
+        return value
+    leaves = [str(TensorRef(ref.node, ref.path + tuple(k.key if hasattr(k, "key") else k.idx for k in path)))
+              for path, leaf in tree_flatten_with_path(value)[0] if torch.is_tensor(leaf)]
+    raise GraphError(f'"{ref}" is read by another stage, but it is {_describe(value)}, not a tensor: only '
+                     f"tensors cross stages. Read the tensors it holds instead: {leaves[:8] or 'none (it holds no tensor)'}")
 
 
 def _describe(value: Any) -> str:
@@ -138,4 +170,6 @@ def _describe(value: Any) -> str:
         return f"a tensor of shape {tuple(value.shape)}"
     if isinstance(value, (tuple, list)):
         return f"a {type(value).__name__} of {len(value)} elements"
+    if isinstance(value, Mapping):
+        return f"a {type(value).__name__} with keys {list(value)[:8]}"
     return f"a {type(value).__name__}"

@@ -3,6 +3,11 @@
 Each rank is a ``python`` process with the environment a launcher gives (``RANK``, ``LOCAL_RANK``,
 ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``). If any rank fails, or the time runs out, every
 rank is killed, so a test fails fast instead of hanging.
+
+DeepSpeed's CPU communication op creates one shared-memory file per rank, named by the master
+address and port (:mod:`gpp_deepspeed.engine.shm`). The ranks remove their own; after a launch,
+whatever is left under this launch's port (a rank killed before it could) is reported in
+``Result.leftover_shm`` and removed, so a test leaves ``/dev/shm`` as it found it.
 """
 
 from __future__ import annotations
@@ -12,7 +17,7 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -24,6 +29,7 @@ class Result:
     outputs: list[str]
     seconds: float
     timed_out: bool
+    leftover_shm: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -39,6 +45,22 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def shm_files(port: int, master_addr: str = "127.0.0.1") -> list[Path]:
+    """DeepSpeed's shm all-reduce files of this user's launch on ``master_addr:port``, if any."""
+    from gpp_deepspeed.engine.shm import SHM_DIR, shm_name
+
+    prefix = shm_name(uid=os.getuid(), master_addr=master_addr, master_port=port, rank=0)[:-1]
+    return sorted(p for p in SHM_DIR.glob(prefix + "*") if p.name[len(prefix):].isdigit())
+
+
+def remove_shm(port: int, master_addr: str = "127.0.0.1") -> list[str]:
+    """Remove what a finished launch on ``master_addr:port`` left in /dev/shm; returns the names."""
+    left = shm_files(port, master_addr)
+    for path in left:
+        path.unlink(missing_ok=True)
+    return [p.name for p in left]
 
 
 def launch(world_size: int, script: str | Path, *args: str, timeout: float = 300, log_dir: Path) -> Result:
@@ -73,4 +95,4 @@ def launch(world_size: int, script: str | Path, *args: str, timeout: float = 300
         log.seek(0)
         outputs.append(log.read())
         log.close()
-    return Result([p.returncode for p in procs], outputs, time.monotonic() - start, timed_out)
+    return Result([p.returncode for p in procs], outputs, time.monotonic() - start, timed_out, remove_shm(port))

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from dist import free_port
+from dist import free_port, remove_shm
 
 pytestmark = pytest.mark.dist
 
@@ -46,17 +46,23 @@ def run(cmd: list[str]) -> tuple[int, str]:
 
 @pytest.mark.parametrize("name,extra", EXAMPLES, ids=[name for name, _ in EXAMPLES])
 def test_example_matches_single_device_under_deepspeed_launcher(name, extra):
-    rc, out = run([str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()), f"examples/{name}.py",
+    port = free_port()
+    rc, out = run([str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(port), f"examples/{name}.py",
                    "--deepspeed_config", f"configs/{name}.json", "--steps", "3", *extra])
+    left = remove_shm(port)
     assert rc == 0, out[-4000:]
+    assert left == [], f"the example left {left} in /dev/shm"
     assert "pipelined losses EQUAL the single-device run" in out, out[-4000:]
     assert "stage graph: 2 stages" in out, out[-4000:]
     assert "graph pipeline idle per stage" in out, out[-4000:]
 
 
 def test_captured_module_example_matches_the_original_module_under_deepspeed_launcher():
-    rc, out = run([str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()), "examples/captured_model.py",
+    port = free_port()
+    rc, out = run([str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(port), "examples/captured_model.py",
                    "--deepspeed_config", "configs/example.json"])
+    left = remove_shm(port)
     assert rc == 0, out[-4000:]
+    assert left == [], f"the example left {left} in /dev/shm"
     assert "pipelined losses EQUAL the original module's" in out, out[-4000:]
     assert "stage graph: 2 stages" in out, out[-4000:]

@@ -150,6 +150,10 @@ def test_build_layer_graph_rejects_an_output_that_is_not_a_layer():
     ("enc:0", TensorRef("enc", 0)),
     ("enc:12", TensorRef("enc", 12)),
     ("image_block", TensorRef("image_block")),
+    ("enc:-1", TensorRef("enc", -1)),
+    ("enc:1:2", TensorRef("enc", (1, 2))),
+    ("vision.pooler_output", TensorRef("vision", "pooler_output")),
+    ("enc.hidden_states:-1", TensorRef("enc", ("hidden_states", -1))),
 ])
 def test_tensor_ref_parse_and_str_round_trip(text, ref):
     assert TensorRef.parse(text) == ref
@@ -158,7 +162,7 @@ def test_tensor_ref_parse_and_str_round_trip(text, ref):
     assert TensorRef.parse(ref) is ref
 
 
-@pytest.mark.parametrize("bad", ["", "enc:", "enc:x", "enc:-1", "enc:1:2"])
+@pytest.mark.parametrize("bad", ["", "enc:", "enc:x", "enc.", "enc.1x", ":0", ".key", "enc:1.", "enc..a"])
 def test_tensor_ref_parse_rejects_malformed_references(bad):
     with pytest.raises(GraphError):
         TensorRef.parse(bad)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from dist import free_port
+from dist import free_port, remove_shm
 
 pytestmark = pytest.mark.dist
 
@@ -95,7 +95,10 @@ def test_two_no_ssh_nodes_on_loopback_train_to_the_single_device_losses(tmp_path
     hostfile.write_text("node0 slots=2\nnode1 slots=2\n")
     port = free_port()
     cmds = [node_cmd(k, hostfile, "127.0.0.1", port) for k in range(2)]
-    check(*run_nodes(cmds, [base_env(), base_env()], tmp_path))
+    result = run_nodes(cmds, [base_env(), base_env()], tmp_path)
+    left = remove_shm(port)
+    check(*result)
+    assert left == [], f"the run left {left} in /dev/shm"
 
 
 def _have_netns():

@@ -104,6 +104,20 @@ class GraphPipelineEngine(PipelineEngine):
         if self.gpp_config.print_stage_graph and self.global_rank == 0:
             print(self.module.partition.describe(), flush=True)
 
+    def _broadcast_model(self):
+        """DeepSpeed's broadcast of the initial weights over data-parallel replicas, made to accept
+        0-dim parameters (CLIP's ``logit_scale``): DeepSpeed 0.19.8 sends each parameter as
+        ``p.data.view(torch.uint8)``, which torch refuses for a 0-dim tensor. Each one is viewed as
+        one element during the broadcast (same storage, so the received value lands in it)."""
+        scalars = [p for p in self.module.parameters() if p.dim() == 0]
+        for p in scalars:
+            p.data = p.data.view(1)
+        try:
+            super()._broadcast_model()
+        finally:
+            for p in scalars:
+                p.data = p.data.view(())
+
     # -- roles ------------------------------------------------------------------------------------
 
     def is_first_stage(self):
@@ -235,7 +249,7 @@ class GraphPipelineEngine(PipelineEngine):
     def _exec_forward_pass(self, buffer_id):
         loaded = self.pipe_buffers["loaded"][buffer_id] or {}
         received = self.pipe_buffers["received"][buffer_id] or {}
-        values = [loaded[ref.node] if ref.index is None and ref.node in loaded else received[ref]
+        values = [loaded[ref.node] if not ref.path and ref.node in loaded else received[ref]
                   for ref in self.spec.in_ports]
         flat, self.module.in_arity = flatten(values)
         self.pipe_buffers["inputs"][buffer_id] = tuple(flat)
@@ -290,7 +304,7 @@ class GraphPipelineEngine(PipelineEngine):
             if not getattr(p, "ds_pipe_replicated", False):
                 local += p.grad.detach().float().pow(2).sum()
         dist.all_reduce(local, group=self.grid.get_model_parallel_group())
-        clip_coef = self.gradient_clipping() / (local.sqrt() + 1e-6)
+        clip_coef = self.gradient_clipping() / (local[0].sqrt() + 1e-6)  # 0-dim: scales 0-dim grads too
         if clip_coef.item() < 1.0:
             for p in params:
                 p.grad.detach().mul_(clip_coef.to(p.grad.dtype))

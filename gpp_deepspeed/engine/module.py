@@ -33,8 +33,9 @@ from ..planner.costs import CostDB
 from ..planner.plan import Plan
 from ..planner.search import graphpipe_partition, proxy_costs
 from ..graph.stages import Partition, StageSpec, derive_partition
-from ..spec import LayerEntry, call_layer, normalize_layers, resolve
+from ..spec import LayerEntry, call_layer, normalize_layers, port_leaves, resolve
 from .flat import flatten, unflatten
+from .shm import release_own_shm
 
 __all__ = ["GraphPipelineModule", "PARTITION_METHODS"]
 
@@ -90,6 +91,9 @@ class GraphPipelineModule(PipelineModule):
         # tensor, k: a tuple of k), learned from the layouts of the received edges.
         self.in_arity: list[int] | None = None
         self.engine_attached = False
+        # The first communication: every rank has passed init_distributed, so each can unlink its
+        # DeepSpeed shm file now (the memory stays mapped) and nothing is left in /dev/shm.
+        release_own_shm()
         super().__init__(layers=[e.layer for e in self._entries], num_stages=num_stages, topology=topology,
                          loss_fn=loss_fn, seed_layers=seed_layers, seed_fn=seed_fn, base_seed=base_seed,
                          partition_method="graph", activation_checkpoint_interval=activation_checkpoint_interval,
@@ -137,7 +141,7 @@ class GraphPipelineModule(PipelineModule):
             self._run(env, range(len(self._local_entries)))
         if self.is_output_stage:
             return resolve(env, TensorRef(self.graph.output))
-        return tuple(resolve(env, ref) for ref in self.stage_spec.out_ports)
+        return tuple(port_leaves(ref, resolve(env, ref)) for ref in self.stage_spec.out_ports)
 
     def _run(self, env: dict, local_idxs) -> None:
         for i in local_idxs:

@@ -7,8 +7,10 @@ graph input
 layer
     A node with a unique name; its forward takes its inputs positionally.
 tensor ref
-    ``"name"`` (a graph input or a layer's whole output) or ``"name:i"`` (element ``i`` of a layer
-    that returns a tuple). :class:`TensorRef` is its parsed form.
+    ``"name"`` (a graph input or a layer's whole output), ``"name:i"`` (element ``i`` of a layer
+    that returns a tuple) or ``"name.key"`` (a key or attribute of a structured output: a dict, a
+    dataclass, a ``transformers`` ``ModelOutput``); steps chain. :class:`TensorRef` is its parsed
+    form.
 output
     The layer whose output goes to the loss function.
 
@@ -19,6 +21,7 @@ Every function here is pure and returns new frozen objects; invalid graphs raise
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
@@ -29,18 +32,47 @@ from ..errors import GraphError
 __all__ = ["TensorRef", "LayerNode", "LayerGraph", "build_layer_graph"]
 
 
-@dataclass(frozen=True, slots=True, order=True)
+_STEP_RE = re.compile(r"(:-?\d+)|(\.[A-Za-z_][A-Za-z0-9_]*)")
+
+
+@dataclass(frozen=True, slots=True)
 class TensorRef:
-    """A reference to a tensor: a graph input, a layer's output, or one element of it.
+    """A reference to a tensor: a graph input, a layer's output, or a leaf inside that output.
+
+    ``path`` selects into a structured output, one step at a time: an ``int`` indexes a tuple or
+    list (``"enc:1"``), a ``str`` picks a key of a dict or an attribute of a dataclass or a
+    ``transformers`` ``ModelOutput`` (``"vision.pooler_output"``). Steps chain:
+    ``"enc.hidden_states:-1"``. The producer's stage applies the path, so only the selected
+    leaves cross a stage edge.
 
     >>> TensorRef.parse("enc:1")
-    TensorRef(node='enc', index=1)
-    >>> str(TensorRef("enc"))
-    'enc'
+    TensorRef(node='enc', path=(1,))
+    >>> TensorRef.parse("vision.hidden_states:-1").path
+    ('hidden_states', -1)
+    >>> str(TensorRef("enc", 0)), str(TensorRef("enc"))
+    ('enc:0', 'enc')
     """
 
     node: str
-    index: int | None = None
+    path: tuple[int | str, ...] = ()
+
+    def __post_init__(self):
+        if isinstance(self.path, (int, str)):   # TensorRef("enc", 0): one step
+            object.__setattr__(self, "path", (self.path, ))
+        elif self.path is None:
+            object.__setattr__(self, "path", ())
+        else:
+            object.__setattr__(self, "path", tuple(self.path))
+
+    @property
+    def index(self) -> int | None:
+        """The tuple index of a ``"name:i"`` reference; ``None`` for any other form."""
+        return self.path[0] if len(self.path) == 1 and isinstance(self.path[0], int) else None
+
+    @property
+    def whole(self) -> "TensorRef":
+        """The reference to the whole output this one selects from."""
+        return TensorRef(self.node)
 
     @classmethod
     def parse(cls, text: str | "TensorRef") -> "TensorRef":
@@ -48,15 +80,27 @@ class TensorRef:
             return text
         if not isinstance(text, str) or not text:
             raise GraphError(f"an input reference must be a non-empty string, got {text!r}")
-        node, sep, index = text.partition(":")
-        if not sep:
-            return cls(node)
-        if not index.isdigit():
-            raise GraphError(f'bad input reference "{text}": expected "name" or "name:i" with an integer i')
-        return cls(node, int(index))
+        cut = min((i for i in (text.find(":"), text.find(".")) if i >= 0), default=len(text))
+        node, rest = text[:cut], text[cut:]
+        if not node:
+            raise GraphError(f'bad input reference "{text}": it names no layer or graph input before "{rest[:1]}"')
+        steps: list[int | str] = []
+        pos = 0
+        while pos < len(rest):
+            m = _STEP_RE.match(rest, pos)
+            if not m:
+                raise GraphError(f'bad input reference "{text}": expected "name", "name:i" (an integer i) or '
+                                 '"name.key", steps chained as in "enc.hidden_states:-1"')
+            steps.append(int(m.group(1)[1:]) if m.group(1) else m.group(2)[1:])
+            pos = m.end()
+        return cls(node, tuple(steps))
 
     def __str__(self) -> str:
-        return self.node if self.index is None else f"{self.node}:{self.index}"
+        return self.node + "".join(f":{p}" if isinstance(p, int) else f".{p}" for p in self.path)
+
+    def sort_key(self) -> tuple:
+        """Orders references of one node: the whole output first, then by path (ints before keys)."""
+        return tuple((0, p, "") if isinstance(p, int) else (1, 0, p) for p in self.path)
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,7 +136,7 @@ class LayerGraph:
         return tuple(n.name for n in self.nodes)
 
     def is_input(self, ref: TensorRef) -> bool:
-        return ref.index is None and ref.node in self.input_names
+        return not ref.path and ref.node in self.input_names
 
     def consumers(self) -> dict[str, list[str]]:
         """Layer or input name -> names of the layers that read it, in list order."""
@@ -190,7 +234,7 @@ def build_layer_graph(input_names: Sequence[str], nodes: Iterable[tuple[str, Seq
     for node in layer_nodes:
         for ref in node.inputs:
             if ref.node in input_names:
-                if ref.index is not None:
+                if ref.path:
                     raise GraphError(f'layer "{node.name}" reads "{ref}", but graph input "{ref.node}" '
                                      'is a single tensor and cannot be indexed')
             elif ref.node not in seen:

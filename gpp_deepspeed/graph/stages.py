@@ -201,7 +201,7 @@ def derive_partition(graph: LayerGraph, stage_of: Mapping[str, int], *, num_stag
             producers.setdefault((stage_of[ref.node], dst), set()).add(ref)
 
     def ref_key(ref: TensorRef):
-        return (position[ref.node], -1 if ref.index is None else ref.index)
+        return (position[ref.node], ref.sort_key())
 
     edges = tuple(StageEdge(src, dst, tuple(sorted(refs, key=ref_key))) for (src, dst), refs in sorted(producers.items()))
     _check_stage_cycle(graph, stage_of, edges, num_stages)

@@ -1,0 +1,153 @@
+"""Tiny, randomly initialised ``transformers`` models for the capture tests; nothing is downloaded.
+
+Each :class:`HFCase` builds the unmodified ``transformers`` model (seeded, so every rank and the
+reference build the same weights) inside a thin wrapper whose ``forward`` returns the one tensor
+the loss reads, and says how ``capture`` cuts it. :func:`train_module` is the independent
+reference: the wrapper trained on one process with plain PyTorch.
+
+Dropout is 0 so that a pipelined run and the reference compute the same function.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.nn import functional as F  # noqa: E402
+
+STEPS, GAS, MBS, LR = 3, 2, 4, 0.05
+VOCAB, SEQ, IMAGE, PATCH = 40, 6, 8, 4
+
+
+def _tiny(**extra) -> dict:
+    return dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, **extra)
+
+
+class ContrastiveLoss(nn.Module):
+    """CLIP's symmetric loss: cross-entropy over images and over texts, matching pairs on the diagonal."""
+
+    def forward(self, logits_per_image, labels):
+        return (F.cross_entropy(logits_per_image, labels) + F.cross_entropy(logits_per_image.t(), labels)) / 2
+
+
+class CLIPLogits(nn.Module):
+    """``transformers.CLIPModel`` returning ``logits_per_image``."""
+
+    def __init__(self, frozen_vision: bool = False):
+        super().__init__()
+        from transformers import CLIPConfig, CLIPModel
+        config = CLIPConfig(text_config=_tiny(vocab_size=VOCAB, max_position_embeddings=SEQ, bos_token_id=0,
+                                              eos_token_id=2, pad_token_id=1),
+                            vision_config=_tiny(image_size=IMAGE, patch_size=PATCH), projection_dim=8)
+        self.clip = CLIPModel(config)
+        if frozen_vision:
+            self.clip.vision_model.requires_grad_(False)
+            self.clip.visual_projection.requires_grad_(False)
+
+    def forward(self, input_ids, pixel_values):
+        return self.clip(input_ids=input_ids, pixel_values=pixel_values).logits_per_image
+
+
+def _clip_batches(step: int) -> list:
+    g = torch.Generator().manual_seed(step)
+    return [((torch.randint(3, VOCAB, (MBS, SEQ), generator=g), torch.randn(MBS, 3, IMAGE, IMAGE, generator=g)),
+             torch.arange(MBS)) for _ in range(GAS)]
+
+
+@dataclass
+class Encoded:
+    """A layer output that is a dataclass."""
+
+    tokens: torch.Tensor
+    pooled: torch.Tensor
+
+
+class DictTower(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj, self.out = nn.Linear(6, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = torch.tanh(self.proj(x))
+        return {"hidden": h, "pair": (self.out(h), h.mean(dim=-1, keepdim=True))}
+
+
+class DataclassTower(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(10, 8)
+
+    def forward(self, x):
+        h = self.proj(x)
+        return Encoded(tokens=h, pooled=torch.sigmoid(h))
+
+
+class StructuredTwoTower(nn.Module):
+    """Towers returning a dict of a tensor and a tuple, and a dataclass; the head reads some leaves."""
+
+    def __init__(self):
+        super().__init__()
+        self.text, self.image = DictTower(), DataclassTower()
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, text, image):
+        t, i = self.text(text), self.image(image)
+        return self.head(torch.cat([t["pair"][0] + t["hidden"], i.pooled], dim=-1))
+
+
+def _structured_batches(step: int) -> list:
+    g = torch.Generator().manual_seed(step)
+    return [((torch.randn(MBS, 6, generator=g), torch.randn(MBS, 10, generator=g)),
+             torch.randint(0, 3, (MBS, ), generator=g)) for _ in range(GAS)]
+
+
+@dataclass
+class HFCase:
+    """A transformers model, how capture cuts it into stages, its data and its loss."""
+
+    build: Callable[[], nn.Module]
+    layers: list[str] | None
+    stages: int
+    batches: Callable[[int], list]           # step -> [((inputs...), labels)] per micro-batch
+    loss_fn: nn.Module
+    partition: Any = "parameters"
+    extra: dict = field(default_factory=dict)
+
+    def model(self) -> nn.Module:
+        torch.manual_seed(0)
+        return self.build()
+
+
+CLIP_LAYERS = ["clip.text_model", "clip.vision_model", "clip.visual_projection", "clip.text_projection"]
+
+CASES: dict[str, HFCase] = {
+    "clip": HFCase(CLIPLogits, CLIP_LAYERS, 3, _clip_batches, ContrastiveLoss()),
+    "structured": HFCase(StructuredTwoTower, None, 3, _structured_batches, nn.CrossEntropyLoss(),
+                         partition={"text_1": 0, "image_1": 1, "cat": 2, "head": 2}),
+}
+
+
+def train_module(case: HFCase, steps: int = STEPS) -> tuple[list[float], dict]:
+    """The reference: the unmodified module trained on one process (SGD, mean over micro-batches,
+    gradients clipped at 1.0 by global norm as DeepSpeed does by default)."""
+    module = case.model()
+    params = [p for p in module.parameters() if p.requires_grad]
+    opt = torch.optim.SGD(params, lr=LR)
+    losses = []
+    for step in range(steps):
+        opt.zero_grad()
+        total = 0.0
+        batches = case.batches(step)
+        for inputs, labels in batches:
+            loss = case.loss_fn(module(*inputs), labels)
+            (loss / len(batches)).backward()
+            total += loss.item()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        losses.append(total / len(batches))
+    return losses, {k: v.detach().clone() for k, v in module.state_dict().items()}

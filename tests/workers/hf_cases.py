@@ -1,0 +1,51 @@
+"""Worker: capture each named ``transformers`` case of ``tests/hf_models.py``, train it pipelined,
+save losses and parameters (named as in the original module).
+
+Run by ``tests/test_hf_capture.py`` through ``tests/dist.py``: ``python hf_cases.py OUT_DIR CASE...``;
+writes ``OUT_DIR/<case>.rank<r>.pt``. One launch runs several cases one after the other.
+"""
+
+import sys
+from pathlib import Path
+
+import torch
+
+from hf_models import CASES, GAS, LR, MBS, STEPS
+
+
+def run_case(name: str, out: Path, rank: int, world_size: int) -> None:
+    import gpp_deepspeed
+    from gpp_deepspeed import GraphPipelineModule
+    from gpp_deepspeed.capture import capture
+
+    case = CASES[name]
+    captured = capture(case.model(), layers=case.layers)
+    module = GraphPipelineModule(captured.layers, input_names=captured.input_names, output=captured.output,
+                                 num_stages=case.stages, loss_fn=case.loss_fn, partition_method=case.partition,
+                                 dynamic_shape=case.extra.get("dynamic_shape", False))
+    params = [p for p in module.parameters() if p.requires_grad]
+    dp = world_size // case.stages
+    config = {"train_micro_batch_size_per_gpu": MBS, "gradient_accumulation_steps": GAS,
+              "train_batch_size": MBS * GAS * dp, "steps_per_print": 10**6, "gradient_clipping": 1.0,
+              "graph_pipeline": {"print_stage_graph": rank == 0}}
+    engine, _, _, _ = gpp_deepspeed.initialize(model=module, optimizer=torch.optim.SGD(params, lr=LR),
+                                               model_parameters=params, config=config)
+    losses = [engine.train_batch(data_iter=iter(case.batches(step))).item() for step in range(STEPS)]
+    state = {k: v.detach().clone() for k, v in module.graph_state_dict().items()}
+    torch.save({"stage": engine.stage_id, "losses": losses, "state": captured.module_state_dict(state),
+                "layers": list(module.local_layer_names())}, out / f"{name}.rank{rank}.pt")
+
+
+def main():
+    import deepspeed
+    out = Path(sys.argv[1])
+    deepspeed.init_distributed(dist_backend="gloo")
+    rank, world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    for name in sys.argv[2:]:
+        run_case(name, out, rank, world_size)
+        torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
