@@ -271,3 +271,48 @@ def test_graphpipe_partition_keeps_branches_apart_with_a_fixed_stage_count():
     for b in range(4):
         assert stage_of[f"b{b}_0"] == stage_of[f"b{b}_1"]
     assert len({stage_of[f"b{b}_0"] for b in range(4)}) == 4
+
+
+def _identical_branches(rng: random.Random, shared_input: bool):
+    """Three identical branches of one or two layers, then a merge and a head; with
+    ``shared_input`` every branch reads one stem layer (grouped branches then share its bytes)."""
+    q, length = 3, rng.randint(1, 2)
+    fwd = [rng.uniform(0.5, 3) for _ in range(length)]
+    stash, params, out = ([rng.randint(1, 5) for _ in range(length)], [rng.randint(0, 20) for _ in range(length)],
+                          [rng.randint(0, 8) for _ in range(length)])
+    layers, f, st, pa, ob = [], {}, {}, {}, {}
+    if shared_input:
+        layers.append(("stem", ["x"]))
+    for b in range(q):
+        for i in range(length):
+            name = f"b{b}_{i}"
+            src = ("stem" if shared_input else "x") if i == 0 else f"b{b}_{i - 1}"
+            layers.append((name, [src]))
+            f[name], st[name], pa[name], ob[name] = fwd[i], stash[i], params[i], out[i]
+    layers += [("cat", [f"b{b}_{length - 1}" for b in range(q)]), ("head", ["cat"])]
+    link = CommFit(alpha_s=rng.choice([0.0, 0.05]), beta_s_per_byte=rng.choice([0.0, 0.01]))
+    return synthetic_db(layers, fwd=f, bwd={n: 2 * v for n, v in f.items()}, stash_bytes=st, param_bytes=pa,
+                        out_bytes={**ob, "stem": 4, "cat": 3}, hw=hardware(memory_bytes=rng.uniform(25, 80), link=link))
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_identical_branches_solved_once_still_give_the_brute_force_optimum(seed):
+    # The DP solves one branch class and one count of branches instead of every branch and every
+    # range of them; the optimum over its stage space must not move.
+    rng = random.Random(100 + seed)
+    db = _identical_branches(rng, shared_input=seed % 3 == 0)
+    num_devices, b = rng.randint(3, 5), rng.choice([1, 2])
+    stage_devices = [n for n in (1, 2) if b % n == 0]
+    tree, added = sp_tree(db.graph)
+    assert not added
+    cm = StageCostModel(db, 64, p2p_devices=num_devices)
+    tps, stages, _ = bottleneck_search(cm, tree, num_devices=num_devices, micro_batch=b,
+                                       stage_devices=stage_devices, rel_tol=TOL)
+    in_space = _brute_force(db, num_devices=num_devices, b=b, stage_devices=stage_devices,
+                            allowed=_sp_candidates(tree))
+    if tps is None:
+        assert in_space == float("inf")
+        return
+    assert in_space * (1 - 1e-9) <= tps <= in_space / (1 - TOL)
+    assert sum(n for _, n in stages) == num_devices
+    assert max(cm.time_per_sample(m, b, n) for m, n in stages) <= tps * (1 + 1e-9)

@@ -40,6 +40,7 @@ stage either way, so the runtime needs nothing new). Device counts per stage com
 
 from __future__ import annotations
 
+import bisect
 import math
 import time
 from dataclasses import dataclass
@@ -68,6 +69,9 @@ class _Node:
     children: tuple[int, ...]
     prefix: tuple[int, ...]   # prefix[j] = mask of children[:j]
     size: int                 # layers under the node
+    depth: int = 1            # stages on its longest path when every layer is a stage
+    cls: int = 0              # nodes of one class are priced alike (identical branches)
+    sym: bool = False         # Parallel: children of one class are interchangeable in groups
 
 
 def _flatten(tree, cm: StageCostModel) -> list[_Node]:
@@ -88,30 +92,84 @@ def _flatten(tree, cm: StageCostModel) -> list[_Node]:
         prefix = [0]
         for c in kids:
             prefix.append(prefix[-1] | nodes[c].mask)
-        nodes.append(_Node(kind, mask, kids, tuple(prefix), bin(mask).count("1")))
+        depths = [nodes[c].depth for c in kids]
+        depth = 1 if not kids else sum(depths) if kind == "series" else max(depths)
+        nodes.append(_Node(kind, mask, kids, tuple(prefix), bin(mask).count("1"), depth))
         return len(nodes) - 1
 
     visit(tree)
+    _classify(nodes, cm)
     return nodes
 
 
+def _classify(nodes: list[_Node], cm: StageCostModel) -> None:
+    """Give nodes that every stage inside them prices alike one class: same tree shape, same
+    per-layer costs, same edges inside, and the same bytes from and to the outside. GraphPipe's
+    pitch is models with many identical branches (CANDLE-Uno, MMT); the DP then solves one branch
+    and one count of branches instead of every branch and every range of them."""
+    layers = cm.db.layers
+    classes: dict = {}
+    for node in nodes:
+        members = cm._members(node.mask)
+        local = {i: x for x, i in enumerate(members)}
+        outside: dict[int, int] = {}
+        desc = []
+        for i in members:
+            c = layers[i]
+            ins, ext = [], []
+            for p in cm._members(cm.producers[i]):
+                if p in local:
+                    ins.append(local[p])
+                else:
+                    ext.append((outside.setdefault(p, len(outside)), layers[p].out_bytes))
+            desc.append((c.micro_batches, c.fwd_s, c.bwd_s, c.param_bytes, c.out_bytes, c.stash_bytes,
+                         tuple(ins), tuple(ext), bool(cm.consumers[i] & ~node.mask)))
+        key = (node.kind, tuple(nodes[k].cls for k in node.children), tuple(desc))
+        node.cls = classes.setdefault(key, len(classes))
+        if node.kind == "parallel":
+            # Siblings that read one outside tensor share it when grouped into a stage, so a group's
+            # bytes would depend on which siblings it holds: no symmetry there.
+            seen, shared = 0, False
+            for k in node.children:
+                ext = 0
+                for i in cm._members(nodes[k].mask):
+                    ext |= cm.producers[i] & ~nodes[k].mask
+                shared |= bool(ext & seen)
+                seen |= ext
+            node.sym = not shared
+
+
 class _DP:
-    """One feasibility DP at fixed micro-batch ``b`` and target ``tmax``."""
+    """One feasibility DP at fixed micro-batch ``b`` and target ``tmax``.
+
+    Series states are solved one device count at a time, lazily. Parallel ranges are solved for
+    every device count at once: their table holds, per in-flight level ``K``, the set of device
+    counts (a bitset, bit ``n``) on which the range meets ``tmax`` with source in-flight at most
+    ``K``. Sharing ``n`` devices among siblings is then a sumset of bitsets (shifts and ors)
+    instead of a loop over every split, and identical branches share one table per branch count.
+    """
 
     def __init__(self, cm: StageCostModel, nodes: list[_Node], b: int, tmax: float, stage_devices: Sequence[int],
-                 work: Callable[[int], float], infeasible: dict | None = None):
+                 work: Callable[[int], float], num_devices: int, infeasible: dict | None = None,
+                 priced: dict | None = None):
         self.cm, self.nodes, self.b, self.tmax = cm, nodes, b, tmax * (1 + 1e-12)
         self.stage_devices = tuple(sorted(stage_devices))
         self.max_stage = self.stage_devices[-1]
         # Every stage's device count is a multiple of this, so every subgraph's is too.
         self.step = math.gcd(*self.stage_devices)
         self.work = work
+        self.num_devices = num_devices
         self.memo: dict = {}
         # state -> the largest tmax at which it was infeasible; infeasible at any smaller tmax too,
         # which the binary search reuses after every success (its next tmax is smaller).
         self.infeasible = {} if infeasible is None else infeasible
+        # (mask, devices) -> (TPS, weight bytes, stash bytes), shared by the bisection's DP runs
+        self.priced = {} if priced is None else priced
+        self.memory = cm.db.hardware.memory_bytes
         self._min_devices: dict[int, int] = {}
         self._cum: dict[int, list[float]] = {}
+        self._tables: dict = {}
+        self._ranges: dict = {}
         self.states = 0
 
     def min_devices(self, mask: int) -> int:
@@ -144,15 +202,29 @@ class _DP:
         return node.size * self.max_stage
 
     def stage_ok(self, mask: int, n: int, k: int) -> bool:
-        cm, b = self.cm, self.b
-        return cm.time_per_sample(mask, b, n) <= self.tmax and cm.fits(mask, b, n, k)
+        priced = self.priced.get((mask, n))
+        if priced is None:
+            c = self.cm.stage(mask, self.b, n)
+            priced = self.priced[(mask, n)] = (self.cm.time_per_sample(mask, self.b, n), c.weight_bytes, c.stash_bytes)
+        tps, weight, stash = priced
+        # the same sum as StageCostModel.memory, so the test is bit for bit StageCostModel.fits
+        return tps <= self.tmax and weight + k * stash <= self.memory
+
+    def stage_bits(self, mask: int, k: int) -> int:
+        """Device counts (bit ``n``) on which layer set ``mask`` is one stage meeting ``tmax``
+        with ``k`` micro-batches in flight."""
+        bits = 0
+        for n in self.stage_devices:
+            if self.stage_ok(mask, n, k):
+                bits |= 1 << n
+        return bits
 
     def solve(self, v: int, n: int, d: int):
         """``(k, choice)`` with the least source in-flight count, or None."""
         node = self.nodes[v]
         if node.kind == "leaf":
             if n in self.stage_devices and self.stage_ok(node.mask, n, d + 1):
-                return (d + 1, ("stage", node.mask, n))
+                return (d + 1, ("stage", n))
             return None
         if node.kind == "series":
             return self.series(v, 0, n, d)
@@ -163,7 +235,7 @@ class _DP:
         m = len(node.children)
         if j == m:
             return (d, None) if n == 0 else None
-        key = ("s", v, j, n, d)
+        key = ("s", node.cls, j, n, d)
         known, value = self._known(key)
         if known:
             return value
@@ -175,24 +247,30 @@ class _DP:
         memo = self.memo
         cum = self._cumulative(v)
         tmax, total = self.tmax, cum[m]
-        # (a) one stage over children j..k-1 on n1 devices, then the rest of the series
+        # (a) one stage over children j..k-1 on n1 devices, then the rest of the series. Only a
+        # window of k can work: the stage must meet tmax on n1 devices (k not too large) and the
+        # rest must still get its least devices from the n - n1 left (k not too small).
         for n1 in self.stage_devices:
             if n1 > n:
                 break
-            cap = tmax * n1
-            for k in range(j + 1, m + 1):
-                if cum[k] - cum[j] > cap:
-                    break
-                if k < m and n1 + max(1, math.ceil((total - cum[k]) / tmax - 1e-9)) > n or k == m and n1 != n:
+            if n1 == n:
+                first = m
+            else:
+                first = max(j + 1, bisect.bisect_left(cum, total - (n - n1 + 1e-6) * tmax))
+                while first < m and n1 + max(1, math.ceil((total - cum[first]) / tmax - 1e-9)) > n:
+                    first += 1
+            last = min(m, bisect.bisect_right(cum, cum[j] + tmax * n1) - 1)
+            for k in range(first, last + 1):
+                if k == m and n1 != n:
                     continue
                 mask = node.prefix[k] & ~node.prefix[j]
-                rest = memo.get(("s", v, k, n - n1, d), _MISSING) if k < m else (d, None)
+                rest = memo.get(("s", node.cls, k, n - n1, d), _MISSING) if k < m else (d, None)
                 if rest is _MISSING:
                     rest = self.series(v, k, n - n1, d)
                 if rest is None or (best is not None and rest[0] + 1 >= best[0]):
                     continue
                 if self.stage_ok(mask, n1, rest[0] + 1):
-                    best = (rest[0] + 1, ("range", j, k, mask, n1, n - n1))
+                    best = (rest[0] + 1, ("range", k, n1, n - n1))
         # (c) the last branches of a Parallel child j join the merge stage after them
         if self.nodes[node.children[j]].kind == "parallel" and j + 1 < m:
             best = self.merged(v, j, n, d, best)
@@ -207,62 +285,101 @@ class _DP:
                     continue
                 r = self.solve(c, n1, rest[0])
                 if r is not None and (best is None or r[0] < best[0]):
-                    best = (r[0], ("child", j, n1, n - n1, rest[0]))
+                    best = (r[0], ("child", n1, n - n1, rest[0]))
         return self._remember(key, best)
 
-    def parallel(self, v: int, i: int, e: int, n: int, d: int):
-        """The children ``i..e-1`` of a Parallel node: the first group of them runs as one stage
-        (or the first child is decomposed on its own) beside the rest."""
+    # -- Parallel ranges, all device counts at once ------------------------------------------
+
+    def _range_key(self, v: int, i: int, e: int):
+        key = self._ranges.get((v, i, e))
+        if key is None:
+            node = self.nodes[v]
+            kids = tuple(self.nodes[c].cls for c in node.children[i:e])
+            key = self._ranges[(v, i, e)] = ("r", kids) if node.sym else ("r", v, i, e)
+        return key
+
+    def _cap(self, mask: int) -> int:
+        """Bits of the device counts a part ``mask`` can use: the rest needs its own minimum."""
+        rest = self.cm.full_mask & ~mask
+        most = self.num_devices - (self.min_devices(rest) if rest else 0)
+        return (1 << (most + 1)) - 1 if most >= 0 else 0
+
+    def child_table(self, c: int, d: int) -> list[int]:
+        """Per level ``K`` (``K = d + 1 + index``): the device counts on which node ``c`` meets
+        ``tmax`` with source in-flight at most ``K`` when its successors keep ``d``."""
+        node = self.nodes[c]
+        if node.kind == "parallel":
+            return self.table(c, 0, len(node.children), d)
+        key = ("c", node.cls, d)
+        tab = self._tables.get(key)
+        if tab is not None:
+            return tab
+        if node.kind == "leaf":
+            tab = [self.stage_bits(node.mask, d + 1)] * node.depth
+        else:
+            tab = [0] * node.depth
+            lo = self._up(self.min_devices(node.mask))
+            hi = min(self._cap(node.mask).bit_length() - 1, self.max_devices(node))
+            for n in range(lo, hi + 1, self.step):
+                r = self.series(c, 0, n, d)
+                if r is not None:
+                    for x in range(r[0] - d - 1, node.depth):
+                        tab[x] |= 1 << n
+        self._tables[key] = tab
+        return tab
+
+    def table(self, v: int, i: int, e: int, d: int) -> list[int]:
+        """:meth:`child_table` for the children ``i..e-1`` of Parallel node ``v``: the first group
+        of them runs as one stage, or the first child is decomposed on its own, beside the rest;
+        in-flight counts meet at the shared successor, ``max(k1, k2)`` (Alg. 1's parallel case)."""
         node = self.nodes[v]
         if e - i == 1:
-            return self.solve(node.children[i], n, d)
-        key = ("p", v, i, e, n, d)
-        known, value = self._known(key)
-        if known:
-            return value
+            return self.child_table(node.children[i], d)
+        key = (self._range_key(v, i, e), d)
+        tab = self._tables.get(key)
+        if tab is not None:
+            return tab
         self.states += 1
-        best = None
+        levels = max(self.nodes[c].depth for c in node.children[i:e])
         mask = node.prefix[e] & ~node.prefix[i]
-        if n < self.min_devices(mask):
-            return self._remember(key, None)
+        cap = self._cap(mask)
+        tab = [0] * levels
         # (a) children i..t-1 as one stage beside the rest (t == e: the whole range)
         for t in range(i + 1, e + 1):
             group = node.prefix[t] & ~node.prefix[i]
-            w = self.work(group)
-            if w > self.tmax * min(n, self.max_stage):
+            if self.work(group) > self.tmax * self.max_stage:
                 break
-            rest_mask = mask & ~group
-            need_rest = self.min_devices(rest_mask) if t < e else 0
-            for n1 in self.stage_devices:
-                if n1 + need_rest > n:
-                    break
-                if w > self.tmax * n1 or (t == e and n1 != n):
-                    continue
-                if best is not None and d + 1 >= best[0]:
-                    break
-                r2 = self.parallel(v, t, e, n - n1, d) if t < e else (d + 1, None)
-                if r2 is None or not self.stage_ok(group, n1, d + 1):
-                    continue
-                k = max(d + 1, r2[0])
-                if best is None or k < best[0]:
-                    best = (k, ("group", t, group, n1, n - n1))
+            g = self._group_bits(v, i, t, group, d + 1)
+            if not g:
+                continue
+            if t == e:
+                tab = [x | g for x in tab]
+                continue
+            rest = self.table(v, t, e, d)
+            tab = [x | _sumset(g, r, cap) for x, r in zip(tab, _padded(rest, levels))]
         # (b) child i decomposed on its own beside the rest
         c = node.children[i]
         if self.nodes[c].kind != "leaf":
-            rest_mask = mask & ~self.nodes[c].mask
-            lo = self.min_devices(self.nodes[c].mask)
-            hi = min(n - self.min_devices(rest_mask), self.max_devices(self.nodes[c]))
-            for n1 in range(self._up(lo), hi + 1, self.step):
-                r1 = self.solve(c, n1, d)
-                if r1 is None or (best is not None and r1[0] >= best[0]):
-                    continue
-                r2 = self.parallel(v, i + 1, e, n - n1, d)
-                if r2 is None:
-                    continue
-                k = max(r1[0], r2[0])
-                if best is None or k < best[0]:
-                    best = (k, ("child", n1, n - n1))
-        return self._remember(key, best)
+            mine = _padded(self.child_table(c, d), levels)
+            rest = _padded(self.table(v, i + 1, e, d), levels)
+            tab = [x | _sumset(a, r, cap) for x, a, r in zip(tab, mine, rest)]
+        self._tables[key] = tab
+        return tab
+
+    def _group_bits(self, v: int, i: int, t: int, group: int, k: int) -> int:
+        key = ("g", self._range_key(v, i, t), k)
+        bits = self._tables.get(key)
+        if bits is None:
+            bits = self._tables[key] = self.stage_bits(group, k)
+        return bits
+
+    def parallel(self, v: int, i: int, e: int, n: int, d: int):
+        """The children ``i..e-1`` of Parallel node ``v`` on ``n`` devices: ``(k, None)`` with
+        the least source in-flight count, or None (the stages come from :meth:`stages`)."""
+        for x, bits in enumerate(self.table(v, i, e, d)):
+            if bits >> n & 1:
+                return (d + 1 + x, None)
+        return None
 
     def _cumulative(self, v: int) -> list[float]:
         """Prefix sums of the children's work: the work of children ``j..k-1`` in O(1)."""
@@ -274,10 +391,6 @@ class _DP:
             self._cum[v] = cum
         return cum
 
-    def _range_capacity(self, v: int, i: int, e: int) -> int:
-        node = self.nodes[v]
-        return (node.prefix[e] & ~node.prefix[i]).bit_count() * self.max_stage
-
     def merged(self, v: int, j: int, n: int, d: int, best):
         """Child ``j`` of Series ``v`` is Parallel: its last branches join the stage that runs the
         merge (children ``j+1..k-1``), and its first branches are solved beside that stage, which
@@ -286,39 +399,59 @@ class _DP:
         par_id = node.children[j]
         par = self.nodes[par_id]
         q, m = len(par.children), len(node.children)
-        rests: dict = {}   # (k, devices) -> series(v, k, devices, d), shared by every i
+        width = self.num_devices + 1
+        rests: dict = {}   # (k, level) -> the rest's device counts at in-flight <= level, reversed
+        levels_of: dict = {}
         for i in range(1, q):
-            tail, head = par.mask & ~par.prefix[i], par.prefix[i]
-            need_head = self.min_devices(head)
+            tail, need_head = par.mask & ~par.prefix[i], self.min_devices(par.prefix[i])
             for k in range(j + 2, m + 1):
                 mask = tail | (node.prefix[k] & ~node.prefix[j + 1])
                 w = self.work(mask)
                 if w > self.tmax * min(n, self.max_stage):
                     break
                 need_rest = self.min_devices(node.mask & ~node.prefix[k]) if k < m else 0
+                levels = levels_of.get(k)
+                if levels is None:
+                    levels = levels_of[k] = [d] if k == m else self._series_levels(v, k, d, n, rests)
                 for n1 in self.stage_devices:
                     if n1 + need_head + need_rest > n:
                         break
                     if w > self.tmax * n1:
                         continue
-                    most_head = min(n - n1 - need_rest, self._range_capacity(par_id, 0, i))
-                    heads = range(self._up(need_head), most_head + 1, self.step) if k < m else [n - n1]
-                    for n_head in heads:
-                        n_rest = n - n1 - n_head
-                        rest = rests.get((k, n_rest), _MISSING)
-                        if rest is _MISSING:
-                            rest = rests[(k, n_rest)] = self.series(v, k, n_rest, d) if k < m else (d, None)
-                        if rest is None:
-                            continue
-                        k_stage = rest[0] + 1
+                    for level in levels:
+                        k_stage = level + 1
                         if best is not None and k_stage >= best[0]:
-                            continue
+                            break
                         if not self.stage_ok(mask, n1, k_stage):
-                            continue
-                        r = self.parallel(par_id, 0, i, n_head, k_stage)
-                        if r is not None and (best is None or max(r[0], k_stage) < best[0]):
-                            best = (max(r[0], k_stage), ("merge", i, k, mask, n1, n_head, n_rest, k_stage))
+                            break   # more in flight fits no better
+                        head = self.table(par_id, 0, i, k_stage)
+                        # bit h of reach: the rest runs on exactly n - n1 - h devices at this level
+                        reach = 1 << (n - n1) if k == m else rests[(k, level)] >> (width - 1 - n + n1)
+                        for x, bits in enumerate(head):
+                            hit = bits & reach
+                            if hit and (best is None or k_stage + 1 + x < best[0]):
+                                n_head = (hit & -hit).bit_length() - 1
+                                best = (k_stage + 1 + x, ("merge", i, k, n1, n_head, n - n1 - n_head, k_stage))
+                                break
         return best
+
+    def _series_levels(self, v: int, k: int, d: int, n: int, rests: dict) -> list[int]:
+        """In-flight levels of the suffix ``k..`` of Series ``v`` on up to ``n`` devices, each with
+        the (reversed) device counts that reach it, into ``rests``."""
+        node = self.nodes[v]
+        width = self.num_devices + 1
+        found: dict[int, int] = {}
+        lo = self._up(self.min_devices(node.mask & ~node.prefix[k]))
+        for n_rest in range(lo, n + 1, self.step):
+            r = self.series(v, k, n_rest, d)
+            if r is not None:
+                found[r[0]] = found.get(r[0], 0) | 1 << (width - 1 - n_rest)
+        levels = sorted(found)
+        acc = 0
+        for level in levels:
+            acc |= found[level]
+            rests[(k, level)] = acc
+        return levels
 
     def stages(self, v: int, n: int, d: int) -> list[tuple[int, int]]:
         """Rebuild the ``(mask, devices)`` stages of a feasible ``solve(v, n, d)``."""
@@ -335,25 +468,67 @@ class _DP:
             return []
         choice = self.series(v, j, n, d)[1]
         if choice[0] == "range":
-            _, _, k, mask, n1, n_rest = choice
-            return [(mask, n1)] + self._series_stages(v, k, n_rest, d)
+            _, k, n1, n_rest = choice
+            return [(node.prefix[k] & ~node.prefix[j], n1)] + self._series_stages(v, k, n_rest, d)
         if choice[0] == "merge":
-            _, i, k, mask, n1, n_head, n_rest, k_stage = choice
+            _, i, k, n1, n_head, n_rest, k_stage = choice
+            par = self.nodes[node.children[j]]
+            mask = (par.mask & ~par.prefix[i]) | (node.prefix[k] & ~node.prefix[j + 1])
             return ([(mask, n1)] + self._parallel_stages(node.children[j], 0, i, n_head, k_stage)
                     + self._series_stages(v, k, n_rest, d))
-        _, _, n1, n_rest, d_rest = choice
+        _, n1, n_rest, d_rest = choice
         return self.stages(node.children[j], n1, d_rest) + self._series_stages(v, j + 1, n_rest, d)
 
     def _parallel_stages(self, v: int, i: int, e: int, n: int, d: int) -> list[tuple[int, int]]:
+        """The first option, in the DP's order, that meets the range's least in-flight level."""
         node = self.nodes[v]
         if e - i == 1:
             return self.stages(node.children[i], n, d)
-        choice = self.parallel(v, i, e, n, d)[1]
-        if choice[0] == "group":
-            _, t, group, n1, n_rest = choice
-            return [(group, n1)] + (self._parallel_stages(v, t, e, n_rest, d) if t < e else [])
-        _, n1, n_rest = choice
-        return self.stages(node.children[i], n1, d) + self._parallel_stages(v, i + 1, e, n_rest, d)
+        x = self.parallel(v, i, e, n, d)[0] - d - 1
+        for t in range(i + 1, e + 1):
+            group = node.prefix[t] & ~node.prefix[i]
+            if self.work(group) > self.tmax * self.max_stage:
+                break
+            g = self._group_bits(v, i, t, group, d + 1)
+            for n1 in self.stage_devices:
+                if not g >> n1 & 1:
+                    continue
+                if t == e and n1 == n:
+                    return [(group, n1)]
+                if t < e and n > n1 and _level(self.table(v, t, e, d), x) >> (n - n1) & 1:
+                    return [(group, n1)] + self._parallel_stages(v, t, e, n - n1, d)
+        c = node.children[i]
+        mine, rest = _level(self.child_table(c, d), x), _level(self.table(v, i + 1, e, d), x)
+        while mine:
+            low = mine & -mine
+            n1 = low.bit_length() - 1
+            mine ^= low
+            if n > n1 and rest >> (n - n1) & 1:
+                return self.stages(c, n1, d) + self._parallel_stages(v, i + 1, e, n - n1, d)
+        raise AssertionError("a feasible parallel range has no option at its own level")
+
+
+def _level(tab: list[int], x: int) -> int:
+    """Level ``x`` of a table; a shallower table is complete at its last level."""
+    return tab[x] if x < len(tab) else tab[-1]
+
+
+def _padded(tab: list[int], levels: int) -> list[int]:
+    return tab if len(tab) >= levels else tab + [tab[-1]] * (levels - len(tab))
+
+
+def _sumset(a: int, b: int, cap: int) -> int:
+    """Bit ``x + y`` for every bit ``x`` of ``a`` and ``y`` of ``b``, up to ``cap``'s bits."""
+    if not a or not b:
+        return 0
+    if a.bit_count() > b.bit_count():
+        a, b = b, a
+    out = 0
+    while a:
+        low = a & -a
+        out |= b << (low.bit_length() - 1)
+        a ^= low
+    return out & cap
 
 
 def _work_fn(cm: StageCostModel, shard: float) -> Callable[[int], float]:
@@ -382,22 +557,30 @@ def _work_fn(cm: StageCostModel, shard: float) -> Callable[[int], float]:
 
 
 def bottleneck_search(cm: StageCostModel, tree, *, num_devices: int, micro_batch: int,
-                      stage_devices: Sequence[int], rel_tol: float = _REL_TOL, floor: float = 0.0):
+                      stage_devices: Sequence[int], rel_tol: float = _REL_TOL, floor: float = 0.0,
+                      limit: float = math.inf):
     """Binary search on ``tmax`` (Alg. 1, lines 1-9): the least feasible bottleneck time per
     sample within ``rel_tol``, its stages, and the DP states visited; ``(None, None, states)``
     when no ``tmax`` is feasible (memory or device counts). ``floor`` is a known lower bound on
-    the answer (the optimum of a larger space), which narrows the first bracket."""
+    the answer (the optimum of a larger space), which narrows the first bracket; ``limit`` an
+    upper one (a bottleneck above it is of no use to the caller), which ends a hopeless search
+    after a few cheap DP runs: at a small ``tmax`` the device lower bounds prune nearly every state."""
     nodes = _flatten(tree, cm)
     work = _work_fn(cm, micro_batch / min(stage_devices))
     states = 0
     infeasible: dict = {}
+    priced: dict = {}
 
     def attempt(tmax: float):
         nonlocal states
-        dp = _DP(cm, nodes, micro_batch, tmax, stage_devices, work, infeasible)
+        dp = _DP(cm, nodes, micro_batch, tmax, stage_devices, work, num_devices, infeasible, priced)
         r = dp.solve(len(nodes) - 1, num_devices, 0)
         states += dp.states
         return dp.stages(len(nodes) - 1, num_devices, 0) if r is not None else None
+
+    def bottleneck(stages) -> float:
+        # The plan found at tmax usually has a lower bottleneck than tmax: bisect from there.
+        return max(cm.time_per_sample(mask, micro_batch, n) for mask, n in stages)
 
     # A layer that fits on no stage, even alone with one micro-batch in flight, rules out every plan.
     widest = max(stage_devices)
@@ -406,21 +589,29 @@ def bottleneck_search(cm: StageCostModel, tree, *, num_devices: int, micro_batch
     lo = max(floor, work(cm.full_mask) / num_devices)   # perfect balance: no plan does better
     # Every layer as its own single-device stage bounds any stage made of them from above.
     ceiling = 2 * max(lo, sum(cm.time_per_sample(1 << i, micro_batch, 1) for i in range(cm.num_layers)))
+    if limit < ceiling:
+        if lo >= limit:
+            return None, None, states
+        ceiling = limit
     # Bracket the optimum by growing from the lower bound (it is usually within tens of percent
     # of it), which takes fewer DP runs than bisecting down from the ceiling. When that first
     # guess fails with one data-parallel degree, where memory often rules out every plan, one DP
     # at the ceiling (cheap with one degree) says so before doubling towards it.
     hi = min(_GROWTH * lo, ceiling)
     best = attempt(hi)
+    if best is not None:
+        hi = min(hi, bottleneck(best))
     if best is None:
         lo = hi
-        if len(stage_devices) == 1 and attempt(ceiling) is None:
+        if (len(stage_devices) == 1 or ceiling == limit) and attempt(ceiling) is None:
             return None, None, states
     while best is None and hi < ceiling:
         hi = min(2 * hi, ceiling)
         best = attempt(hi)
         if best is None:
             lo = hi
+        else:
+            hi = min(hi, bottleneck(best))
     if best is None:
         return None, None, states
     while hi - lo > rel_tol * hi:
@@ -429,7 +620,7 @@ def bottleneck_search(cm: StageCostModel, tree, *, num_devices: int, micro_batch
         if found is None:
             lo = mid
         else:
-            hi, best = mid, found
+            hi, best = min(mid, bottleneck(found)), found
     return hi, best, states
 
 
@@ -473,14 +664,17 @@ def graphpipe_search(db: CostDB, *, num_devices: int, mini_batch: int, micro_bat
                 if mini_batch * floor >= best_time:
                     continue
             stage_devices = [d] if d is not None else full_devices
+            # A plan runs B / b micro-batches through its bottleneck stage, so its iteration takes
+            # at least B * TPS: a bottleneck above best_time / B cannot beat the best plan so far.
             tps, stages, visited = bottleneck_search(cm, tree, num_devices=num_devices, micro_batch=b,
-                                                     stage_devices=stage_devices, rel_tol=rel_tol, floor=floor)
+                                                     stage_devices=stage_devices, rel_tol=rel_tol, floor=floor,
+                                                     limit=best_time / mini_batch)
             states += visited
             if d is None:
                 full_tps = tps
             if progress is not None:
                 what = f"micro-batch {b}" + (f", degree {d}" if d else "")
-                progress(f"graphpipe: {what}: " + ("no feasible plan" if tps is None else
+                progress(f"graphpipe: {what}: " + ("no feasible plan that can beat the best so far" if tps is None else
                                                     f"{len(stages)} stages, bottleneck {tps:.4g} s/sample"))
             if stages is None:
                 continue
