@@ -10,7 +10,11 @@ Synopsis::
     gpp viz PLAN --costs COSTS [-o OUTDIR] [--format png|svg|both]
     gpp viz-run TRACE_DIR [--step N] [-o OUTDIR] [--format png|svg|both]
     gpp compare COSTS --devices N --mini-batch B [--methods graphpipe,pipedream,...] [--space full|runtime]
-                      [--micro-batches 1,2,4]
+                      [--micro-batches 1,2,4] [--schedules 1f1b,zb1,zb2]
+
+``plan`` and ``compare`` take ``--schedules``: ``plan`` keeps the fastest listed training schedule
+whose memory fits (the plan JSON carries it, and the engine runs it unless the DeepSpeed config's
+``graph_pipeline.schedule`` says otherwise); ``compare`` prices every method's plan under each.
 
 Every subcommand takes ``--json`` (machine-readable JSON on stdout instead of a table) and
 ``--quiet`` (no progress lines on stderr). Errors the package raises and missing files print
@@ -39,6 +43,8 @@ from typing import Callable, Sequence
 from .errors import GPPConfigError, GPPError
 from .models import BUILDERS, DEVICES, ModelDesc, analytic_costs, tiny
 from .planner import CommFit, CostDB, Hardware, Plan, SearchResult, graphpipe_search, simulate_plan
+from .planner.simulate import choose_schedule, predict
+from .schedule import get_schedule
 
 __all__ = ["main"]
 
@@ -138,6 +144,8 @@ def _plan(args) -> None:
     if plan is None:
         raise GPPError(f"{args.method} found no plan for {db.model} on {args.devices} devices, mini-batch "
                        f"{args.mini_batch}: {result.status}")
+    if args.schedules:  # the schedule becomes part of the plan: the fastest that fits memory
+        plan = choose_schedule(plan, db, schedules=args.schedules)
     if args.output:
         plan.save(args.output)
     data = {"method": result.method, "status": result.status, "search_time_s": result.search_time_s,
@@ -219,8 +227,10 @@ def _compare(args) -> None:
             results.append(_search(method, db, args))
         except GPPError as e:   # one failing planner must not hide the others' rows
             results.append(SearchResult(method=method, plan=None, search_time_s=0.0, status=f"error: {e}"))
+    if args.schedules:
+        results = _per_schedule(results, db, args.schedules)
     found = [r for r in results if r.plan is not None]
-    baselines = [r for r in found if r.method != "graphpipe"]
+    baselines = [r for r in found if r.method.split("/")[0] != "graphpipe"]
     ref = max(baselines or found, key=lambda r: r.plan.predicted.samples_per_s, default=None)
     ref_name = None if ref is None else ("best baseline " if baselines else "") + ref.method
     rows = [_compare_row(r, ref) for r in results]
@@ -327,6 +337,16 @@ def _search(method: str, db: CostDB, args) -> SearchResult:
                            micro_batches=args.micro_batches, progress=None if args.quiet else _stderr, **kw)
 
 
+def _per_schedule(results: list[SearchResult], db: CostDB, schedules: Sequence[str]) -> list[SearchResult]:
+    """One row per method and schedule: each method's plan priced under every schedule."""
+    rows = []
+    for r in results:
+        for name in schedules:
+            plan = None if r.plan is None else predict(r.plan, db, schedule=name)
+            rows.append(dataclasses.replace(r, method=f"{r.method}/{name}", plan=plan))
+    return rows
+
+
 def _model(name: str, *, tiny_size: bool, granularity: str, sizes: Sequence[tuple[str, int]]) -> ModelDesc:
     """The paper model ``name`` (a registry name or an unambiguous prefix of one) at the asked size."""
     key = name.lower().replace("-", "_")
@@ -422,6 +442,16 @@ def _names(text: str) -> list[str]:
     return [t.strip() for t in text.split(",") if t.strip()]
 
 
+def _schedule_names(text: str) -> tuple[str, ...]:
+    names = tuple(n.lower() for n in _names(text))
+    for n in names:
+        try:
+            get_schedule(n)
+        except GPPConfigError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+    return names
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gpp", description="Profile, plan, simulate and compare graph pipeline "
                                      "parallel training (GraphPipe, arXiv 2406.17145).")
@@ -438,6 +468,9 @@ def _parser() -> argparse.ArgumentParser:
     search.add_argument("--mini-batch", type=_positive, required=True, metavar="B", help="samples per iteration")
     search.add_argument("--space", choices=("full", "runtime"), help="graphpipe: per-stage degrees (full, "
                         "the default) or one degree for all stages (runtime, what the engine runs)")
+    search.add_argument("--schedules", type=_schedule_names, metavar="1f1b,zb1,zb2",
+                        help="training schedules to price each plan with (default: 1f1b); plan keeps the "
+                        "fastest that fits memory, compare shows one row per method and schedule")
 
     p = sub.add_parser("profile", parents=[common, sweep], help="write a model's cost database")
     p.add_argument("model", metavar="MODEL", help=f"one of {', '.join(sorted(BUILDERS))}")

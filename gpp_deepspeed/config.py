@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from .errors import GPPConfigError
 
-__all__ = ["CONFIG_KEY", "GraphPipelineConfig", "parse_graph_pipeline_config"]
+__all__ = ["CONFIG_KEY", "GraphPipelineConfig", "parse_graph_pipeline_config", "with_plan_schedule"]
 
 CONFIG_KEY = "graph_pipeline"
 
@@ -28,10 +28,17 @@ class GraphPipelineConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    schedule: Literal["1f1b", "gpipe"] = "1f1b"
+    schedule: Literal["1f1b", "gpipe", "zb1", "zb2"] = "1f1b"
     """Training schedule: ``"1f1b"`` is the branch-aware synchronous 1F1B (PipeDream-Flush on a
     DAG, GraphPipe's default); ``"gpipe"`` runs every forward before any backward (more
-    activation memory, useful as a baseline)."""
+    activation memory, useful as a baseline); ``"zb1"`` and ``"zb2"`` split each backward into
+    input and weight gradients (zero-bubble ZB-H1 and a ZB-H2-like schedule, arXiv 2401.10241):
+    ``zb1`` holds no more micro-batches than 1F1B's busiest stage, ``zb2`` up to about twice as
+    many for a near-zero bubble. Neither works with activation checkpointing.
+
+    Precedence: a schedule named here wins; otherwise a plan loaded with
+    ``partition_method="plan.json"`` brings the schedule it was priced with (``gpp plan
+    --schedules``); otherwise ``"1f1b"``."""
 
     validate_schedule: bool = True
     """Check every stage's instruction list for deadlock and buffer misuse before running it."""
@@ -77,3 +84,16 @@ def parse_graph_pipeline_config(ds_config: Mapping[str, Any] | None) -> GraphPip
             else:
                 problems.append(f'"{CONFIG_KEY}.{key}": {err["msg"]}')
         raise GPPConfigError("invalid DeepSpeed config: " + "; ".join(problems)) from None
+
+
+def with_plan_schedule(config: GraphPipelineConfig, plan_schedule: str | None) -> GraphPipelineConfig:
+    """``config`` running the plan's schedule, unless the config names a schedule itself.
+
+    >>> with_plan_schedule(GraphPipelineConfig(), "zb1").schedule
+    'zb1'
+    >>> with_plan_schedule(GraphPipelineConfig(schedule="1f1b"), "zb1").schedule
+    '1f1b'
+    """
+    if plan_schedule is None or "schedule" in config.model_fields_set:
+        return config
+    return parse_graph_pipeline_config({CONFIG_KEY: {**config.model_dump(exclude_unset=True), "schedule": plan_schedule}})

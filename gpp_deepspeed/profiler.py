@@ -4,7 +4,8 @@ Glossary
 --------
 layer profile
     Per layer and micro-batch size ``b``: forward and backward seconds (the median of ``repeats``
-    runs after ``warmup``), plus parameter bytes, output bytes per sample and stashed bytes per
+    runs after ``warmup``), the backward also measured split in two (input gradients, then weight
+    gradients, as the zero-bubble schedules run it), plus parameter bytes, output bytes per sample and stashed bytes per
     sample (the tensors autograd saves for backward). GraphPipe prices stages by "profiling the
     execution time of each operator" (arXiv 2406.17145, Sec. 5).
 link fit
@@ -77,7 +78,8 @@ def profile_layers(layers: Sequence[Any], *, input_names: Sequence[str], output:
     device = torch.device(device)
     model = GraphModel(layers, input_names=input_names, output=output).to(device)
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
-    rows = {e.name: dict(fwd_s=[], bwd_s=[], out_bytes=0, stash_bytes=0) for e in model.entries}
+    rows = {e.name: dict(fwd_s=[], bwd_s=[], bwd_input_s=[], bwd_weight_s=[], out_bytes=0, stash_bytes=0)
+            for e in model.entries}
     for b in mbs:
         inputs = make_inputs(b)
         inputs = (inputs, ) if torch.is_tensor(inputs) else tuple(inputs)
@@ -85,11 +87,11 @@ def profile_layers(layers: Sequence[Any], *, input_names: Sequence[str], output:
         for e in model.entries:
             params, buffers = _layer_state(model, e)
             fn, args = model._funcs[e.name], args_of[e.name]
-            f, bw = _time_layer(e, fn, args, params, warmup=warmup, repeats=repeats, sync=sync)
+            times = _time_layer(e, fn, args, params, warmup=warmup, repeats=repeats, sync=sync)
             out, stashed = _stash(e, fn, args, params + buffers)
             row = rows[e.name]
-            row["fwd_s"].append(f)
-            row["bwd_s"].append(bw)
+            for key, t in zip(("fwd_s", "bwd_s", "bwd_input_s", "bwd_weight_s"), times):
+                row[key].append(t)
             out_bytes = sum(t.numel() * t.element_size() for t in _tensors(out))
             row["out_bytes"] = max(row["out_bytes"], math.ceil(out_bytes / b))
             row["stash_bytes"] = max(row["stash_bytes"], math.ceil(stashed / b))
@@ -101,7 +103,9 @@ def profile_layers(layers: Sequence[Any], *, input_names: Sequence[str], output:
         seen_ties.add(e.tie_key)
         r = rows[e.name]
         costs.append(LayerCost(name=e.name, inputs=tuple(e.inputs), micro_batches=mbs, fwd_s=tuple(r["fwd_s"]),
-                               bwd_s=tuple(r["bwd_s"]), out_bytes=r["out_bytes"], stash_bytes=r["stash_bytes"],
+                               bwd_s=tuple(r["bwd_s"]), bwd_input_s=tuple(r["bwd_input_s"]),
+                               bwd_weight_s=tuple(r["bwd_weight_s"]), out_bytes=r["out_bytes"],
+                               stash_bytes=r["stash_bytes"],
                                param_bytes=sum(p.numel() * p.element_size() for p in params) if counted else 0))
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({torch.get_num_threads()} threads)"
     return CostDB(model=model_name, source=f"measured on {where}, torch {torch.__version__}",
@@ -167,9 +171,13 @@ def _fresh_inputs(args: list) -> tuple[list, list[torch.Tensor]]:
 
 
 def _time_layer(entry: LayerEntry, fn: Callable, args: list, params: list, *, warmup: int, repeats: int,
-                sync: Callable) -> tuple[float, float]:
-    """Median forward and backward seconds of one layer on fixed inputs."""
-    fwd, bwd = [], []
+                sync: Callable) -> tuple[float, float, float, float]:
+    """Median seconds of one layer on fixed inputs: forward, fused backward, and the two halves
+    of the split backward the zero-bubble schedules run (input gradients ``I``, then weight
+    gradients ``W``, by the engine's own :mod:`~gpp_deepspeed.engine.split_backward`)."""
+    from .engine.split_backward import backward_input
+
+    fwd, bwd, grad_in, grad_w = [], [], [], []
     for i in range(warmup + repeats):
         xs, leaves = _fresh_inputs(args)
         wrt = leaves + params
@@ -179,18 +187,28 @@ def _time_layer(entry: LayerEntry, fn: Callable, args: list, params: list, *, wa
         sync()
         t1 = time.perf_counter()
         outs = [t for t in _tensors(out) if t.requires_grad]
-        back = 0.0
+        back = split_in = split_w = 0.0
         if outs and wrt:
             grads = [torch.randn_like(t) for t in outs]
             sync()
             t2 = time.perf_counter()
-            torch.autograd.grad(outs, wrt, grads, allow_unused=True)
+            torch.autograd.grad(outs, wrt, grads, allow_unused=True, retain_graph=True)
             sync()
-            back = time.perf_counter() - t2
+            t3 = time.perf_counter()
+            work = backward_input(outs, grads, inputs=leaves, params=params)
+            sync()
+            t4 = time.perf_counter()
+            work.run()
+            sync()
+            back, split_in, split_w = t3 - t2, t4 - t3, time.perf_counter() - t4
+            for p in params:  # the split accumulates into .grad; the profile must not change the model
+                p.grad = None
         if i >= warmup:
             fwd.append(t1 - t0)
             bwd.append(back)
-    return statistics.median(fwd), statistics.median(bwd)
+            grad_in.append(split_in)
+            grad_w.append(split_w)
+    return tuple(statistics.median(v) for v in (fwd, bwd, grad_in, grad_w))
 
 
 def _stash(entry: LayerEntry, fn: Callable, args: list, skip: list) -> tuple[Any, int]:

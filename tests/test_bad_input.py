@@ -23,6 +23,7 @@ EXPECTED = {  # case -> words the message must contain
     "plan_wrong_stage_count": ["3 stages", "has 2", "num_stages=3"],
     "plan_file_missing": ['"no/such/plan.json"', "does not exist"],
     "wrong_number_of_inputs": ["1 tensor(s)", "['x']", "tuple of 2"],
+    "split_schedule_with_checkpointing": ['"zb1"', "activation_checkpoint_interval=0", "1f1b"],
 }
 
 

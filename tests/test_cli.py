@@ -155,13 +155,35 @@ def test_gpp_bad_input_exits_2_with_a_message_naming_the_problem(costs, tmp_path
         assert word in err, err
 
 
+def test_gpp_compare_prices_every_plan_under_each_schedule(costs, capsys):
+    assert gpp("compare", costs, "--devices", DEVICES, "--mini-batch", MINI_BATCH, "--methods", "graphpipe",
+               "--schedules", "1f1b,zb1,zb2", "--json", "--quiet") == 0
+    rows = {r["method"]: r for r in json.loads(capsys.readouterr().out)["rows"]}
+    assert sorted(rows) == ["graphpipe/1f1b", "graphpipe/zb1", "graphpipe/zb2"]
+    # One plan, three schedules: the same stages, the split backward never slower than 1F1B.
+    assert len({rows[k]["stages"] for k in rows}) == 1
+    assert rows["graphpipe/zb1"]["iteration_time_s"] <= rows["graphpipe/1f1b"]["iteration_time_s"]
+    assert rows["graphpipe/zb2"]["iteration_time_s"] <= rows["graphpipe/zb1"]["iteration_time_s"]
+
+
+def test_gpp_plan_keeps_the_fastest_schedule_and_the_plan_file_carries_it(costs, tmp_path, capsys):
+    path = tmp_path / "plan.json"
+    assert gpp("plan", costs, "--devices", DEVICES, "--mini-batch", MINI_BATCH, "--schedules", "1f1b,zb1",
+               "-o", path, "--quiet") == 0
+    plan = Plan.load(path)
+    assert plan.schedule == "zb1" and "schedule zb1" in capsys.readouterr().out
+    assert gpp("plan", costs, "--devices", DEVICES, "--mini-batch", MINI_BATCH, "--schedules", "zb9",
+               "--quiet") == 2
+    assert 'unknown schedule "zb9"' in capsys.readouterr().err
+
+
 def test_gpp_subcommands_and_options_are_frozen():
     # Adding or renaming an option is a deliberate change: update this list with it.
     sub = next(a for a in _parser()._actions if isinstance(a.choices, dict))
     options = {name: sorted(o for a in p._actions for o in a.option_strings if o.startswith("--"))
                for name, p in sub.choices.items()}
     common = ["--help", "--json", "--quiet"]
-    search = sorted(common + ["--devices", "--mini-batch", "--micro-batches", "--space"])
+    search = sorted(common + ["--devices", "--mini-batch", "--micro-batches", "--schedules", "--space"])
     assert options == {
         "profile": sorted(common + ["--analytic", "--device", "--granularity", "--micro-batches",
                                     "--no-link-measure", "--output", "--size", "--tiny"]),

@@ -21,7 +21,8 @@ BASE = {"steps": 3, "mbs": 4, "gas": 4, "lr": 0.1}
 
 def case(model, stages, zero, **extra):
     partition = "explicit" if model in EXPLICIT.get(stages, ()) else "uniform"
-    name = f"{model}-s{stages}-z{zero}" + "".join(f"-{k}" for k in sorted(extra) if k != "partition")
+    name = f"{model}-s{stages}-z{zero}" + "".join(f"-{k}" + (f"_{extra[k]}" if k == "schedule" else "")
+                                                  for k in sorted(extra) if k != "partition")
     if "partition" in extra:  # a partition method of its own: a case of its own
         name += "-" + ("plan" if extra["partition"].endswith(".json") else extra["partition"])
     return {"id": name, "model": model, "stages": stages, "zero": zero, "partition": partition, **BASE, **extra}
@@ -31,17 +32,24 @@ def golden(stages):
     return [case(m, stages, z) for m in MODELS for z in (0, 1)]
 
 
+# Zero-bubble schedules (split backward, I then W): DAG shapes of the golden test, ZeRO-0/1, pipe x data.
 WORLDS = {
-    2: golden(2),
-    3: golden(3),
+    2: golden(2) + [case("chain", 2, 1, schedule="zb2")],
+    3: golden(3) + [case("diamond", 3, 0, schedule="zb1"), case("fanout3", 3, 1, schedule="zb2")],
     4: golden(4) + [case(m, 2, z) for m in ("four_branch", "skip") for z in (0, 1)]  # pipe 2 x data 2
     + [case("four_branch", 4, 1, partition="parameters"), case("three_input", 4, 1, partition="sequential"),
        case("skip", 4, 1, clip=0.05), case("four_branch", 4, 0, ckpt_interval=1),
        case("fanout3", 4, 1, schedule="gpipe"), case("tied", 4, 0), case("tied", 4, 1),
        case("varlen", 4, 1),  # dynamic_shape: activation shapes change every micro-batch
        case("four_branch", 4, 1, partition="graphpipe"),  # GraphPipe's search on every rank
-       case("four_branch", 4, 0, partition="golden/plan_four_branch_s4.json")],  # a plan file
+       case("four_branch", 4, 0, partition="golden/plan_four_branch_s4.json"),  # a plan file
+       case("four_branch", 4, 1, schedule="zb1"), case("skip", 4, 0, schedule="zb2"),
+       case("three_input", 4, 0, schedule="zb2"), case("tied", 4, 1, schedule="zb1"),
+       case("four_branch", 2, 0, schedule="zb1"), case("skip", 2, 1, schedule="zb2"),  # pipe 2 x data 2
+       case("four_branch", 4, 1, partition="golden/plan_four_branch_s4_zb1.json")],  # runs the plan's zb1
 }
+# The schedule each case must have run: the config's, else its plan file's, else 1f1b.
+PLAN_SCHEDULES = {"golden/plan_four_branch_s4_zb1.json": "zb1"}
 ALL = [(world, c) for world, cases in WORLDS.items() for c in cases]
 
 
@@ -56,6 +64,7 @@ def test_pipeline_training_matches_single_device_model(run_cases, world, c):
     dp = world // c["stages"]
     ref = train_reference(c, dp=dp)
     for r, res in enumerate(ranks):
+        assert res["schedule"] == c.get("schedule", PLAN_SCHEDULES.get(c["partition"], "1f1b"))
         assert res["losses"] == pytest.approx(ref.losses, rel=1e-5), f"rank {r} (stage {res['stage']})"
         assert res["eval"] == pytest.approx(ref.eval_loss, rel=1e-5), f"rank {r} (stage {res['stage']})"
     logits = {res["dp"]: res["logits"] for res in ranks if res["logits"] is not None}

@@ -85,6 +85,57 @@ def test_profile_layers_measures_a_known_sleep():
     assert db.by_name["nap"].bwd_s[0] < seconds
 
 
+class _SleepInBackward(torch.autograd.Function):
+    """Identity forward; the backward sleeps, then passes the gradient through."""
+
+    @staticmethod
+    def forward(ctx, x, seconds):
+        ctx.seconds = seconds
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        time.sleep(ctx.seconds)
+        return grad, None
+
+
+class SplitSleep(nn.Module):
+    """Input gradient and weight gradient on separate paths, each sleeping its own time."""
+
+    def __init__(self, input_grad_s, weight_grad_s):
+        super().__init__()
+        self.bias = nn.Parameter(torch.zeros(4))
+        self.times = (input_grad_s, weight_grad_s)
+
+    def forward(self, x):
+        return _SleepInBackward.apply(x, self.times[0]) + _SleepInBackward.apply(self.bias, self.times[1])
+
+
+def test_profile_layers_measures_input_and_weight_gradients_apart():
+    # A measurement check with generous bands: 10 ms on the input path, 30 ms on the weight path.
+    t_in, t_w = 0.01, 0.03
+    db = profile_layers([GraphLayerSpec("nap", SplitSleep, t_in, t_w, inputs=["x"])], input_names=["x"],
+                        make_inputs=_inputs([4]), micro_batches=(1, ), warmup=1, repeats=3, hardware=HW)
+    nap = db.by_name["nap"]
+    assert 0.8 * (t_in + t_w) <= nap.bwd_s[0] <= 3 * (t_in + t_w), nap.bwd_s
+    assert 0.8 * t_in <= nap.bwd_input_s[0] <= 0.8 * t_w, nap.bwd_input_s
+    assert 0.8 * t_w <= nap.bwd_weight_s[0] <= 3 * t_w, nap.bwd_weight_s
+    assert nap.split_backward_times(1) == (nap.bwd_input_s[0], nap.bwd_weight_s[0])
+    assert CostDB.from_json(db.to_json()) == db
+
+
+def test_cost_database_without_split_times_reads_as_before_and_halves_the_backward():
+    layers = [GraphLayerSpec("a", nn.Linear, 4, 4, inputs=["x"])]
+    db = profile_layers(layers, input_names=["x"], make_inputs=_inputs([4]), **FAST)
+    import json
+    old = json.loads(db.to_json())
+    for layer in old["layers"]:  # a database written before the split was measured
+        del layer["bwd_input_s"], layer["bwd_weight_s"]
+    read = CostDB.from_json(json.dumps(old))
+    a = read.by_name["a"]
+    assert a.bwd_input_s is None and a.split_backward_times(2) == (a.bwd_s[1] / 2, a.bwd_s[1] / 2)
+
+
 def test_profile_layers_rejects_bad_micro_batches():
     layers = [GraphLayerSpec("a", nn.Linear, 4, 4, inputs=["x"])]
     with pytest.raises(GPPConfigError, match="micro_batches"):

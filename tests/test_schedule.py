@@ -12,8 +12,9 @@ from hypothesis import strategies as st
 
 from gpp_deepspeed.errors import GPPConfigError, ScheduleError
 from gpp_deepspeed.graph import StageEdge, StageGraph
-from gpp_deepspeed.schedule import (Action, ActionKind, add_release, add_send_recv, assign_buffers, build_schedule,
-                                    format_schedule, get_schedule, gpipe, group_p2p, num_slots, one_f_one_b,
+from gpp_deepspeed.schedule import (SCHEDULES, Action, ActionKind, add_release, add_send_recv, assign_buffers, build_schedule,
+                                    format_schedule, get_schedule, gpipe, group_for_rendezvous, group_p2p, num_slots,
+                                    one_f_one_b,
                                     order_transfers, simulate, validate_schedule, warmup_forwards)
 
 K = ActionKind
@@ -191,20 +192,22 @@ def stage_dags(draw):
 @given(sg=stage_dags(), num_mb=st.integers(1, 6))
 def test_build_schedule_on_random_stage_dags_passes_the_rendezvous_validator(sg, num_mb):
     n = sg.num_stages
-    for name in ("1f1b", "gpipe"):
+    for name in SCHEDULES:
         for train in (True, False):
             sched = build_schedule(sg, num_mb, name=name, train=train)
             slots = assign_buffers(sched)
             # rendezvous mode: every send blocks until its receive is posted (NCCL)
             timeline = validate_schedule(sched, sg, num_mb, train=train, slots=slots)
             assert simulate(sched, mode="async").makespan <= timeline.makespan
-            # compute time alone bounds the makespan from below
+            # compute time alone bounds the makespan from below (split: I and W of one unit each)
             per_mb = 3.0 if train else 1.0
             assert timeline.makespan >= num_mb * per_mb
             for s in range(n):
                 kinds = [a.kind for a in sched[s]]
                 assert kinds.count(K.FORWARD) == num_mb
-                assert kinds.count(K.BACKWARD) == (num_mb if train else 0)
+                split = kinds.count(K.BACKWARD_INPUT)
+                assert kinds.count(K.BACKWARD) + split == (num_mb if train else 0)
+                assert kinds.count(K.BACKWARD_WEIGHT) == split
                 assert kinds.count(K.RELEASE_IN) == kinds.count(K.RELEASE_OUT) == num_mb
                 assert kinds[-1] is (K.STEP if train else K.WAIT_SENDS)
                 assert num_slots(slots[s]) <= num_mb
@@ -229,7 +232,7 @@ def test_build_schedule_lowers_a_two_branch_graph_as_written_by_hand():
         1: "1LOAD0 1F0 1SEND_F0@2 1LOAD1 1F1 (1SEND_F1@2;1RECV_B0@2)P2P 1B0 1RELEASE_OUT0 1RELEASE_IN0 "
            "1RECV_B1@2 1B1 1RELEASE_OUT1 1RELEASE_IN1 1WAIT_SENDS 1REDUCE_TIED 1REDUCE_GRAD 1STEP",
         2: "2LOAD0 (2RECV_F0@0;2RECV_F0@1)P2P 2F0 2B0 2RELEASE_OUT0 "
-           "2LOAD1 (2RECV_F1@0;2RECV_F1@1;2SEND_B0@0;2SEND_B0@1)P2P 2RELEASE_IN0 2F1 2B1 2RELEASE_OUT1 "
+           "(2SEND_B0@0;2SEND_B0@1;2RECV_F1@0;2RECV_F1@1)P2P 2RELEASE_IN0 2LOAD1 2F1 2B1 2RELEASE_OUT1 "
            "(2SEND_B1@0;2SEND_B1@1)P2P 2RELEASE_IN1 2WAIT_SENDS 2REDUCE_TIED 2REDUCE_GRAD 2STEP",
     }
     assert sched == parse_schedule(expected)
@@ -444,6 +447,18 @@ def test_assign_buffers_reuses_a_slot_once_its_micro_batch_is_released():
     sched = {0: lists("0F0 0F1 0B0 0RELEASE_IN0 0F2 0B1 0RELEASE_IN1 0F3 0B2 0B3")}
     assert assign_buffers(sched) == {0: {0: 0, 1: 1, 2: 0, 3: 1}}
     assert num_slots({0: 0, 1: 1, 2: 0}) == 2 and num_slots({}) == 1
+
+
+def test_group_for_rendezvous_keeps_a_chain_as_written_and_reorders_only_what_would_deadlock():
+    chain = StageGraph.chain(4)
+    plain = add_send_recv(one_f_one_b(chain, 6), chain)
+    assert group_for_rendezvous(plain) == group_p2p(plain)
+    # a chain 0 -> 1 -> 2 -> 3 with a skip edge 0 -> 3 between stages 3 warm-up forwards apart
+    skip = dag(4, [(0, 1), (0, 2), (0, 3), (1, 2), (2, 3)])
+    plain = add_send_recv(one_f_one_b(skip, 4), skip)
+    with pytest.raises(ScheduleError, match="rendezvous"):
+        simulate(group_p2p(plain), mode="rendezvous")
+    assert group_for_rendezvous(plain) == group_p2p(order_transfers(plain))
 
 
 def test_order_transfers_sends_on_a_skip_edge_when_the_receiver_is_ready():

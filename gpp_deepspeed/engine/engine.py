@@ -31,7 +31,7 @@ from deepspeed.runtime.pipe.engine import (PIPE_RECV_GRAD_TIMER, PIPE_RECV_INPUT
                                             PIPE_SEND_OUTPUT_TIMER, PipelineEngine)
 from deepspeed.utils import logger
 
-from ..config import GraphPipelineConfig
+from ..config import GraphPipelineConfig, with_plan_schedule
 from ..errors import GPPConfigError
 from ..schedule.generators import build_schedule
 from ..schedule.ir import Action, ActionKind as K, format_schedule
@@ -42,10 +42,11 @@ from .instructions import (GraphPipeSchedule, RecvActivationFrom, RecvGradFrom, 
                            SendActivationTo, SendGradTo, Transfers, WaitSends)
 from .module import GraphPipelineModule
 from .p2p import EdgeTransport, Incoming, Outgoing
+from .split_engine import SplitBackwardMixin, check_split_backward_supported
 
 __all__ = ["GraphPipelineEngine"]
 
-_EXTRA_BUFFERS = ("loaded", "received", "grads", "losses")
+_EXTRA_BUFFERS = ("loaded", "received", "grads", "losses", "weight_grad")
 _WAITING = frozenset({K.RECV_F, K.RECV_B, K.P2P, K.WAIT_SENDS})
 # DeepSpeed's pipe timer of each transfer kind (wall_clock_breakdown).
 _TIMERS = {K.SEND_F: PIPE_SEND_OUTPUT_TIMER, K.RECV_F: PIPE_RECV_INPUT_TIMER, K.SEND_B: PIPE_SEND_GRAD_TIMER,
@@ -68,20 +69,24 @@ def _wall_clock(timer: str, handler):
     return timed
 
 
-class GraphPipelineEngine(PipelineEngine):
+class GraphPipelineEngine(SplitBackwardMixin, PipelineEngine):
     """Trains a :class:`GraphPipelineModule`; built by :func:`gpp_deepspeed.initialize`."""
 
     def __init__(self, *args, gpp_config: GraphPipelineConfig | None = None, **kwargs):
         # The parent's __init__ warms up p2p along stage ids 0..S-1 with is_first/last_stage() in
         # their linear sense; the DAG meaning applies once construction is over.
         self._dag_ready = False
+        # The config's schedule wins over the one a loaded plan was priced with (see config.py).
+        gpp_config = with_plan_schedule(gpp_config or GraphPipelineConfig(),
+                                        getattr(kwargs.get("model"), "plan_schedule", None))
+        check_split_backward_supported(gpp_config.schedule, kwargs.get("model"))
         super().__init__(*args, **kwargs)
         if not isinstance(self.module, GraphPipelineModule):
             raise GPPConfigError("GraphPipelineEngine needs a GraphPipelineModule")
         if self.is_pipe_partitioned or self.is_grad_partitioned:
             raise GPPConfigError('"pipeline.pipe_partitioned" and "pipeline.grad_partitioned" (tensor-parallel '
                                  "activation partitioning) are not supported by the graph pipeline; set them false")
-        self.gpp_config = gpp_config or GraphPipelineConfig()
+        self.gpp_config = gpp_config
         self.spec = self.module.stage_spec
         self.stage_graph = self.module.partition.stage_graph
         self.transport = EdgeTransport(self.grid, self.device, stage=self.stage_id,
@@ -316,7 +321,7 @@ class GraphPipelineEngine(PipelineEngine):
             self.pipe_buffers[key][buffer_id] = None
 
     def _exec_release_outputs(self, buffer_id):
-        for key in ("outputs", "output_tensors", "grads", "labels", "losses"):
+        for key in ("outputs", "output_tensors", "grads", "labels", "losses", "weight_grad"):
             self.pipe_buffers[key][buffer_id] = None
 
     # -- transfers --------------------------------------------------------------------------------
@@ -413,6 +418,7 @@ class GraphPipelineEngine(PipelineEngine):
         ReleaseInputs: _exec_release_inputs,
         ReleaseOutputs: _exec_release_outputs,
         WaitSends: _exec_wait_sends,
+        **SplitBackwardMixin._SPLIT_INSTRUCTIONS,
     }
 
 

@@ -14,6 +14,7 @@ import time
 from deepspeed.runtime.pipe import schedule as ds
 
 from ..schedule.ir import Action, ActionKind as K
+from .split_engine import BackwardInputPass, BackwardWeightPass
 
 __all__ = ["SendActivationTo", "RecvActivationFrom", "SendGradTo", "RecvGradFrom", "Transfers", "ReleaseInputs",
            "ReleaseOutputs", "WaitSends", "GraphPipeSchedule", "to_instruction"]
@@ -87,6 +88,7 @@ class WaitSends(ds.PipeInstruction):
 _SIMPLE = {K.WAIT_SENDS: WaitSends, K.REDUCE_TIED: ds.ReduceTiedGrads, K.REDUCE_GRAD: ds.ReduceGrads,
            K.STEP: ds.OptimizerStep}
 _BUFFER = {K.LOAD: ds.LoadMicroBatch, K.FORWARD: ds.ForwardPass, K.BACKWARD: ds.BackwardPass,
+           K.BACKWARD_INPUT: BackwardInputPass, K.BACKWARD_WEIGHT: BackwardWeightPass,
            K.RELEASE_IN: ReleaseInputs, K.RELEASE_OUT: ReleaseOutputs}
 _EDGE = {K.SEND_F: SendActivationTo, K.RECV_F: RecvActivationFrom, K.SEND_B: SendGradTo, K.RECV_B: RecvGradFrom}
 

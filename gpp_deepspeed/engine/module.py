@@ -91,6 +91,8 @@ class GraphPipelineModule(PipelineModule):
         # tensor, k: a tuple of k), learned from the layouts of the received edges.
         self.in_arity: list[int] | None = None
         self.engine_attached = False
+        # The schedule a plan was priced with; the engine runs it unless its config names one.
+        self.plan_schedule: str | None = _plan_schedule(partition_method)
         # The first communication: every rank has passed init_distributed, so each can unlink its
         # DeepSpeed shm file now (the memory stays mapped) and nothing is left in /dev/shm.
         release_own_shm()
@@ -261,6 +263,14 @@ def _from_plan(graph: LayerGraph, num_stages: int, plan: Any) -> dict[str, int]:
         raise PartitionError(f"plan {plan.method} for {plan.model} has {plan.num_stages} stages but the pipeline has "
                              f"{num_stages}; launch with {plan.num_stages} pipeline stages (num_stages={plan.num_stages})")
     return plan.stage_of
+
+
+def _plan_schedule(method: Any) -> str | None:
+    if isinstance(method, Plan):
+        return method.schedule
+    if isinstance(method, os.PathLike) or isinstance(method, str) and method.endswith(".json"):
+        return Plan.load(Path(method)).schedule  # _assign has loaded it once already: it exists
+    return None
 
 
 def _cost_db(graph: LayerGraph, entries: list[LayerEntry], cost_db: Any) -> CostDB:

@@ -60,6 +60,10 @@ class LayerCost:
 
     ``micro_batches`` are the sizes at which ``fwd_s`` and ``bwd_s`` (seconds per micro-batch)
     were measured, ascending. Byte counts are per layer (parameters) or per sample (the rest).
+    ``bwd_input_s`` and ``bwd_weight_s``, when present, are the two halves of a split backward
+    measured apart (input gradients, then weight gradients; the zero-bubble schedules' ``I`` and
+    ``W``); a database without them (older JSON) splits ``bwd_s`` evenly, the zero-bubble paper's
+    ``T_I = T_W`` for matrix-multiply layers (arXiv 2401.10241, Sec. 2).
     """
 
     name: str
@@ -70,12 +74,18 @@ class LayerCost:
     param_bytes: int
     out_bytes: int
     stash_bytes: int
+    bwd_input_s: tuple[float, ...] | None = None
+    bwd_weight_s: tuple[float, ...] | None = None
 
     def __post_init__(self):
         n = len(self.micro_batches)
         if n == 0 or len(self.fwd_s) != n or len(self.bwd_s) != n:
             raise GPPConfigError(f'layer "{self.name}": micro_batches, fwd_s and bwd_s need the same '
                                  f"non-zero length, got {n}, {len(self.fwd_s)}, {len(self.bwd_s)}")
+        if (self.bwd_input_s is None) != (self.bwd_weight_s is None) or \
+                self.bwd_input_s is not None and not len(self.bwd_input_s) == len(self.bwd_weight_s) == n:
+            raise GPPConfigError(f'layer "{self.name}": give both bwd_input_s and bwd_weight_s, one value per '
+                                 "micro-batch size, or neither")
         if list(self.micro_batches) != sorted(set(self.micro_batches)) or self.micro_batches[0] <= 0:
             raise GPPConfigError(f'layer "{self.name}": micro_batches must be positive and strictly '
                                  f"ascending, got {list(self.micro_batches)}")
@@ -92,18 +102,34 @@ class LayerCost:
         >>> c.times(2), c.times(8), c.times(0.5)
         ((1.5, 3.0), (5.0, 10.0), (0.5, 1.0))
         """
+        return self._at(self.fwd_s, b), self._at(self.bwd_s, b)
+
+    def split_backward_times(self, b: float) -> tuple[float, float]:
+        """Input-gradient and weight-gradient seconds for a micro-batch of ``b`` samples
+        (``bwd_s`` halved when they were not measured apart).
+
+        >>> c = LayerCost(name="l", inputs=("x",), micro_batches=(1,), fwd_s=(1.0,), bwd_s=(2.0,),
+        ...               param_bytes=0, out_bytes=0, stash_bytes=0)
+        >>> c.split_backward_times(2)
+        (2.0, 2.0)
+        """
+        if self.bwd_input_s is None:
+            half = self._at(self.bwd_s, b) / 2
+            return half, half
+        return self._at(self.bwd_input_s, b), self._at(self.bwd_weight_s, b)
+
+    def _at(self, values: tuple[float, ...], b: float) -> float:
         mbs = self.micro_batches
         if b <= mbs[0]:
-            r = b / mbs[0]
-            return self.fwd_s[0] * r, self.bwd_s[0] * r
+            return values[0] * b / mbs[0]
         if b >= mbs[-1]:
-            r = b / mbs[-1]
-            return self.fwd_s[-1] * r, self.bwd_s[-1] * r
+            return values[-1] * b / mbs[-1]
         i = bisect.bisect_right(mbs, b)
         lo, hi = mbs[i - 1], mbs[i]
-        w = (b - lo) / (hi - lo)
-        return (self.fwd_s[i - 1] + w * (self.fwd_s[i] - self.fwd_s[i - 1]),
-                self.bwd_s[i - 1] + w * (self.bwd_s[i] - self.bwd_s[i - 1]))
+        return values[i - 1] + (b - lo) / (hi - lo) * (values[i] - values[i - 1])
+
+
+_TUPLE_FIELDS = ("inputs", "micro_batches", "fwd_s", "bwd_s", "bwd_input_s", "bwd_weight_s")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -170,9 +196,7 @@ class CostDB:
         d = json.loads(text)
         hw = d.pop("hardware")
         hardware = Hardware(**{**hw, "intra": CommFit(**hw["intra"]), "inter": CommFit(**hw["inter"])})
-        layers = tuple(LayerCost(**{**c, "inputs": tuple(c["inputs"]),
-                                    "micro_batches": tuple(c["micro_batches"]),
-                                    "fwd_s": tuple(c["fwd_s"]), "bwd_s": tuple(c["bwd_s"])})
+        layers = tuple(LayerCost(**{**c, **{k: tuple(c[k]) for k in _TUPLE_FIELDS if c.get(k) is not None}})
                        for c in d.pop("layers"))
         return cls(**{**d, "input_names": tuple(d["input_names"]), "layers": layers, "hardware": hardware})
 
@@ -193,6 +217,8 @@ class StageCost:
     allreduce_s: float    # gradient all-reduce inside the stage's group, once per mini-batch
     weight_bytes: float   # parameters, gradients and optimizer state per device
     stash_bytes: float    # activations stashed per in-flight micro-batch per device
+    bwd_input_s: float = 0.0   # split backward: input gradients plus the gradient transfers (I)
+    bwd_weight_s: float = 0.0  # split backward: weight gradients (W)
 
 
 @dataclass
@@ -309,25 +335,32 @@ class StageCostModel:
         layers = self.db.layers
         hw = self.db.hardware
         shard = b / n
-        fwd = bwd = 0.0
+        fwd = bwd = grad_in = grad_w = 0.0
         params = stash = 0.0
         times = self.layer_times(shard)
         for i in self._members(mask):
             f, bw = times[i]
+            gi, gw = layers[i].split_backward_times(shard)
             fwd += f
             bwd += bw
+            grad_in += gi
+            grad_w += gw
             params += layers[i].param_bytes
             stash += layers[i].stash_bytes
         in_b, out_b = self.boundary_bytes(mask) if boundary is None else boundary
-        # Activations arrive before the forward and leave after it; gradients mirror them.
+        # Activations arrive before the forward and leave after it; gradients mirror them
+        # (with a split backward, around I: W talks to no one).
         fwd += self.link.time(in_b * shard) + self.link.time(out_b * shard)
-        bwd += self.link.time(out_b * shard) + self.link.time(in_b * shard)
+        grads_comm = self.link.time(out_b * shard) + self.link.time(in_b * shard)
+        bwd += grads_comm
+        grad_in += grads_comm
         allreduce = 0.0
         if n > 1 and params > 0:
             ring = hw.link(n)
             allreduce = 2 * (n - 1) * ring.alpha_s + 2 * (n - 1) / n * params * ring.beta_s_per_byte
         cost = StageCost(fwd_s=fwd, bwd_s=bwd, allreduce_s=allreduce,
-                         weight_bytes=params * (1 + hw.optimizer_factor), stash_bytes=stash * shard)
+                         weight_bytes=params * (1 + hw.optimizer_factor), stash_bytes=stash * shard,
+                         bwd_input_s=grad_in, bwd_weight_s=grad_w)
         self._cache[key] = cost
         return cost
 

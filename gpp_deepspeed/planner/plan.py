@@ -56,7 +56,9 @@ class Plan:
     ``pipeline`` is ``"graph"`` (stages exchange tensors along the stage DAG and run GraphPipe's
     branch-aware 1F1B, what :class:`~gpp_deepspeed.engine.GraphPipelineEngine` executes) or
     ``"chain"`` (stages form a linear pipeline in list order that relays every tensor, as
-    DeepSpeed's ``PipelineEngine`` and PipeDream run the baselines' plans).
+    DeepSpeed's ``PipelineEngine`` and PipeDream run the baselines' plans). ``schedule`` names the
+    training schedule the plan was priced with (``"1f1b"``, ``"zb1"``, ``"zb2"``, ...); an engine
+    loading the plan runs it unless its config's ``graph_pipeline.schedule`` names another.
 
     >>> p = Plan(model="m", method="manual", source="hand", micro_batch=2, mini_batch=8,
     ...          stages=(PlanStage(layers=("a",)), PlanStage(layers=("b", "c"))))
@@ -73,6 +75,7 @@ class Plan:
     mini_batch: int
     stages: tuple[PlanStage, ...]
     pipeline: str = "graph"
+    schedule: str = "1f1b"
     stage_edges: tuple[tuple[int, int], ...] = ()
     predicted: Prediction | None = None
     notes: dict = field(default_factory=dict)
@@ -137,7 +140,7 @@ class Plan:
 
     def describe(self) -> str:
         lines = [f"{self.method} plan for {self.model}: {self.num_stages} stages on {self.num_devices} devices, "
-                 f"micro-batch {self.micro_batch} of mini-batch {self.mini_batch}"]
+                 f"micro-batch {self.micro_batch} of mini-batch {self.mini_batch}, schedule {self.schedule}"]
         for i, s in enumerate(self.stages):
             shown = list(s.layers) if len(s.layers) <= 6 else [*s.layers[:3], "...", *s.layers[-2:]]
             lines.append(f"  stage {i} x{s.devices}: {len(s.layers)} layers {shown}")

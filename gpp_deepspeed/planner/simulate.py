@@ -4,24 +4,26 @@ The plan's stage graph is lowered with :func:`~gpp_deepspeed.schedule.build_sche
 schedule :class:`~gpp_deepspeed.engine.GraphPipelineEngine` executes, and run through the
 schedule simulator (:func:`~gpp_deepspeed.schedule.simulate`) with each action priced by the
 shared stage cost model: ``F`` and ``B`` take the stage's forward and backward time (compute
-plus the transfers of its edges), ``REDUCE_GRAD`` the gradient all-reduce of its data-parallel
-group. Peak in-flight micro-batches per stage are counted on the same timeline, so the memory a
+plus the transfers of its edges), ``I`` and ``W`` (the zero-bubble schedules' split backward)
+the input-gradient part with the transfers and the weight-gradient part, ``REDUCE_GRAD`` the
+gradient all-reduce of its data-parallel group. Peak in-flight micro-batches per stage are counted on the same timeline, so the memory a
 plan reports is what its schedule stashes, not a formula beside it.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..errors import PartitionError
 from ..graph.stages import StageGraph
 from ..schedule.generators import build_schedule
 from ..schedule.ir import Action, ActionKind as K, Schedule
 from ..schedule.validate import Timeline, simulate
+from ..schedule.zero_bubble import peak_in_flight
 from .costs import CostDB, StageCost, StageCostModel
 from .plan import Plan, Prediction
 
-__all__ = ["SimulatedPlan", "simulate_plan", "predict"]
+__all__ = ["SimulatedPlan", "simulate_plan", "predict", "choose_schedule"]
 
 
 @dataclass(frozen=True)
@@ -34,8 +36,10 @@ class SimulatedPlan:
     prediction: Prediction
 
 
-def simulate_plan(plan: Plan, db: CostDB, *, schedule: str = "1f1b") -> SimulatedPlan:
-    """Simulate one iteration (one mini-batch) of ``plan`` priced by ``db``."""
+def simulate_plan(plan: Plan, db: CostDB, *, schedule: str | None = None) -> SimulatedPlan:
+    """Simulate one iteration (one mini-batch) of ``plan`` priced by ``db``, under ``schedule``
+    (default: the plan's own)."""
+    schedule = schedule or plan.schedule
     names = set(db.by_name)
     planned = [n for s in plan.stages for n in s.layers]
     if set(planned) != names or len(planned) != len(names):
@@ -59,12 +63,16 @@ def simulate_plan(plan: Plan, db: CostDB, *, schedule: str = "1f1b") -> Simulate
             return c.fwd_s
         if a.kind is K.BACKWARD:
             return c.bwd_s
+        if a.kind is K.BACKWARD_INPUT:
+            return c.bwd_input_s
+        if a.kind is K.BACKWARD_WEIGHT:
+            return c.bwd_weight_s
         if a.kind is K.REDUCE_GRAD:
             return c.allreduce_s
         return 0.0
 
     timeline = simulate(lists, duration=duration)
-    in_flight = tuple(_peak_in_flight(lists[s]) for s in range(plan.num_stages))
+    in_flight = tuple(peak_in_flight(lists[s]) for s in range(plan.num_stages))
     mem = tuple(c.weight_bytes + k * c.stash_bytes for c, k in zip(costs, in_flight))
     span = timeline.makespan
     busy = tuple(timeline.busy(s) for s in range(plan.num_stages))
@@ -78,21 +86,38 @@ def simulate_plan(plan: Plan, db: CostDB, *, schedule: str = "1f1b") -> Simulate
     return SimulatedPlan(lists, costs, timeline, prediction)
 
 
-def predict(plan: Plan, db: CostDB, *, schedule: str = "1f1b") -> Plan:
-    """``plan`` with its :class:`Prediction` filled in."""
+def predict(plan: Plan, db: CostDB, *, schedule: str | None = None) -> Plan:
+    """``plan`` with its :class:`Prediction` filled in, priced under ``schedule`` (default: the
+    plan's own), which the returned plan carries."""
     sim = simulate_plan(plan, db, schedule=schedule)
     edges = tuple(sorted({(op.stage_idx, op.peer) for actions in sim.schedule.values() for a in actions
                           for op in a.transfers if op.kind is K.SEND_F}))
-    return plan.with_prediction(sim.prediction, edges)
+    return replace(plan, schedule=schedule or plan.schedule).with_prediction(sim.prediction, edges)
 
 
-def _peak_in_flight(actions: list[Action]) -> int:
-    """Most micro-batches whose forward ran and whose backward has not, in program order."""
-    live = peak = 0
-    for a in actions:
-        if a.kind is K.FORWARD:
-            live += 1
-            peak = max(peak, live)
-        elif a.kind is K.BACKWARD:
-            live -= 1
-    return peak
+def choose_schedule(plan: Plan, db: CostDB, *, schedules: tuple[str, ...] = ("1f1b", "zb1", "zb2")) -> Plan:
+    """The plan under the fastest of ``schedules`` whose memory fits, predicted (the first one
+    if none fits; among equally fast ones, the one holding the least memory). The zero-bubble schedules count a micro-batch's activations until its weight
+    gradient has run, so ``zb2``'s extra in-flight micro-batches are priced, not ignored.
+
+    >>> from gpp_deepspeed.planner.costs import CommFit, CostDB, Hardware, LayerCost
+    >>> link = CommFit(alpha_s=0.0, beta_s_per_byte=0.0)
+    >>> layers = tuple(LayerCost(name=f"l{i}", inputs=(f"l{i - 1}" if i else "x",), micro_batches=(1,),
+    ...                          fwd_s=(1.0,), bwd_s=(2.0,), param_bytes=4, out_bytes=4, stash_bytes=4)
+    ...                for i in range(4))
+    >>> db = CostDB(model="m", source="hand", input_names=("x",), output="l3", layers=layers,
+    ...             hardware=Hardware(name="h", memory_bytes=2**30, devices_per_node=8, intra=link, inter=link))
+    >>> from gpp_deepspeed.planner.plan import PlanStage
+    >>> plan = Plan(model="m", method="manual", source="hand", micro_batch=1, mini_batch=8,
+    ...             stages=tuple(PlanStage(layers=(f"l{i}",)) for i in range(4)))
+    >>> best = choose_schedule(plan, db)
+    >>> best.schedule, best.predicted.iteration_time_s
+    ('zb1', 27.0)
+    """
+    priced = [predict(plan, db, schedule=name) for name in schedules]
+    fitting = [p for p in priced if p.predicted.fits_memory] or priced[:1]
+    fastest = min(p.predicted.iteration_time_s for p in fitting)
+    # Within rounding of the fastest, the one holding the least memory.
+    close = [p for p in fitting if p.predicted.iteration_time_s <= fastest * (1 + 1e-9)]
+    return min(close, key=lambda p: p.predicted.peak_mem_bytes)
+

@@ -15,6 +15,8 @@ Registered generators (:data:`SCHEDULES`):
     PipeDream-Flush. A stage keeps at most ``depth`` micro-batches in flight.
 ``gpipe``
     All forwards, then all backwards (``M`` micro-batches in flight).
+``zb1``, ``zb2``
+    Zero-bubble schedules with the backward split into ``I`` and ``W`` (:mod:`.zero_bubble`).
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ from typing import Callable
 from ..errors import GPPConfigError
 from ..graph.stages import StageGraph
 from .ir import Action, ActionKind as K, Schedule
-from .lowering import add_release, group_p2p, order_transfers
+from .lowering import add_release, group_for_rendezvous
+from .zero_bubble import zb1, zb2
 
 __all__ = ["SCHEDULES", "get_schedule", "one_f_one_b", "gpipe", "forward_only", "warmup_forwards",
            "lower", "add_send_recv", "add_load", "add_epilogue", "build_schedule"]
@@ -67,7 +70,8 @@ def forward_only(stage_graph: StageGraph, num_microbatches: int) -> Schedule:
     return {s: [Action(s, K.FORWARD, j) for j in range(num_microbatches)] for s in range(stage_graph.num_stages)}
 
 
-SCHEDULES: dict[str, Callable[[StageGraph, int], Schedule]] = {"1f1b": one_f_one_b, "gpipe": gpipe}
+SCHEDULES: dict[str, Callable[[StageGraph, int], Schedule]] = {"1f1b": one_f_one_b, "gpipe": gpipe, "zb1": zb1,
+                                                              "zb2": zb2}
 
 
 def get_schedule(name: str) -> Callable[[StageGraph, int], Schedule]:
@@ -94,8 +98,9 @@ def add_send_recv(schedule: Schedule, stage_graph: StageGraph) -> Schedule:
     """Surround compute with the transfers of every stage edge.
 
     ``F`` is preceded by a ``RECV_F`` from each predecessor and followed by a ``SEND_F`` to each
-    successor; ``B`` is preceded by a ``RECV_B`` from each successor and followed by a ``SEND_B``
-    to each predecessor. Sends are asynchronous, receives block, so the order of receives is
+    successor; ``B`` (or ``I``, the input-gradient half of a split backward) is preceded by a
+    ``RECV_B`` from each successor and followed by a ``SEND_B`` to each predecessor; ``W`` talks
+    to no one. Sends are asynchronous, receives block, so the order of receives is
     what the validator checks.
 
     >>> from gpp_deepspeed.graph import StageGraph
@@ -111,7 +116,7 @@ def add_send_recv(schedule: Schedule, stage_graph: StageGraph) -> Schedule:
                 lowered += [Action(s, K.RECV_F, a.mb_idx, peer=p) for p in preds]
                 lowered.append(a)
                 lowered += [Action(s, K.SEND_F, a.mb_idx, peer=t) for t in succs]
-            elif a.kind is K.BACKWARD:
+            elif a.kind in (K.BACKWARD, K.BACKWARD_INPUT):  # W needs nothing from other stages
                 lowered += [Action(s, K.RECV_B, a.mb_idx, peer=t) for t in succs]
                 lowered.append(a)
                 lowered += [Action(s, K.SEND_B, a.mb_idx, peer=p) for p in preds]
@@ -128,10 +133,12 @@ def add_epilogue(schedule: Schedule, *, train: bool) -> Schedule:
     return {s: actions + [Action(s, k) for k in tail] for s, actions in schedule.items()}
 
 
-def lower(compute: Schedule, stage_graph: StageGraph, *, loading_stages: set[int], train: bool) -> Schedule:
-    """Apply every lowering pass to a compute-only schedule."""
+def lower(compute: Schedule, stage_graph: StageGraph, *, loading_stages: set[int], train: bool,
+          duration: Callable[[Action], float] | None = None) -> Schedule:
+    """Apply every lowering pass to a compute-only schedule (``duration``: the compute times it was
+    made for, which order the transfers when they must be reordered, see ``group_for_rendezvous``)."""
     transfers = add_send_recv(add_load(compute, loading_stages=loading_stages), stage_graph)
-    return add_epilogue(add_release(group_p2p(order_transfers(transfers))), train=train)
+    return add_epilogue(add_release(group_for_rendezvous(transfers, duration=duration)), train=train)
 
 
 def build_schedule(stage_graph: StageGraph, num_microbatches: int, *, name: str = "1f1b", train: bool = True,

@@ -15,6 +15,7 @@ Representative forms::
 
     0LOAD0  0F0  0SEND_F0@2  2RECV_F0@0  2F0  2B0  2SEND_B0@0  0RECV_B0@2  0B0
     (1SEND_F1@2;1RECV_B0@2)P2P  0RELEASE_OUT0  0RELEASE_IN0
+    2I0  2SEND_B0@0  2W0          (split backward, as torch writes it: input gradient, then weight gradient)
     0WAIT_SENDS  0REDUCE_TIED  0REDUCE_GRAD  0STEP
 """
 
@@ -34,7 +35,9 @@ class ActionKind(str, Enum):
 
     LOAD = "LOAD"                # read a micro-batch (graph inputs this stage needs, labels if output stage)
     FORWARD = "F"
-    BACKWARD = "B"
+    BACKWARD = "B"               # full backward: input and weight gradients in one autograd pass
+    BACKWARD_INPUT = "I"         # gradients w.r.t. the stage's inputs only (what predecessors wait for)
+    BACKWARD_WEIGHT = "W"        # gradients w.r.t. the stage's parameters, after the micro-batch's ``I``
     SEND_F = "SEND_F"            # send this stage's activations of a micro-batch to ``peer``
     RECV_F = "RECV_F"            # receive the activations of a micro-batch from ``peer``
     SEND_B = "SEND_B"            # send the gradients of received activations back to ``peer``
@@ -61,9 +64,9 @@ class ActionKind(str, Enum):
         return self in _PEER_KINDS or self is ActionKind.P2P
 
 
-_MB_KINDS = frozenset({ActionKind.LOAD, ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.SEND_F,
-                       ActionKind.RECV_F, ActionKind.SEND_B, ActionKind.RECV_B, ActionKind.RELEASE_IN,
-                       ActionKind.RELEASE_OUT})
+_MB_KINDS = frozenset({ActionKind.LOAD, ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT,
+                       ActionKind.BACKWARD_WEIGHT, ActionKind.SEND_F, ActionKind.RECV_F, ActionKind.SEND_B,
+                       ActionKind.RECV_B, ActionKind.RELEASE_IN, ActionKind.RELEASE_OUT})
 _PEER_KINDS = frozenset({ActionKind.SEND_F, ActionKind.RECV_F, ActionKind.SEND_B, ActionKind.RECV_B})
 # Longest kinds first so that "SEND_F" is not read as "S" + ...
 _KIND_ALTERNATIVES = "|".join(sorted((re.escape(k.value) for k in ActionKind), key=len, reverse=True))

@@ -5,7 +5,7 @@ Each pass is a small pure function on action lists, applied after
 :func:`~gpp_deepspeed.schedule.generators.add_send_recv` (the order
 :func:`~gpp_deepspeed.schedule.generators.lower` uses):
 
-``order_transfers``
+``order_transfers`` (by ``group_for_rendezvous``, when the order as written would deadlock)
     Every stage posts its transfers in one global order of messages (the order an asynchronous
     simulation receives them), so that no two stages each send to the other first. On a skip edge
     of a DAG the sender would otherwise post its next activation before receiving the gradient
@@ -34,17 +34,22 @@ Each pass is a small pure function on action lists, applied after
 
 from __future__ import annotations
 
+from typing import Callable
+
 from ..errors import ScheduleError
 from .ir import Action, ActionKind as K, Schedule
 
-__all__ = ["order_transfers", "group_p2p", "add_release", "assign_buffers", "BufferSlots", "num_slots"]
+__all__ = ["group_for_rendezvous", "order_transfers", "group_p2p", "add_release", "assign_buffers", "BufferSlots", "num_slots"]
 
 # Slot of every micro-batch, per stage: ``slots[stage_idx][mb_idx]``.
 BufferSlots = dict[int, dict[int, int]]
 
 # What reads each half of a micro-batch's buffers (see RELEASE_IN / RELEASE_OUT).
-_READS_INPUTS = frozenset({K.LOAD, K.RECV_F, K.FORWARD, K.BACKWARD, K.SEND_B})
-_READS_OUTPUTS = frozenset({K.LOAD, K.FORWARD, K.BACKWARD, K.SEND_F, K.RECV_B})
+# ``I`` reads both; ``W`` only what the output side holds (its fused fallback runs a whole backward
+# from the output gradients).
+_READS_INPUTS = frozenset({K.LOAD, K.RECV_F, K.FORWARD, K.BACKWARD, K.BACKWARD_INPUT, K.SEND_B})
+_READS_OUTPUTS = frozenset({K.LOAD, K.FORWARD, K.BACKWARD, K.BACKWARD_INPUT, K.BACKWARD_WEIGHT, K.SEND_F,
+                            K.RECV_B})
 
 
 def group_p2p(schedule: Schedule) -> Schedule:
@@ -85,13 +90,33 @@ def _group_stage(actions: list[Action]) -> list[Action]:
     return out
 
 
-def order_transfers(schedule: Schedule) -> Schedule:
+def group_for_rendezvous(schedule: Schedule, *, duration: Callable[[Action], float] | None = None) -> Schedule:
+    """:func:`group_p2p` of the schedule as written when that runs under rendezvous semantics,
+    else of :func:`order_transfers`'s order, which always does.
+
+    A chain, and most DAGs, keep the order in which each stage's compute needs and produces its
+    tensors; only schedules whose stages would each send to the other first (skip edges of a
+    DAG between stages of very different warm-up) have their transfers reordered, since that
+    order is taken from a simulation (``duration``: the compute times the schedule was made for,
+    default unit forwards and double backwards).
+    """
+    from .validate import simulate
+
+    grouped = group_p2p(schedule)
+    try:
+        simulate(grouped, mode="rendezvous")
+    except ScheduleError:
+        return group_p2p(order_transfers(schedule, duration=duration))
+    return grouped
+
+
+def order_transfers(schedule: Schedule, *, duration: Callable[[Action], float] | None = None) -> Schedule:
     """Put every stage's transfers in one global order of messages, keeping its compute order.
 
     The schedule (compute order plus ungrouped transfers, as
     :func:`~gpp_deepspeed.schedule.generators.add_send_recv` writes it) is simulated with
-    asynchronous sends (:func:`~gpp_deepspeed.schedule.validate.simulate`, unit forwards, double
-    backwards). Each message then has a key, the time it is received with its channel and index
+    asynchronous sends (:func:`~gpp_deepspeed.schedule.validate.simulate`, priced by ``duration``,
+    by default unit forwards and double backwards; compute times must be positive). Each message then has a key, the time it is received with its channel and index
     as tie-breaks, the same at both of its ends. Each stage keeps its local actions in order and
     places its transfers between them in key order: a send as soon as its compute ran and every
     transfer keyed before it was placed, a receive just in time for the action that needs it.
@@ -113,9 +138,9 @@ def order_transfers(schedule: Schedule) -> Schedule:
     >>> order_transfers(sched)[0][:8]
     [0F0, 0SEND_F0@1, 0F1, 0SEND_F1@1, 0F2, 0RECV_B0@1, 0SEND_F2@1, 0B0]
     """
-    from .validate import simulate
+    from .validate import default_duration, simulate
 
-    timeline = simulate(schedule, mode="async")
+    timeline = simulate(schedule, mode="async", duration=duration or default_duration)
     keys: dict[tuple, tuple] = {}      # (stage, slot) -> sort key of its message
     recv_at: dict[tuple, tuple] = {}   # (channel, n) -> key of that message
     sends: list[tuple[int, int, tuple]] = []

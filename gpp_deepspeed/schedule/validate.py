@@ -29,8 +29,9 @@ __all__ = ["Timeline", "simulate", "validate_schedule", "default_duration"]
 
 
 def default_duration(action: Action) -> float:
-    """Unit forward, double backward, free everything else."""
-    return {K.FORWARD: 1.0, K.BACKWARD: 2.0}.get(action.kind, 0.0)
+    """Unit forward, double backward (a unit input gradient and a unit weight gradient when split),
+    free everything else."""
+    return {K.FORWARD: 1.0, K.BACKWARD: 2.0, K.BACKWARD_INPUT: 1.0, K.BACKWARD_WEIGHT: 1.0}.get(action.kind, 0.0)
 
 
 @dataclass
@@ -172,12 +173,13 @@ def validate_schedule(schedule: Schedule, stage_graph: StageGraph, num_microbatc
                       mode: str = "rendezvous") -> Timeline:
     """Check a schedule's structure and run it through :func:`simulate` (rendezvous mode by default).
 
-    Checks, per stage: every micro-batch has one forward (and one backward when training, after
-    its forward); every forward is preceded by a receive from each predecessor and followed by a
-    send to each successor (mirrored for backwards); communication only uses stage edges; release
-    points, where present, come once per micro-batch and after every use of what they free; and
-    no two micro-batches that share a buffer slot are live at once. Slots are ``slots[stage][mb]``
-    (what :func:`~gpp_deepspeed.schedule.lowering.assign_buffers` returns) or ``mb % num_buffers[stage]``.
+    Checks, per stage: every micro-batch has one forward (and, when training, one backward after
+    its forward: a ``B``, or an ``I`` followed by a ``W``); every forward is preceded by a receive
+    from each predecessor and followed by a send to each successor (mirrored for backwards);
+    communication only uses stage edges; release points, where present, come once per micro-batch
+    and after every use of what they free; and no two micro-batches that share a buffer slot are
+    live at once. Slots are ``slots[stage][mb]`` (what
+    :func:`~gpp_deepspeed.schedule.lowering.assign_buffers` returns) or ``mb % num_buffers[stage]``.
     Returns the simulated timeline.
     """
     if sorted(schedule) != list(range(stage_graph.num_stages)):
@@ -214,11 +216,11 @@ def _check_stage(s: int, actions: list[Action], graph: StageGraph, num_mb: int, 
         if key in where:
             raise ScheduleError(f"stage {s} runs {a} twice (slots {where[key]} and {i})")
         where[key] = i
-    kinds = [K.FORWARD] + ([K.BACKWARD] if train else [])
     for j in range(num_mb):
-        for k in kinds:
-            if (k, j, None) not in where:
-                raise ScheduleError(f"stage {s} never runs {Action(s, k, j)}")
+        if (K.FORWARD, j, None) not in where:
+            raise ScheduleError(f"stage {s} never runs {Action(s, K.FORWARD, j)}")
+        if train:
+            _check_backward_kinds(s, j, where)
         f = where[(K.FORWARD, j, None)]
         if (K.LOAD, j, None) in where and where[(K.LOAD, j, None)] > f:
             raise ScheduleError(f"stage {s} loads micro-batch {j} after its forward")
@@ -229,7 +231,8 @@ def _check_stage(s: int, actions: list[Action], graph: StageGraph, num_mb: int, 
             if where.get((K.SEND_F, j, t), -1) < f:
                 raise ScheduleError(f"stage {s} does not send micro-batch {j} to stage {t} after its forward")
         if train:
-            b = where[(K.BACKWARD, j, None)]
+            # With a split backward, I is what receives and sends gradients; W follows it.
+            b = where.get((K.BACKWARD, j, None), where.get((K.BACKWARD_INPUT, j, None)))
             if b < f:
                 raise ScheduleError(f"stage {s} runs the backward of micro-batch {j} before its forward")
             for t in succs:
@@ -244,9 +247,23 @@ def _check_stage(s: int, actions: list[Action], graph: StageGraph, num_mb: int, 
         raise ScheduleError(f"stage {s} refers to micro-batches {extra} outside 0..{num_mb - 1}")
 
 
+def _check_backward_kinds(s: int, j: int, where: dict[tuple, int]) -> None:
+    """A micro-batch's backward is one ``B``, or an ``I`` followed by a ``W`` (never both)."""
+    full, grad_in, grad_w = ((k, j, None) in where for k in (K.BACKWARD, K.BACKWARD_INPUT, K.BACKWARD_WEIGHT))
+    if full and (grad_in or grad_w):
+        raise ScheduleError(f"stage {s} runs {Action(s, K.BACKWARD, j)} and a split backward of the same micro-batch")
+    if not full and not (grad_in and grad_w):
+        missing = K.BACKWARD if not (grad_in or grad_w) else (K.BACKWARD_WEIGHT if grad_in else K.BACKWARD_INPUT)
+        raise ScheduleError(f"stage {s} never runs {Action(s, missing, j)}")
+    if grad_in and where[(K.BACKWARD_WEIGHT, j, None)] < where[(K.BACKWARD_INPUT, j, None)]:
+        raise ScheduleError(f"stage {s} runs {Action(s, K.BACKWARD_WEIGHT, j)} before {Action(s, K.BACKWARD_INPUT, j)}: "
+                            "the weight gradient needs the output gradients that the input-gradient pass received")
+
+
 # What each release frees, and so which actions must not follow it (see lowering.add_release).
-_FREED_BY = {K.RELEASE_IN: frozenset({K.LOAD, K.RECV_F, K.FORWARD, K.BACKWARD, K.SEND_B}),
-             K.RELEASE_OUT: frozenset({K.LOAD, K.FORWARD, K.BACKWARD, K.SEND_F, K.RECV_B})}
+_FREED_BY = {K.RELEASE_IN: frozenset({K.LOAD, K.RECV_F, K.FORWARD, K.BACKWARD, K.BACKWARD_INPUT, K.SEND_B}),
+             K.RELEASE_OUT: frozenset({K.LOAD, K.FORWARD, K.BACKWARD, K.BACKWARD_INPUT, K.BACKWARD_WEIGHT,
+                                       K.SEND_F, K.RECV_B})}
 
 
 def _check_releases(s: int, actions: list[Action]) -> None:

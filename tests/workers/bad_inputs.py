@@ -49,6 +49,10 @@ CASES = {
     "unknown_config_key": lambda: gpp_deepspeed.initialize(
         model=GraphPipelineModule(GOOD, input_names=["x"], num_stages=2, loss_fn=nn.MSELoss()),
         model_parameters=None, config={**CONFIG, "graph_pipeline": {"scheduel": "1f1b"}}),
+    "split_schedule_with_checkpointing": lambda: gpp_deepspeed.initialize(
+        model=GraphPipelineModule(GOOD, input_names=["x"], num_stages=2, loss_fn=nn.MSELoss(),
+                                  activation_checkpoint_interval=1),
+        model_parameters=None, config={**CONFIG, "graph_pipeline": {"schedule": "zb1"}}),
 }
 
 

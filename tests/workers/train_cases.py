@@ -27,7 +27,8 @@ def ds_config(case, dp):
         "zero_optimization": {"stage": case["zero"], **case.get("zero_extra", {})},
         "zero_allow_untested_optimizer": True,
         "steps_per_print": case.get("steps_per_print", 10**6),
-        "graph_pipeline": {"schedule": case.get("schedule", "1f1b"), "print_stage_graph": False},
+        # No "schedule" in the case: the engine's default, or the schedule of the case's plan file.
+        "graph_pipeline": {"print_stage_graph": False, **({"schedule": case["schedule"]} if "schedule" in case else {})},
     }
     if case.get("wall_clock"):
         cfg["wall_clock_breakdown"] = True
@@ -84,7 +85,8 @@ def run_case(case, out, rank, world_size):
     if case.get("trace"):
         case = {**case, "trace_dir": str(out / f"trace_{case['id']}")}
     mc, module, engine = build(case, world_size)
-    result = {"stage": engine.stage_id, "dp": engine.grid.data_parallel_id}
+    result = {"stage": engine.stage_id, "dp": engine.grid.data_parallel_id,
+              "schedule": getattr(engine, "gpp_config", None) and engine.gpp_config.schedule}
     if case.get("checkpoint"):
         ckpt = str(out / f"ckpt_{case['id']}")
         train(engine, mc, case, range(2))

@@ -1,0 +1,167 @@
+"""The engine's ``I`` and ``W`` handlers: a split backward inside DeepSpeed's pipeline engine.
+
+:class:`SplitBackwardMixin` adds two instructions to :class:`GraphPipelineEngine`'s dispatch
+table, for the zero-bubble schedules (:mod:`gpp_deepspeed.schedule.zero_bubble`):
+
+``BackwardInputPass`` (action ``I``)
+    Gradients of the stage's inputs only (:func:`.split_backward.backward_input`); the following
+    ``SEND_B`` actions send them. On the output stage the loss is scaled exactly as
+    ``DeepSpeedEngine.backward`` scales it (``1 / gradient_accumulation_steps``, ZeRO's loss scale).
+``BackwardWeightPass`` (action ``W``)
+    The parameter gradients the ``I`` of the same micro-batch left, accumulated into ``.grad``
+    through autograd, as a fused backward does, followed by what DeepSpeed runs after a backward
+    (bf16's high-precision accumulation; on the output stage, ``_backward_epilogue``).
+
+A stage with no input that needs a gradient (it reads only the batch) has nothing to send: its
+``I`` does nothing and its ``W`` is the fused backward.
+
+Every DeepSpeed-private name the split backward touches is in this module (pinned to DeepSpeed
+0.19.8): ``_running_engine_backward``, ``_backward_epilogue``, ``engine_timers``, the timers'
+``started_``, ``torch_autocast_z0_gradscaler``, ``ZeROOptimizer.scale_if_loss``, bf16's
+``clear_lp_grads`` / ``update_hp_grads``, and the engine's backward-graph tracker that tells
+DeepSpeed's output hooks a loss was already scaled.
+
+Activation checkpointing: DeepSpeed's checkpoint is reentrant, and a reentrant checkpoint refuses
+an autograd pass restricted to some inputs (``inputs=``), which is what ``I`` is. The engine
+therefore refuses ``activation_checkpoint_interval > 0`` with a split schedule at construction.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+from deepspeed.runtime import engine as ds_engine
+from deepspeed.runtime.pipe import schedule as ds
+from deepspeed.runtime.base_optimizer import ZeROOptimizer
+
+from ..errors import GPPConfigError
+from .flat import flatten
+from .split_backward import backward_input
+
+__all__ = ["BackwardInputPass", "BackwardWeightPass", "SplitBackwardMixin", "SPLIT_SCHEDULES",
+           "check_split_backward_supported"]
+
+SPLIT_SCHEDULES = frozenset({"zb1", "zb2"})
+_FUSED = "fused"  # marker: this micro-batch's W runs the whole backward
+
+
+class BackwardInputPass(ds.BufferOpInstruction):
+    """Gradients of the stage's inputs for one micro-batch.
+
+    Roughly::
+
+        inputs.grad = autograd(outputs -> inputs, grads[buffer_id])   # weights untouched
+        weight_grad[buffer_id] = what W needs
+    """
+
+
+class BackwardWeightPass(ds.BufferOpInstruction):
+    """Gradients of the stage's parameters for the micro-batch whose ``I`` ran.
+
+    Roughly::
+
+        params.grad += autograd(boundary nodes -> params, recorded grads)
+    """
+
+
+def check_split_backward_supported(schedule: str, module) -> None:
+    """Refuse, before any communication, what a split backward cannot run."""
+    interval = getattr(module, "activation_checkpoint_interval", 0)
+    if schedule in SPLIT_SCHEDULES and interval > 0:
+        raise GPPConfigError(
+            f'graph_pipeline.schedule "{schedule}" splits the backward into input and weight gradients, which '
+            f"DeepSpeed's (reentrant) activation checkpointing cannot do; set activation_checkpoint_interval=0 "
+            f'(it is {interval}) or use schedule "1f1b"')
+
+
+class SplitBackwardMixin:
+    """``I`` and ``W`` handlers for :class:`~gpp_deepspeed.engine.GraphPipelineEngine`."""
+
+    def _exec_backward_input_pass(self, buffer_id):
+        inputs = [t for t in self.pipe_buffers["inputs"][buffer_id] or () if t.requires_grad]
+        if not inputs:
+            self.pipe_buffers["weight_grad"][buffer_id] = _FUSED
+            return
+        params = [p for p in self.module.parameters() if p.requires_grad]
+        with self._engine_backward():
+            if self.is_last_stage():
+                loss = self.pipe_buffers["losses"][buffer_id]
+                self.pipe_buffers["losses"][buffer_id] = None
+                work = self._loss_backward_input(loss, inputs, params)
+            else:
+                flat, _ = flatten(self.pipe_buffers["outputs"][buffer_id])
+                grads = self.pipe_buffers["grads"][buffer_id] or {}
+                pairs = [(flat[i], g) for i, g in sorted(grads.items()) if flat[i].requires_grad]
+                work = backward_input([t for t, _ in pairs], [g for _, g in pairs], inputs=inputs, params=params)
+        self._stop_started_backward_timers()
+        self.pipe_buffers["weight_grad"][buffer_id] = work
+        for key in ("outputs", "output_tensors", "grads", "labels"):
+            self.pipe_buffers[key][buffer_id] = None
+
+    def _exec_backward_weight_pass(self, buffer_id):
+        work = self.pipe_buffers["weight_grad"][buffer_id]
+        self.pipe_buffers["weight_grad"][buffer_id] = None
+        if work == _FUSED:
+            self._exec_backward_pass(buffer_id)
+            return
+        if self.using_bf16_optimizer:
+            self.optimizer.clear_lp_grads()
+        with self._engine_backward():
+            work.run()
+        if self.is_last_stage():
+            # The rest of DeepSpeedEngine.backward(loss): what runs once the gradients exist.
+            self._start_stopped_backward_timers()
+            self._backward_epilogue()
+        elif self.using_bf16_optimizer and not self._config.bfloat16_config.immediate_grad_update:
+            self.optimizer.update_hp_grads(clear_lp_grads=False)
+
+    # -- DeepSpeed 0.19.8 internals ----------------------------------------------------------------
+
+    @contextmanager
+    def _engine_backward(self):
+        """Tell DeepSpeed's hooks the engine runs this backward (as ``_exec_backward_pass`` does)."""
+        self._running_engine_backward = True
+        try:
+            yield
+        finally:
+            self._running_engine_backward = False
+
+    def _loss_backward_input(self, loss, inputs, params):
+        """``I`` on the output stage: the loss scaled as ``DeepSpeedEngine.backward`` scales it,
+        with the graph registered as loss-scaled so the output hooks do not divide again."""
+        loss = loss / self.gradient_accumulation_steps()
+        if isinstance(self.optimizer, ZeROOptimizer):
+            loss = self.optimizer.scale_if_loss(loss)
+        elif self.torch_autocast_z0_gradscaler:
+            loss = self.torch_autocast_z0_gradscaler.scale(loss)
+        tracker = ds_engine._ENGINE_BACKWARD_GRAPH_TRACKER
+        state = tracker.new_state()
+        hook = loss.register_hook(lambda grad: tracker.register_current_graph(grad, state))
+        try:
+            return backward_input([loss], [None], inputs=inputs, params=params)
+        finally:
+            hook.remove()
+            tracker.unregister(state)
+
+    def _backward_timer_names(self):
+        return (*self.engine_timers.backward_inner_timers, *self.engine_timers.backward_timers)
+
+    def _stop_started_backward_timers(self):
+        # DeepSpeed's output hooks started the backward timers; its epilogue, which would stop
+        # them, runs with W (output stage) or not at all (REDUCE_GRAD does the all-reduce).
+        for name in self._backward_timer_names():
+            timer = self.timers(name)
+            if getattr(timer, "started_", False):
+                timer.stop()
+
+    def _start_stopped_backward_timers(self):
+        if not self.wall_clock_breakdown():
+            return
+        for name in self._backward_timer_names():
+            timer = self.timers(name)
+            if not getattr(timer, "started_", True):
+                timer.start()
+
+    _SPLIT_INSTRUCTIONS = {BackwardInputPass: _exec_backward_input_pass,
+                           BackwardWeightPass: _exec_backward_weight_pass}

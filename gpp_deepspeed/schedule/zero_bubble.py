@@ -1,0 +1,239 @@
+"""Zero-bubble schedules on a DAG of stages: the backward split into ``I`` and ``W``.
+
+LayerPipe (one of GraphPipe's seeds) and the zero-bubble schedules (Qi et al., "Zero Bubble
+Pipeline Parallelism", arXiv 2401.10241) split a stage's backward into the gradient with respect to
+its inputs (``I``: what the predecessors wait for) and the gradient with respect to its weights
+(``W``: needed only by the optimizer step at the end of the batch). Sending ``I``'s result at once
+shortens the backward critical path from ``F + B`` to ``F + I`` per hop, and the ``W``'s fill the
+bubbles that are left.
+
+Glossary
+--------
+depth
+    ``StageGraph.depth(s)``: stages on the longest path from ``s`` to the output stage.
+pipeline depth ``D``
+    The largest depth; a chain of ``p`` stages has ``D = p``.
+in flight
+    A micro-batch whose ``F`` has run on a stage and whose ``W`` (or ``B``) has not: the stage
+    holds its activations. :func:`peak_in_flight` counts them; 1F1B's peak is ``min(depth, M)`` on
+    each stage, ``min(D, M)`` on the busiest one.
+
+Generators (registered in :data:`gpp_deepspeed.schedule.SCHEDULES`):
+
+``zb1``
+    Branch-aware ZB-H1. Each stage runs 1F1B's warm-up forwards (``depth - 1``), then pairs ``F``
+    with ``I`` as 1F1B pairs ``F`` with ``B``, and defers ``D - depth`` of its ``W``'s, running the
+    oldest deferred ``W`` after each ``I`` (the ZB-H1 rule of the paper's Sec. 3.1, which torch's
+    ZB1P implements on chains with ``rank`` deferred ``W``'s; on a DAG the deferral is the stage's
+    distance from the deepest source, ``D - depth``). Every stage holds at most ``D`` micro-batches
+    in flight: the paper's ZB-H1 memory bound (``p M_B``), the same as 1F1B's busiest stage. On a
+    chain with ``T_F = T_I = T_W`` its bubble is ``(p - 1)(T_F + T_I - T_W)``, a third of 1F1B's
+    ``(p - 1)(T_F + T_B)``.
+``zb2``
+    ZB-H2-like: a greedy list schedule over the simulated clock. A free stage runs, in this
+    order of preference, an ``I`` whose gradients have arrived, a forward whose inputs have arrived
+    if fewer than ``2 D - 1`` micro-batches are in flight (the paper's ZB-H2 bound), else its
+    oldest deferred ``W``; otherwise it waits. More warm-up forwards and ``W``'s moved into every
+    gap give a near-zero bubble when ``T_F``, ``T_I`` and ``T_W`` are close, at up to ``2 D - 1``
+    micro-batches of activation memory.
+
+Both only reorder compute: the communication order of ``I`` is the one 1F1B has for ``B``
+(``zb1``) or one taken from a simulated run (``zb2``), and every micro-batch's gradients are the
+ones 1F1B computes.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Callable
+
+from ..errors import ScheduleError
+from ..graph.stages import StageGraph
+from .ir import Action, ActionKind as K, Schedule
+
+__all__ = ["zb1", "zb2", "peak_in_flight", "unit_split_duration", "buffers_needed"]
+
+
+def _pipeline_depth(stage_graph: StageGraph) -> int:
+    return max(stage_graph.depth(s) for s in range(stage_graph.num_stages))
+
+
+def zb1(stage_graph: StageGraph, num_microbatches: int) -> Schedule:
+    """Compute order of branch-aware ZB-H1 (see the module docstring).
+
+    >>> zb1(StageGraph.chain(2), 3)
+    {0: [0F0, 0F1, 0I0, 0W0, 0F2, 0I1, 0W1, 0I2, 0W2], 1: [1F0, 1I0, 1F1, 1I1, 1W0, 1F2, 1I2, 1W1, 1W2]}
+    """
+    num_mb = num_microbatches
+    top = _pipeline_depth(stage_graph)
+    schedule: Schedule = {}
+    for s in range(stage_graph.num_stages):
+        depth = stage_graph.depth(s)
+        warmup = min(depth - 1, num_mb)
+        deferred = top - depth
+        order = [Action(s, K.FORWARD, j) for j in range(warmup)]
+        pending: deque[int] = deque()
+
+        def input_grad(j: int) -> None:
+            order.append(Action(s, K.BACKWARD_INPUT, j))
+            pending.append(j)
+            if len(pending) > deferred:
+                order.append(Action(s, K.BACKWARD_WEIGHT, pending.popleft()))
+
+        for j in range(num_mb - warmup):
+            order.append(Action(s, K.FORWARD, warmup + j))
+            input_grad(j)
+        for j in range(num_mb - warmup, num_mb):
+            input_grad(j)
+        order += [Action(s, K.BACKWARD_WEIGHT, j) for j in pending]
+        schedule[s] = order
+    return schedule
+
+
+def unit_split_duration(kind: K) -> float:
+    """``T_F = T_I = T_W = 1``: the paper's setting for the closed forms; ``B = I + W``."""
+    return {K.FORWARD: 1.0, K.BACKWARD_INPUT: 1.0, K.BACKWARD_WEIGHT: 1.0, K.BACKWARD: 2.0}.get(kind, 0.0)
+
+
+def zb2(stage_graph: StageGraph, num_microbatches: int, *,
+        duration: Callable[[Action], float] | None = None, max_in_flight: dict[int, int] | None = None) -> Schedule:
+    """Compute order of the ZB-H2-like greedy schedule (see the module docstring).
+
+    ``duration`` prices compute actions (default :func:`unit_split_duration` of the kind);
+    ``max_in_flight`` caps each stage's in-flight micro-batches (default ``2 D - 1``, ZB-H2's).
+
+    >>> zb2(StageGraph.chain(2), 3)[0]
+    [0F0, 0F1, 0F2, 0I0, 0W0, 0I1, 0W1, 0I2, 0W2]
+    """
+    dur = duration or (lambda a: unit_split_duration(a.kind))
+    num_mb, num_stages = num_microbatches, stage_graph.num_stages
+    top = _pipeline_depth(stage_graph)
+    caps = {s: max(1, (max_in_flight or {}).get(s, 2 * top - 1)) for s in range(num_stages)}
+    state = _GreedyState(stage_graph, num_mb)
+    while state.active():
+        # Only the stages at the earliest clock may act: everything that ends before it is known.
+        now = min(state.clock[t] for t in state.active())
+        for s in sorted((t for t in state.active() if state.clock[t] == now), key=lambda t: -stage_graph.depth(t)):
+            action = _greedy_choice(state, s, caps[s])
+            if action is not None:
+                state.run(s, action, dur)
+                break
+        else:
+            state.advance(now)
+    return state.order
+
+
+def _greedy_choice(state: "_GreedyState", s: int, cap: int) -> Action | None:
+    """What a free stage runs now: a ready ``I``, else a ready ``F`` under the cap, else a ``W``."""
+    now = state.clock[s]
+    ready_i = state.input_grad_ready(s)
+    if ready_i is not None and ready_i <= now:
+        return Action(s, K.BACKWARD_INPUT, state.next_i[s])
+    ready_f = state.forward_ready(s)
+    if ready_f is not None and ready_f <= now and len(state.in_flight[s]) < cap:
+        return Action(s, K.FORWARD, state.next_f[s])
+    if state.deferred[s]:
+        return Action(s, K.BACKWARD_WEIGHT, state.deferred[s][0])
+    return None
+
+
+class _GreedyState:
+    """Book-keeping of :func:`zb2`'s simulated run: what each stage has done and when."""
+
+    def __init__(self, stage_graph: StageGraph, num_mb: int):
+        self.graph, self.num_mb = stage_graph, num_mb
+        stages = range(stage_graph.num_stages)
+        self.clock = {s: 0.0 for s in stages}
+        self.next_f = {s: 0 for s in stages}
+        self.next_i = {s: 0 for s in stages}
+        self.in_flight: dict[int, set[int]] = {s: set() for s in stages}
+        self.deferred: dict[int, deque[int]] = {s: deque() for s in stages}
+        self.f_end: dict[tuple[int, int], float] = {}
+        self.i_end: dict[tuple[int, int], float] = {}
+        self.order: Schedule = {s: [] for s in stages}
+
+    def active(self) -> list[int]:
+        return [s for s in self.order if self.next_i[s] < self.num_mb or self.deferred[s]]
+
+    def forward_ready(self, s: int) -> float | None:
+        """When the inputs of the stage's next forward are all there (None: not known yet)."""
+        j = self.next_f[s]
+        if j >= self.num_mb:
+            return None
+        times = [self.f_end.get((p, j)) for p in self.graph.preds(s)]
+        return None if None in times else max(times, default=0.0)
+
+    def input_grad_ready(self, s: int) -> float | None:
+        """When the output gradients of the stage's next ``I`` are all there (None: not known yet)."""
+        j = self.next_i[s]
+        if j >= self.next_f[s]:
+            return None
+        succs = self.graph.succs(s)
+        times = [self.i_end.get((t, j)) for t in succs] if succs else [self.f_end[(s, j)]]
+        return None if None in times else max(times)
+
+    def run(self, s: int, action: Action, dur: Callable[[Action], float]) -> None:
+        end = self.clock[s] + dur(action)
+        j = action.mb_idx
+        if action.kind is K.FORWARD:
+            self.f_end[(s, j)] = end
+            self.next_f[s] += 1
+            self.in_flight[s].add(j)
+        elif action.kind is K.BACKWARD_INPUT:
+            self.i_end[(s, j)] = end
+            self.next_i[s] += 1
+            self.deferred[s].append(j)
+        else:
+            self.deferred[s].popleft()
+            self.in_flight[s].discard(j)
+        self.order[s].append(action)
+        self.clock[s] = end
+
+    def advance(self, now: float) -> None:
+        """Every stage at ``now`` waits: move them to the next moment something can change."""
+        later = [t for s in self.active() for t in (self.clock[s], self.input_grad_ready(s), self.forward_ready(s))
+                 if t is not None and t > now]
+        if not later:
+            raise ScheduleError(f"zb2 cannot make progress at time {now}: every stage waits")
+        for s in self.active():
+            self.clock[s] = max(self.clock[s], min(later))
+
+
+def peak_in_flight(actions: list[Action]) -> int:
+    """Most micro-batches a stage holds at once: forward run, backward (``B``, or ``W`` when the
+    backward is split) not yet run. The activation memory a schedule asks of the stage, in
+    micro-batches.
+
+    >>> from gpp_deepspeed.schedule import one_f_one_b
+    >>> peak_in_flight(one_f_one_b(StageGraph.chain(3), 8)[0]), peak_in_flight(zb1(StageGraph.chain(3), 8)[2])
+    (3, 3)
+    """
+    live = peak = 0
+    for a in actions:
+        if a.kind is K.FORWARD:
+            live += 1
+            peak = max(peak, live)
+        elif a.kind in (K.BACKWARD, K.BACKWARD_WEIGHT):
+            live -= 1
+    return peak
+
+
+def buffers_needed(actions: list[Action]) -> int:
+    """Fewest buffers a stage's action list can run with when micro-batch ``j`` uses buffer
+    ``j % n``: no two micro-batches sharing a buffer may be alive (first action to last) at once.
+    The validator's buffer check accepts this count and rejects one less.
+
+    >>> buffers_needed(zb1(StageGraph.chain(3), 8)[2])
+    3
+    """
+    first: dict[int, int] = {}
+    last: dict[int, int] = {}
+    for i, a in enumerate(actions):
+        if a.mb_idx is not None:
+            first.setdefault(a.mb_idx, i)
+            last[a.mb_idx] = i
+    mbs = sorted(first)
+    for n in range(1, len(mbs) + 1):
+        if all(not (j % n == k % n and first[k] <= last[j]) for j in mbs for k in mbs if j < k):
+            return n
+    return max(1, len(mbs))
