@@ -32,21 +32,25 @@ from __future__ import annotations
 
 import copy
 import difflib
+import functools
 import inspect
 import operator
 import traceback
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import fx, nn
+from torch.fx.experimental.meta_tracer import MetaTracer
 
 from .errors import GPPConfigError, GPPError, GraphError
 from .graph.ir import TensorRef
 from .spec import GraphLayerSpec
+from deepspeed.runtime.pipe.module import LayerSpec, TiedLayerSpec
 
-__all__ = ["CapturedLayerSpec", "CapturedModel", "capture"]
+__all__ = ["CapturedLayerSpec", "CapturedTiedLayerSpec", "CapturedModel", "capture"]
 
 _METADATA_METHODS = {"size", "dim", "numel", "ndimension", "nelement", "get_device", "type"}
 _ASSERTS = (torch._assert, torch.fx._symbolic_trace._assert_is_none)
@@ -61,6 +65,30 @@ class CapturedLayerSpec(GraphLayerSpec):
 
     def build(self, log=False) -> nn.Module:
         return copy.deepcopy(self.module)
+
+
+class CapturedTiedLayerSpec(CapturedLayerSpec, TiedLayerSpec):
+    """A captured layer sharing parameters with other layers (GPT-2's output projection and its
+    token embedding): a DeepSpeed ``TiedLayerSpec`` whose module holds every layer of the tie
+    (``holder[name]``), so each stage that runs one of them has the shared weights and DeepSpeed
+    all-reduces their gradients across those stages."""
+
+    def __init__(self, name: str, holder: nn.ModuleDict, *, inputs: Sequence[str], key: str,
+                 tied_weight_attr: Sequence[str]):
+        LayerSpec.__init__(self, type(holder))
+        self.name, self.inputs, self.module = name, tuple(inputs), holder
+        self.key, self.tied_weight_attr = key, list(tied_weight_attr)
+        self.forward_fn = _Member(name)
+
+
+class _Member:
+    """``forward_fn`` of a tied captured layer: call the holder's member ``name``."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __call__(self, holder: nn.ModuleDict, *args):
+        return holder[self.name](*args)
 
 
 @dataclass(frozen=True)
@@ -84,7 +112,9 @@ class CapturedModel:
         """Rename a GraphModel (or ``graph_state_dict()``) state to the original module's names."""
         out = {}
         for key, value in graph_state.items():
-            _, layer, rest = key.split(".", 2)
+            kind, layer, rest = key.split(".", 2)
+            if kind == "tied":  # tied.<key>.<layer>.<param>
+                layer, rest = rest.split(".", 1)
             out[self.prefixes[layer] + rest] = value
         return out
 
@@ -110,29 +140,94 @@ class _LeafTracer(fx.Tracer):
             raise
 
 
+class _ShapeLeafTracer(_LeafTracer, MetaTracer):
+    """The leaf tracer on meta tensors of the example inputs' shapes (torch's ``MetaTracer``, which
+    ``transformers``' own ``HFTracer`` built on before transformers 5 removed it): sizes are known
+    while tracing, so control flow on shapes runs; control flow on values still fails."""
+
+    _sizing_leaf = False
+
+    def create_proxy(self, kind, target, args, kwargs, *rest, **options):
+        # MetaTracer sizes a leaf's output by running the leaf on meta tensors: its submodules
+        # must run, not be recorded as calls of their own.
+        self._sizing_leaf = kind == "call_module"
+        try:
+            return super().create_proxy(kind, target, args, kwargs, *rest, **options)
+        finally:
+            self._sizing_leaf = False
+
+    def call_module(self, m, forward, args, kwargs):
+        if self._sizing_leaf:
+            return forward(*args, **kwargs)
+        return super().call_module(m, forward, args, kwargs)
+
+
 def capture(module: nn.Module, *, input_names: Sequence[str] | None = None, layers: Sequence[str] | None = None,
-            concrete_args: dict[str, Any] | None = None) -> CapturedModel:
+            concrete_args: dict[str, Any] | None = None, example_inputs: Sequence[torch.Tensor] | None = None
+            ) -> CapturedModel:
     """Trace ``module`` at module granularity into a :class:`CapturedModel`.
 
     ``input_names`` names the graph inputs (default: the forward's argument names); ``layers``
     names the submodules to keep as leaves (default: each top-level child); ``concrete_args`` fixes
     arguments such as flags, as in ``torch.fx.symbolic_trace``.
+
+    Where plain torch.fx stops at control flow on tensor sizes (``transformers``' mask builders
+    check ``batch_size != position_ids.shape[0]``), ``example_inputs`` (one tensor per forward
+    argument, in order) lets capture trace again on meta tensors of their shapes. That graph is
+    specialised to those shapes: every micro-batch must have them.
     """
     named = _check_layers(module, layers)
-    tracer = _LeafTracer(named)
     try:
-        graph = tracer.trace(module, concrete_args=concrete_args)
-    except GPPError:
-        raise
-    except Exception as exc:
-        raise _trace_error(module, tracer.failed_in, exc) from exc
+        graph, consts = _trace(module, _LeafTracer(named), concrete_args), {}
+    except GraphError as plain:
+        if example_inputs is None:
+            raise GraphError(f"{plain}; if the control flow only reads tensor sizes, pass example_inputs=(...) "
+                             "to trace with their shapes") from plain
+        graph, consts = _trace_with_shapes(module, named, concrete_args, example_inputs, plain)
     placeholders = _strip_concrete(graph, module, concrete_args or {})
     if input_names is None:
         input_names = [str(p.target) for p in placeholders]
     elif isinstance(input_names, str) or len(input_names) != len(placeholders):
         raise GPPConfigError(f"input_names {input_names!r} must list one name per input of "
                              f"{type(module).__name__}.forward: {[str(p.target) for p in placeholders]}")
-    return _to_layers(module, graph, placeholders, tuple(input_names))
+    return _to_layers(module, graph, placeholders, tuple(input_names), consts)
+
+
+def _trace(module: nn.Module, tracer: _LeafTracer, concrete_args, **meta) -> fx.Graph:
+    try:
+        return tracer.trace(module, concrete_args=concrete_args, **meta)
+    except GPPError:
+        raise
+    except Exception as exc:
+        raise _trace_error(module, tracer.failed_in, exc) from exc
+
+
+def _trace_with_shapes(module, named, concrete_args, example_inputs, plain: GraphError):
+    """Trace a meta-device copy of ``module`` with meta inputs; return the graph and the tensor
+    constants the trace created (``{attribute name: tensor}``), which the real module lacks."""
+    params = [p for p in inspect.signature(module.forward).parameters if p not in (concrete_args or {})]
+    if len(example_inputs) != len(params):
+        raise GPPConfigError(f"example_inputs has {len(example_inputs)} tensors but {type(module).__name__}.forward "
+                             f"takes {len(params)} inputs: {params}")
+    memo: dict[int, Any] = {}
+    for t in (*module.parameters(), *module.buffers()):
+        meta = t.detach().to("meta")
+        memo[id(t)] = nn.Parameter(meta, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else meta
+    meta_module = copy.deepcopy(module, memo)  # shares nothing with module, costs no parameter memory
+    tracer = _ShapeLeafTracer(named)
+    meta_args = {name: x.to("meta") for name, x in zip(params, example_inputs)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # MetaTracer warns for every op it cannot size; errors say more
+        try:
+            graph = _trace(meta_module, tracer, concrete_args, meta_args=meta_args)
+        except GraphError as shaped:
+            raise GraphError(f"neither torch.fx nor shape-specialised tracing can capture "
+                             f"{type(module).__name__}: {shaped}") from plain
+    known = {n for n, _ in module.named_modules()} | {n for n, _ in module.named_parameters()} | {
+        n for n, _ in module.named_buffers()}
+    consts = {n.target: getattr(meta_module, n.target) for n in graph.nodes
+              if n.op == "get_attr" and n.target not in known and hasattr(meta_module, n.target)}
+    return graph, consts
 
 
 def _check_layers(module: nn.Module, layers: Sequence[str] | None) -> set[str]:
@@ -177,13 +272,23 @@ def _strip_concrete(graph: fx.Graph, module: nn.Module, concrete_args: dict) -> 
         elif node.op != "placeholder" and node.all_input_nodes and set(node.all_input_nodes) <= derived:
             derived.add(node)
     for node in reversed(list(graph.nodes)):
-        if node in derived and not node.users:
+        # Values computed and never read (an output field nobody uses, a mask for another
+        # attention kernel) are dropped.
+        if not node.users and (node in derived or _is_pure(node)):
             graph.erase_node(node)
     for node in graph.nodes:
         if node.op in ("call_function", "call_method") and not node.users:
             raise GraphError(f'the result of glue op "{node.name}" ({node.target}) is unused{_line(node)}; '
                              "in-place ops between submodules cannot be captured: assign the result instead")
     return [p for p in placeholders if p not in fixed or p.users]
+
+
+def _is_pure(node: fx.Node) -> bool:
+    """Not an in-place op (``x.add_(y)``, ``torch.relu_``, ``inplace=True``): an unused result can go."""
+    if node.op in ("placeholder", "output", "call_module"):
+        return False
+    name = getattr(node.target, "__name__", str(node.target))
+    return not (name.endswith("_") and not name.endswith("__") or node.kwargs.get("inplace") is True)
 
 
 def _line(node: fx.Node) -> str:
@@ -234,7 +339,7 @@ def _classify(nodes: list[fx.Node], result: fx.Node, is_param) -> tuple[set, dic
 
 
 def _to_layers(module: nn.Module, graph: fx.Graph, placeholders: list[fx.Node],
-               input_names: tuple[str, ...]) -> CapturedModel:
+               input_names: tuple[str, ...], consts: dict[str, torch.Tensor]) -> CapturedModel:
     nodes = list(graph.nodes)
     result = nodes[-1].args[0]
     if not isinstance(result, fx.Node) or result.op in ("placeholder", "get_attr"):
@@ -276,14 +381,53 @@ def _to_layers(module: nn.Module, graph: fx.Graph, placeholders: list[fx.Node],
             layer, inputs = module.get_submodule(root.target), [ref(a) for a in args]
             prefixes[name_of[root]] = root.target + "."
         else:
-            layer, inputs = _function_layer(module, members, root, inline, is_param, ref, owners, name_of[root])
+            layer, inputs = _function_layer(module, members, root, inline, is_param, ref, owners, name_of[root],
+                                            consts)
             prefixes[name_of[root]] = ""
         specs.append(CapturedLayerSpec(name_of[root], layer, inputs=inputs))
     if result in refs:  # forward returns a selection of a layer's output: the loss reads that leaf
         name_of[result] = _fresh(result.name, taken)
         specs.append(CapturedLayerSpec(name_of[result], nn.Identity(), inputs=[ref(result)]))
         prefixes[name_of[result]] = ""
-    return CapturedModel(specs, input_names, name_of[result], prefixes)
+    return CapturedModel(_tie_shared(specs), input_names, name_of[result], prefixes)
+
+
+def _tie_shared(specs: list[CapturedLayerSpec]) -> list[CapturedLayerSpec]:
+    """Make the layers that share a parameter one tie (copies would train apart)."""
+    owner: dict[int, str] = {}
+    group = {s.name: s.name for s in specs}
+
+    def find(n):
+        while group[n] != n:
+            n = group[n]
+        return n
+
+    for spec in specs:
+        if isinstance(spec.module, nn.Module):
+            for p in spec.module.parameters():
+                group[find(spec.name)] = find(owner.setdefault(id(p), spec.name))
+    members: dict[str, list[CapturedLayerSpec]] = {}
+    for spec in specs:
+        members.setdefault(find(spec.name), []).append(spec)
+    out = []
+    for spec in specs:
+        tie = members[find(spec.name)]
+        if len(tie) == 1:
+            out.append(spec)
+            continue
+        holder = nn.ModuleDict({m.name: m.module for m in tie})
+        named = dict(holder.named_parameters(remove_duplicate=False))
+        users = {}
+        for name, p in named.items():
+            users.setdefault(id(p), []).append(name)
+        alone = [names[0] for names in users.values() if len({n.split(".", 1)[0] for n in names}) == 1]
+        if alone:
+            raise GraphError(f"layers {[m.name for m in tie]} share parameters, but {alone[:4]} belong to only one "
+                             "of them; a tie may hold only shared parameters: keep the layers that share "
+                             "weights free of other parameters (or capture them as one layer)")
+        out.append(CapturedTiedLayerSpec(spec.name, holder, inputs=spec.inputs, key=f"tie_{tie[0].name}",
+                                         tied_weight_attr=[names[0] for names in users.values()]))
+    return out
 
 
 def _fresh(base: str, taken: set[str]) -> str:
@@ -295,7 +439,7 @@ def _fresh(base: str, taken: set[str]) -> str:
     return name
 
 
-def _function_layer(module, members, root, inline, is_param, ref, owners, name):
+def _function_layer(module, members, root, inline, is_param, ref, owners, name, consts):
     """A GraphModule running ``members`` (plus copies of the metadata ops they read) -> (layer, inputs)."""
     member_set = set(members)
     copied, external = [], []
@@ -326,4 +470,6 @@ def _function_layer(module, members, root, inline, is_param, ref, owners, name):
                                  f'"{name}"){_line(n)}; move the code that uses it into a submodule')
         env[n] = sub.node_copy(n, lambda a: env[a])
     sub.output(env[root])
-    return fx.GraphModule(module, sub, class_name=f"Glue_{name}"), [ref(a) for a in external]
+    targets = {n.target for n in sub.nodes if n.op in ("get_attr", "call_module")}
+    owner = {t: consts[t] if t in consts else functools.reduce(getattr, t.split("."), module) for t in targets}
+    return fx.GraphModule(owner, sub, class_name=f"Glue_{name}"), [ref(a) for a in external]

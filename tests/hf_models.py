@@ -11,7 +11,7 @@ Dropout is 0 so that a pipelined run and the reference compute the same function
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -57,6 +57,36 @@ def _clip_batches(step: int) -> list:
     g = torch.Generator().manual_seed(step)
     return [((torch.randint(3, VOCAB, (MBS, SEQ), generator=g), torch.randn(MBS, 3, IMAGE, IMAGE, generator=g)),
              torch.arange(MBS)) for _ in range(GAS)]
+
+
+class GPT2Logits(nn.Module):
+    """``transformers.GPT2LMHeadModel`` (its output projection tied to the token embedding) returning logits."""
+
+    def __init__(self):
+        super().__init__()
+        from transformers import GPT2Config, GPT2LMHeadModel
+        config = GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=16, n_layer=2, n_head=2, resid_pdrop=0.0,
+                            embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False, bos_token_id=0, eos_token_id=0)
+        self.gpt = GPT2LMHeadModel(config)
+
+    def forward(self, input_ids):
+        return self.gpt(input_ids=input_ids).logits
+
+
+class NextTokenLoss(nn.Module):
+    """Language-model loss: each position predicts the next token (labels -100 are ignored)."""
+
+    def forward(self, logits, labels):
+        return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
+
+
+def _lm_batches(step: int) -> list:
+    g = torch.Generator().manual_seed(step)
+    batches = []
+    for _ in range(GAS):
+        ids = torch.randint(0, VOCAB, (MBS, SEQ), generator=g)
+        batches.append((ids, torch.cat([ids[:, 1:], torch.full((MBS, 1), -100)], dim=1)))
+    return batches
 
 
 @dataclass
@@ -116,19 +146,30 @@ class HFCase:
     batches: Callable[[int], list]           # step -> [((inputs...), labels)] per micro-batch
     loss_fn: nn.Module
     partition: Any = "parameters"
-    extra: dict = field(default_factory=dict)
+    shaped: bool = False                     # trace on meta tensors of the first batch's shapes
 
     def model(self) -> nn.Module:
         torch.manual_seed(0)
         return self.build()
 
+    def capture(self, module: nn.Module):
+        from gpp_deepspeed.capture import capture
+        inputs = self.batches(0)[0][0]
+        example = (inputs if isinstance(inputs, tuple) else (inputs, )) if self.shaped else None
+        return capture(module, layers=self.layers, example_inputs=example)
+
 
 CLIP_LAYERS = ["clip.text_model", "clip.vision_model", "clip.visual_projection", "clip.text_projection"]
+
+GPT2_LAYERS = ["gpt.transformer.wte", "gpt.transformer.wpe", "gpt.transformer.h.0", "gpt.transformer.h.1",
+               "gpt.transformer.ln_f", "gpt.lm_head"]
 
 CASES: dict[str, HFCase] = {
     "clip": HFCase(CLIPLogits, CLIP_LAYERS, 3, _clip_batches, ContrastiveLoss()),
     "structured": HFCase(StructuredTwoTower, None, 3, _structured_batches, nn.CrossEntropyLoss(),
                          partition={"text_1": 0, "image_1": 1, "cat": 2, "head": 2}),
+    # The token embedding (stage 0) and the output projection (stage 2) share one weight.
+    "gpt2": HFCase(GPT2Logits, GPT2_LAYERS, 3, _lm_batches, NextTokenLoss(), shaped=True),
 }
 
 
@@ -144,7 +185,7 @@ def train_module(case: HFCase, steps: int = STEPS) -> tuple[list[float], dict]:
         total = 0.0
         batches = case.batches(step)
         for inputs, labels in batches:
-            loss = case.loss_fn(module(*inputs), labels)
+            loss = case.loss_fn(module(*inputs) if isinstance(inputs, tuple) else module(inputs), labels)
             (loss / len(batches)).backward()
             total += loss.item()
         torch.nn.utils.clip_grad_norm_(params, 1.0)

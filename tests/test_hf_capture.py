@@ -17,7 +17,7 @@ import torch
 pytest.importorskip("transformers", reason="the [hf] extra (make test installs it)")
 
 from dist import launch  # noqa: E402
-from gpp_deepspeed.capture import capture  # noqa: E402
+from gpp_deepspeed.capture import CapturedTiedLayerSpec, capture  # noqa: E402
 from gpp_deepspeed.graph import build_layer_graph  # noqa: E402
 from gpp_deepspeed.graph.stages import derive_partition  # noqa: E402
 from gpp_deepspeed.errors import GraphError  # noqa: E402
@@ -27,15 +27,16 @@ from hf_models import CASES, train_module  # noqa: E402
 
 WORKER = Path(__file__).resolve().parent / "workers" / "hf_cases.py"
 WORLD_SIZE = 3
-TRAINED = ["clip", "structured"]
+TRAINED = ["clip", "structured", "gpt2"]
 
 
 def _captured_equals_module(name: str):
     case = CASES[name]
     module = case.model()
-    captured = capture(module, layers=case.layers)
+    captured = case.capture(module)
     model = captured.graph_model()
     inputs, _ = case.batches(0)[0]
+    inputs = inputs if isinstance(inputs, tuple) else (inputs, )
     expected, got = module(*inputs), model(*inputs)
     torch.testing.assert_close(got, expected, rtol=0, atol=0)
     expected.square().sum().backward()
@@ -104,3 +105,24 @@ def test_hf_capture_trains_pipelined_like_the_module_on_one_process(trained, nam
             torch.testing.assert_close(value, state[key], rtol=1e-5, atol=1e-6, msg=key)
             seen.add(key)
     assert seen == set(state)
+
+
+def test_hf_capture_gpt2_ties_the_embedding_and_the_output_projection_across_layers():
+    captured = CASES["gpt2"].capture(CASES["gpt2"].model())
+    tied = {s.name: s.key for s in captured.layers if isinstance(s, CapturedTiedLayerSpec)}
+    assert tied == {"gpt_transformer_wte": "tie_gpt_transformer_wte", "gpt_lm_head": "tie_gpt_transformer_wte"}
+    holder = captured.layers[[s.name for s in captured.layers].index("gpt_lm_head")].build()
+    assert holder["gpt_lm_head"].weight is holder["gpt_transformer_wte"].weight
+
+
+def test_hf_capture_gpt2_needs_example_shapes_and_says_so():
+    module = CASES["gpt2"].model()
+    with pytest.raises(GraphError, match=r"masking_utils.py.*shape.*pass example_inputs"):
+        capture(module, layers=CASES["gpt2"].layers)
+
+
+def test_capture_with_example_shapes_still_refuses_control_flow_on_values():
+    from test_capture import WithGate
+    with pytest.raises(GraphError, match=r"neither torch.fx nor shape-specialised tracing can capture WithGate.*"
+                                         r"if h.sum\(\) > 0"):
+        capture(WithGate(), layers=["gate.inner"], example_inputs=(torch.randn(2, 4), ))

@@ -16,13 +16,11 @@ from hf_models import CASES, GAS, LR, MBS, STEPS
 def run_case(name: str, out: Path, rank: int, world_size: int) -> None:
     import gpp_deepspeed
     from gpp_deepspeed import GraphPipelineModule
-    from gpp_deepspeed.capture import capture
 
     case = CASES[name]
-    captured = capture(case.model(), layers=case.layers)
+    captured = case.capture(case.model())
     module = GraphPipelineModule(captured.layers, input_names=captured.input_names, output=captured.output,
-                                 num_stages=case.stages, loss_fn=case.loss_fn, partition_method=case.partition,
-                                 dynamic_shape=case.extra.get("dynamic_shape", False))
+                                 num_stages=case.stages, loss_fn=case.loss_fn, partition_method=case.partition)
     params = [p for p in module.parameters() if p.requires_grad]
     dp = world_size // case.stages
     config = {"train_micro_batch_size_per_gpu": MBS, "gradient_accumulation_steps": GAS,
