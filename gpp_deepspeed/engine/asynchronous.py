@@ -17,7 +17,7 @@ import torch
 from deepspeed.runtime.pipe import schedule as ds
 
 from ..errors import GPPConfigError
-from ..schedule.asynchronous import async_segment, check_async_microbatches, predicted_updates, validate_async
+from ..schedule.asynchronous import async_segment, async_slots, check_async_microbatches, predicted_updates, validate_async
 from ..schedule.ir import Action, ActionKind as K
 from .weights import WeightVersions, check_predictable
 
@@ -110,13 +110,8 @@ class AsyncPipeline:
         self.in_batch = False                 # a train_batch or flush started and has not returned
         atexit.register(_flush_at_exit, weakref.ref(engine))
 
-    def num_buffers(self) -> int:
-        # Slots hold nothing once a micro-batch's last send has gone; generous so that a deferred
-        # gradient send never meets a reused slot (the validator checks the same bound).
-        return self.micro_batches + 2 * self.stage_graph.depth(self.stage_idx) + 1
-
-    def segment(self, micro_batches: int, *, flush: bool) -> list[Action]:
-        """This stage's actions of the next batch, or of the flush."""
+    def segment(self, micro_batches: int, *, flush: bool) -> tuple[list[Action], dict[int, int]]:
+        """This stage's actions of the next batch, or of the flush, and their buffer slots."""
         if self.micro_batches is None:
             check_async_microbatches(self.stage_graph, micro_batches, self.name)
             if self.validate:
@@ -129,7 +124,9 @@ class AsyncPipeline:
         self.micro_batches = micro_batches
         lists = async_segment(self.stage_graph, micro_batches, self.batches, name=self.name,
                               loading_stages=self.loading, flush=flush)
-        return lists[self.stage_idx]
+        actions = lists[self.stage_idx]
+        slots = async_slots(self.stage_graph, micro_batches)
+        return actions, {j: j % slots for a in actions for j in a.mb_idxs}
 
     def steps(self, version: int) -> int:
         """PipeOptim's ``s`` for a version (checked against the program by the validator)."""

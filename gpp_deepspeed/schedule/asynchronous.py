@@ -40,10 +40,11 @@ from ..errors import GPPConfigError, ScheduleError
 from ..graph.stages import StageGraph
 from .generators import add_load, add_send_recv
 from .ir import Action, ActionKind as K, Schedule
-from .validate import _check_stage, simulate
+from .lowering import add_release, group_for_rendezvous, order_transfers
+from .validate import _check_buffers, _check_releases, _check_stage, simulate
 
 __all__ = ["ASYNC_SCHEDULES", "is_async", "lag", "async_segment", "steady_batch_idx", "prediction_steps",
-           "predicted_updates", "validate_async", "AsyncReport", "check_async_microbatches"]
+           "predicted_updates", "async_slots", "validate_async", "AsyncReport", "check_async_microbatches"]
 
 ASYNC_SCHEDULES = ("pipedream", "2bw", "pipeoptim")
 
@@ -146,19 +147,58 @@ def defer_sends(lowered: Schedule, stage_graph: StageGraph, m: int, batch_idx: i
     return out
 
 
+def _transfers(stage_graph: StageGraph, m: int, batch_idx: int, name: str, loading_stages: set[int],
+               flush: bool) -> Schedule:
+    """One segment with its transfers, deferred and grouped for rendezvous, without releases."""
+    compute = {s: _compute(stage_graph, s, m, batch_idx, name, flush) for s in range(stage_graph.num_stages)}
+    lowered = defer_sends(add_send_recv(add_load(compute, loading_stages=loading_stages), stage_graph), stage_graph,
+                          m, batch_idx, flush=flush)
+    grouped = group_for_rendezvous(lowered)
+    try:
+        simulate(grouped, mode="rendezvous")
+        return grouped
+    except ScheduleError:
+        # A stage with no compute in the segment (a flush without lag) would post all its deferred
+        # sends as one group, which waits on receives its peers post only after their own backward:
+        # post the transfers one by one in the global order instead, which cannot deadlock.
+        return order_transfers(lowered)
+
+
 def async_segment(stage_graph: StageGraph, num_microbatches: int, batch_idx: int, *, name: str,
                   loading_stages: set[int], flush: bool = False) -> Schedule:
     """The lowered action lists of batch ``batch_idx`` since the pipeline was last empty, or, with
     ``flush``, of the drain after ``batch_idx`` batches. Micro-batch indices count from the last
-    empty pipeline (buffer ``mb % num_buffers``)."""
+    empty pipeline; buffer slots are ``mb % async_slots(...)``.
+
+    Releases go after a micro-batch's last use in the whole program, which may lie batches later:
+    they are placed on the program from this segment to the last one any of its micro-batches
+    reaches (whether the batches after it or the flush, they hold the same uses).
+    """
     name = name.lower()
     if name not in ASYNC_SCHEDULES:
         raise GPPConfigError(f'"{name}" is not an asynchronous schedule; valid: {list(ASYNC_SCHEDULES)}')
     m = num_microbatches
-    compute = {s: _compute(stage_graph, s, m, batch_idx, name, flush) for s in range(stage_graph.num_stages)}
-    lowered = add_send_recv(add_load(compute, loading_stages=loading_stages), stage_graph)
-    lowered = defer_sends(lowered, stage_graph, m, batch_idx, flush=flush)
-    return {s: actions + [Action(s, K.WAIT_SENDS)] for s, actions in lowered.items()}
+    ahead = [] if flush else range(batch_idx + 1, batch_idx + steady_batch_idx(stage_graph, m) + 1)
+    window = [_transfers(stage_graph, m, batch_idx, name, loading_stages, flush)]
+    window += [_transfers(stage_graph, m, k, name, loading_stages, False) for k in ahead]
+    out: Schedule = {}
+    for s in range(stage_graph.num_stages):
+        program = [a for seg in window for a in seg[s]]
+        released = add_release({s: program})[s]
+        mine, seen = [], 0
+        for a in released:   # keep this segment's actions and the releases that follow them
+            if a.kind not in (K.RELEASE_IN, K.RELEASE_OUT):
+                seen += 1
+            if seen <= len(window[0][s]) and not (seen == 0):
+                mine.append(a)
+        out[s] = mine + [Action(s, K.WAIT_SENDS)]
+    return out
+
+
+def async_slots(stage_graph: StageGraph, num_microbatches: int) -> int:
+    """Buffer slots of an asynchronous schedule, ``mb % slots``: a micro-batch is live from its
+    forward's batch until its last deferred gradient send, less than ``M + deepest lag`` later."""
+    return num_microbatches + 2 * max(stage_graph.depth(s) for s in range(stage_graph.num_stages)) + 1
 
 
 def steady_batch_idx(stage_graph: StageGraph, num_microbatches: int) -> int:
@@ -233,15 +273,18 @@ def validate_async(stage_graph: StageGraph, num_microbatches: int, *, name: str,
                                   loading_stages=loading_stages, flush=True))
     for k, seg in enumerate(segments):
         try:
-            simulate(seg)
+            simulate(seg, mode="rendezvous")
         except ScheduleError as exc:
             where = "the flush" if k == num_batches else f"batch {k}"
             raise ScheduleError(f'schedule "{name}", {where}: {exc}') from None
     versions, in_flight = {}, {}
     for s in range(stage_graph.num_stages):
         program = [a for seg in segments for a in seg[s]]
-        mb_actions = [a for a in program if a.kind.has_mb and a.kind not in _WEIGHT_KINDS]
-        _check_stage(s, mb_actions, stage_graph, num_batches * num_microbatches, True, None)
+        data = [a for a in program if a.kind not in _WEIGHT_KINDS and a.kind is not K.WAIT_SENDS]
+        _check_stage(s, data, stage_graph, num_batches * num_microbatches, True)
+        _check_releases(s, data)
+        slots = async_slots(stage_graph, num_microbatches)
+        _check_buffers(s, data, {j: j % slots for a in data for j in a.mb_idxs})
         versions[s] = _check_versions(s, program)
         for v, steps in prediction_steps(program).items():
             if steps != predicted_updates(stage_graph, s, v):
