@@ -174,9 +174,39 @@ def tied() -> ModelCase:
     return ModelCase(layers, ("x", ), (6, ), 3, parts)
 
 
+def glue() -> ModelCase:
+    """Two branches joined by glue (an Add, then two Concats of skips): at 4 stages every partition
+    method puts the glue on a stage of its own, a stage without parameters."""
+    layers = [
+        GraphLayerSpec("pa", nn.Linear, 6, D, inputs=["x"]),
+        GraphLayerSpec("pb", nn.Linear, 6, D, inputs=["x"]),
+        GraphLayerSpec("add", Add, inputs=["pa", "pb"]),
+        GraphLayerSpec("cat", Concat, inputs=["add", "pa"]),
+        GraphLayerSpec("cat2", Concat, inputs=["cat", "pb"]),
+        GraphLayerSpec("head", nn.Linear, 3 * D, 3, inputs=["cat2"]),
+    ]
+    return ModelCase(layers, ("x", ), (6, ), 3)
+
+
+def glue_out() -> ModelCase:
+    """The output layer is glue (an Add of two heads): at 4 stages every partition method, and the
+    explicit 2-stage cut, leave the loss stage without parameters."""
+    layers = [
+        GraphLayerSpec("pa", nn.Linear, 6, 4 * D, inputs=["x"]),
+        GraphLayerSpec("pb", nn.Linear, 6, D, inputs=["x"]),
+        GraphLayerSpec("add", Add, inputs=["pb", "pb"]),
+        GraphLayerSpec("cat", Concat, inputs=["add", "pb"]),
+        GraphLayerSpec("ha", nn.Linear, 4 * D, 3, inputs=["pa"]),
+        GraphLayerSpec("hb", nn.Linear, 2 * D, 3, inputs=["cat"]),
+        GraphLayerSpec("out", Add, inputs=["ha", "hb"]),
+    ]
+    parts = {2: {"pa": 0, "pb": 0, "add": 0, "cat": 0, "ha": 0, "hb": 0, "out": 1}}
+    return ModelCase(layers, ("x", ), (6, ), 3, parts)
+
+
 MODELS: dict[str, Callable[[], ModelCase]] = {
     "chain": chain, "diamond": diamond, "four_branch": four_branch, "skip": skip, "fanout3": fanout3,
-    "three_input": three_input, "tied": tied, "varlen": varlen,
+    "three_input": three_input, "tied": tied, "varlen": varlen, "glue": glue, "glue_out": glue_out,
 }
 
 

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.dist
 
 MODELS = ["chain", "diamond", "four_branch", "skip", "fanout3", "three_input"]
 # Models whose shape is forced by an explicit partition at this stage count (see tests/models.py).
-EXPLICIT = {3: {"skip", "fanout3"}, 4: {"diamond", "skip", "fanout3", "tied", "varlen"}}
+EXPLICIT = {2: {"glue_out"}, 3: {"skip", "fanout3"}, 4: {"diamond", "skip", "fanout3", "tied", "varlen"}}
 BASE = {"steps": 3, "mbs": 4, "gas": 4, "lr": 0.1}
 
 
@@ -32,6 +32,15 @@ def golden(stages):
     return [case(m, stages, z) for m in MODELS for z in (0, 1)]
 
 
+# Stages without parameters (glue only), under every partition method, SGD and DeepSpeed's Adam,
+# ZeRO-0 and ZeRO-1, a glue loss stage in pipe 2 x data 2, and the zero-bubble schedules.
+GLUE = [case("glue", 4, 0, partition="uniform"), case("glue", 4, 1, partition="parameters"),
+        case("glue", 4, 0, partition="sequential", optimizer="adam", lr=0.01),
+        case("glue", 4, 1, partition="graphpipe", optimizer="adam", lr=0.01),
+        case("glue_out", 4, 1, partition="sequential"), case("glue_out", 4, 0, partition="uniform", optimizer="adam",
+                                                              lr=0.01),
+        case("glue_out", 2, 1, optimizer="adam", lr=0.01), case("glue", 4, 1, schedule="zb1"),
+        case("glue_out", 4, 0, schedule="zb2")]
 # Zero-bubble schedules (split backward, I then W): DAG shapes of the golden test, ZeRO-0/1, pipe x data.
 WORLDS = {
     2: golden(2) + [case("chain", 2, 1, schedule="zb2")],
@@ -48,7 +57,8 @@ WORLDS = {
        case("four_branch", 2, 0, schedule="zb1"), case("skip", 2, 1, schedule="zb2"),  # pipe 2 x data 2
        case("four_branch", 4, 1, partition="golden/plan_four_branch_s4_zb1.json"),  # runs the plan's zb1
        # the plan marks stage 2 (four layers) to recompute: checkpointing there only
-       case("four_branch", 4, 0, partition="golden/plan_four_branch_s4_recompute.json", recompute=4)],
+       case("four_branch", 4, 0, partition="golden/plan_four_branch_s4_recompute.json", recompute=4)]
+    + GLUE,
 }
 # The schedule each case must have run: the config's, else its plan file's, else 1f1b.
 PLAN_SCHEDULES = {"golden/plan_four_branch_s4_zb1.json": "zb1"}
@@ -81,3 +91,9 @@ def test_pipeline_training_matches_single_device_model(run_cases, world, c):
             torch.testing.assert_close(value, ref.state[name], rtol=1e-5, atol=1e-6, msg=name)
             seen.add(name)
     assert seen == set(ref.state), "every parameter lives on exactly the stages that own it"
+
+
+@pytest.mark.parametrize("c", GLUE, ids=[c["id"] for c in GLUE])
+def test_glue_cases_have_a_stage_without_parameters(run_cases, c):
+    ranks = _load(run_cases("golden_w4", 4, WORLDS[4]), c, 4)
+    assert any(not res["state"] for res in ranks), [sorted(res["state"]) for res in ranks]

@@ -108,6 +108,15 @@ class GraphPipelineModule(PipelineModule):
             # run as one checkpointed chunk here, and every other stage keeps its activations.
             self.activation_checkpoint_interval = len(self._local_entries)
             self._precompute_checkpointable_values()
+        self.glue_placeholder: nn.Parameter | None = None
+        if not any(p.requires_grad for p in self.parameters()):
+            # A glue-only stage (an Add of skips, a concat): torch and DeepSpeed optimizers refuse
+            # an empty parameter list, so the stage holds one zero parameter that no layer reads.
+            # forward() adds 0 * it to an output, so it gets an exact zero gradient by autograd
+            # like any parameter (DeepSpeed's bf16 optimizer needs one) and no update moves it
+            # (none of SGD, Adam or weight decay moves a zero with a zero gradient). It is in no
+            # layer file and not in graph_state_dict().
+            self.glue_placeholder = nn.Parameter(torch.zeros(1))
 
     # -- partitioning and building (called by PipelineModule.__init__) --------------------------
 
@@ -147,8 +156,24 @@ class GraphPipelineModule(PipelineModule):
         else:
             self._run(env, range(len(self._local_entries)))
         if self.is_output_stage:
-            return resolve(env, TensorRef(self.graph.output))
-        return tuple(port_leaves(ref, resolve(env, ref)) for ref in self.stage_spec.out_ports)
+            return self._touch_placeholder(resolve(env, TensorRef(self.graph.output)))
+        return self._touch_placeholder(tuple(port_leaves(ref, resolve(env, ref)) for ref in self.stage_spec.out_ports))
+
+    def _touch_placeholder(self, outputs):
+        """``outputs`` (a tensor, or tuples / lists of tensors) with
+        ``0 * glue_placeholder`` added to its first floating-point tensor: the values do not change
+        (x + 0.0 == x) and the placeholder joins the autograd graph."""
+        if self.glue_placeholder is None or not torch.is_grad_enabled():
+            return outputs
+        if torch.is_tensor(outputs):
+            return outputs + 0 * self.glue_placeholder.to(outputs.dtype).sum() if outputs.is_floating_point() else outputs
+        if isinstance(outputs, (tuple, list)):
+            for i, value in enumerate(outputs):
+                touched = self._touch_placeholder(value)
+                if touched is not value:
+                    rebuilt = [*outputs[:i], touched, *outputs[i + 1:]]
+                    return outputs._make(rebuilt) if hasattr(outputs, "_make") else type(outputs)(rebuilt)
+        return outputs
 
     def _run(self, env: dict, local_idxs) -> None:
         for i in local_idxs:
