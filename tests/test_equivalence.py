@@ -9,6 +9,7 @@ to ``rtol=1e-5`` in fp32.
 import pytest
 import torch
 
+from models import MODELS as MODEL_CASES, make_batches
 from reference import train_reference
 
 pytestmark = pytest.mark.dist
@@ -41,6 +42,9 @@ GLUE = [case("glue", 4, 0, partition="uniform"), case("glue", 4, 1, partition="p
                                                               lr=0.01),
         case("glue_out", 2, 1, optimizer="adam", lr=0.01), case("glue", 4, 1, schedule="zb1"),
         case("glue_out", 4, 0, schedule="zb2")]
+# training_data=: DeepSpeed's loader on every stage that reads the batch (middle stages 1 and 2 read
+# graph inputs here), and data-parallel shards (pipe 2 x data 2).
+DATA = [case("three_input", 4, 0, training_data=True), case("three_input", 2, 1, training_data=True)]
 # Zero-bubble schedules (split backward, I then W): DAG shapes of the golden test, ZeRO-0/1, pipe x data.
 WORLDS = {
     2: golden(2) + [case("chain", 2, 1, schedule="zb2")],
@@ -58,7 +62,7 @@ WORLDS = {
        case("four_branch", 4, 1, partition="golden/plan_four_branch_s4_zb1.json"),  # runs the plan's zb1
        # the plan marks stage 2 (four layers) to recompute: checkpointing there only
        case("four_branch", 4, 0, partition="golden/plan_four_branch_s4_recompute.json", recompute=4)]
-    + GLUE,
+    + GLUE + DATA,
 }
 # The schedule each case must have run: the config's, else its plan file's, else 1f1b.
 PLAN_SCHEDULES = {"golden/plan_four_branch_s4_zb1.json": "zb1"}
@@ -97,3 +101,21 @@ def test_pipeline_training_matches_single_device_model(run_cases, world, c):
 def test_glue_cases_have_a_stage_without_parameters(run_cases, c):
     ranks = _load(run_cases("golden_w4", 4, WORLDS[4]), c, 4)
     assert any(not res["state"] for res in ranks), [sorted(res["state"]) for res in ranks]
+
+
+@pytest.mark.parametrize("c", DATA, ids=[c["id"] for c in DATA])
+def test_training_data_feeds_each_pipeline_the_same_samples_and_each_replica_its_own_shard(run_cases, c):
+    ranks = _load(run_cases("golden_w4", 4, WORLDS[4]), c, 4)
+    mc = MODEL_CASES[c["model"]]()
+    for res in ranks:
+        # DeepSpeed's loader (a DistributedSampler over replicas, unshuffled) on ReplicaOrderedDataset
+        # gives replica d the micro-batches make_batches gives it, in order.
+        expected = [(list(x) if isinstance(x, tuple) else [x], y) for step in range(c["steps"])
+                    for x, y in make_batches(mc, step=step, dp_rank=res["dp"], micro_batches=c["gas"],
+                                             micro_batch_size=c["mbs"])]
+        if res["seen"]:
+            assert len(res["seen"]) == len(expected), f"stage {res['stage']}"
+            for (xs, y), (ex, ey) in zip(res["seen"], expected):
+                assert torch.equal(y, ey) and all(torch.equal(a, b) for a, b in zip(xs, ex)), f"stage {res['stage']}"
+    readers = sorted(res["stage"] for res in ranks if res["seen"] and res["dp"] == 0)
+    assert readers == list(range(c["stages"])), "every stage of this model reads the batch"

@@ -98,6 +98,8 @@ class GraphPipelineEngine(SplitBackwardMixin, PipelineEngine):
             self.pipe_buffers[key] = [None] * self.num_pipe_buffers
         self.module.engine_attached = True
         self._dag_ready = True
+        if self.training_data:
+            self._place_data_iter()
         if self.gpp_config.print_stage_graph and self.global_rank == 0:
             print(self.module.partition.describe(), flush=True)
 
@@ -114,6 +116,20 @@ class GraphPipelineEngine(SplitBackwardMixin, PipelineEngine):
         finally:
             for p in scalars:
                 p.data = p.data.view(())
+
+    def _place_data_iter(self) -> None:
+        """Give ``training_data=``'s loader to the stages that read batches in the DAG.
+
+        DeepSpeed's constructor built it for the linear stages 0 and S-1 (``is_first/last_stage``
+        were linear then). Every stage that reads graph inputs, and the output stage (labels), needs
+        DeepSpeed's own loader: a ``DistributedSampler`` over the data-parallel replicas, unshuffled,
+        so the stages of one pipeline read the same samples in the same order and the replicas read
+        disjoint shards, as on a chain."""
+        if self.is_first_stage() or self.is_last_stage():
+            if self.data_iterator is None:
+                self._build_data_iter(self.training_data)
+        else:
+            self.data_iterator = None
 
     # -- roles ------------------------------------------------------------------------------------
 
