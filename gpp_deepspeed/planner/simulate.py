@@ -91,8 +91,8 @@ def predict(plan: Plan, db: CostDB, *, schedule: str | None = None) -> Plan:
     """``plan`` with its :class:`Prediction` filled in, priced under ``schedule`` (default: the
     plan's own), which the returned plan carries."""
     sim = simulate_plan(plan, db, schedule=schedule)
-    edges = tuple(sorted({(a.stage_idx, a.peer) for actions in sim.schedule.values() for a in actions
-                          if a.kind is K.SEND_F}))
+    edges = tuple(sorted({(op.stage_idx, op.peer) for actions in sim.schedule.values() for a in actions
+                          for op in a.transfers if op.kind is K.SEND_F}))
     return replace(plan, schedule=schedule or plan.schedule).with_prediction(sim.prediction, edges)
 
 
