@@ -54,7 +54,8 @@ def simulate_plan(plan: Plan, db: CostDB, *, schedule: str | None = None) -> Sim
         stage_graph = StageGraph.chain(plan.num_stages)
         bounds = model.chain_boundaries(masks)
     b = plan.micro_batch
-    costs = tuple(model.stage(m, b, s.devices, boundary=bd) for m, s, bd in zip(masks, plan.stages, bounds))
+    costs = tuple(model.stage(m, b, s.devices, boundary=bd, recompute=s.recompute)
+                  for m, s, bd in zip(masks, plan.stages, bounds))
     lists = build_schedule(stage_graph, plan.num_microbatches, name=schedule)
 
     def duration(a: Action) -> float:
@@ -73,7 +74,7 @@ def simulate_plan(plan: Plan, db: CostDB, *, schedule: str | None = None) -> Sim
 
     timeline = simulate(lists, duration=duration)
     in_flight = tuple(peak_in_flight(lists[s]) for s in range(plan.num_stages))
-    mem = tuple(c.weight_bytes + k * c.stash_bytes for c, k in zip(costs, in_flight))
+    mem = tuple(c.memory(k) for c, k in zip(costs, in_flight))
     span = timeline.makespan
     busy = tuple(timeline.busy(s) for s in range(plan.num_stages))
     device_busy = sum(t * s.devices for t, s in zip(busy, plan.stages))
