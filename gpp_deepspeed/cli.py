@@ -149,6 +149,8 @@ def _plan(args) -> None:
                        f"{args.mini_batch}: {result.status}")
     if args.schedules:  # the schedule becomes part of the plan: the fastest that fits memory
         plan = choose_schedule(plan, db, schedules=args.schedules)
+    if args.topology:
+        plan = _placed(plan, db, args)
     if args.output:
         plan.save(args.output)
     data = {"method": result.method, "status": result.status, "search_time_s": result.search_time_s,
@@ -173,6 +175,22 @@ def _hetero(db: CostDB, args) -> SearchResult:
                f"{len(cluster.classes)} classes, mini-batch {args.mini_batch}")
     return hetero_search(db, cluster, mini_batch=args.mini_batch, objective=args.objective,
                          micro_batches=args.micro_batches)
+
+
+def _placed(plan: Plan, db: CostDB, args) -> Plan:
+    """``plan`` with its stages placed on the devices of ``--topology`` (a topology JSON, or a
+    hostfile whose hosts get the cost database's intra- and inter-node links)."""
+    from .planner.topology import Topology, contiguous, place, placement_time
+    path = Path(args.topology)
+    if path.suffix == ".json":
+        topo = Topology.load(path)
+    else:
+        topo = Topology.from_hostfile(path, intra=db.hardware.intra, inter=db.hardware.inter)
+    placement, t = place(plan, db, topo)
+    before = placement_time(plan, db, topo, contiguous(plan))
+    _say(args, f"placement on {path}: {t * 1e3:.2f} ms/iteration (contiguous: {before * 1e3:.2f} ms)")
+    notes = {**plan.notes, "placement_iteration_s": t, "contiguous_iteration_s": before}
+    return dataclasses.replace(plan, placement=placement, notes=notes)
 
 
 def _how_to_run(plan: Plan, path: str | None) -> str:
@@ -505,6 +523,8 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plan", parents=[common, search], help="search a plan")
     p.add_argument("--cluster", metavar="FILE", help="heterogeneous devices: a cluster file of device classes "
                    "(docs/planner.md); plans a chain of stages, each on devices of one class")
+    p.add_argument("--topology", metavar="FILE", help="place the stages on concrete devices: a topology JSON "
+                   "(per-pair links) or a hostfile (the cost database's links inside and across hosts)")
     p.add_argument("--objective", choices=("train", "inference"), default="train",
                    help="with --cluster: training throughput, or forward-only pipeline throughput (EdgePipe)")
     p.add_argument("--method", default="graphpipe", help="graphpipe (default), pipedream, piper, ds-uniform, "
