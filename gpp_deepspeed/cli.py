@@ -331,7 +331,7 @@ def _method(name: str) -> Callable[..., SearchResult]:
 def _search(method: str, db: CostDB, args) -> SearchResult:
     """Run planner ``method`` with the command line's devices, mini-batch, sweep and space."""
     search = _method(method)
-    kw = {"space": args.space or "full"} if method == "graphpipe" else {}
+    kw = {"space": args.space or "full", "recompute": args.recompute} if method == "graphpipe" else {}
     _say(args, f"{method}: searching {db.model} on {args.devices} devices, mini-batch {args.mini_batch}")
     return search(db, num_devices=args.devices, mini_batch=args.mini_batch,
                            micro_batches=args.micro_batches, progress=None if args.quiet else _stderr, **kw)
@@ -468,6 +468,8 @@ def _parser() -> argparse.ArgumentParser:
     search.add_argument("--mini-batch", type=_positive, required=True, metavar="B", help="samples per iteration")
     search.add_argument("--space", choices=("full", "runtime"), help="graphpipe: per-stage degrees (full, "
                         "the default) or one degree for all stages (runtime, what the engine runs)")
+    search.add_argument("--recompute", action="store_true", help="graphpipe: a stage that would not fit "
+                        "may recompute its activations in the backward (the plan marks it; the engine checkpoints it)")
     search.add_argument("--schedules", type=_schedule_names, metavar="1f1b,zb1,zb2",
                         help="training schedules to price each plan with (default: 1f1b); plan keeps the "
                         "fastest that fits memory, compare shows one row per method and schedule")

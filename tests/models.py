@@ -174,9 +174,39 @@ def tied() -> ModelCase:
     return ModelCase(layers, ("x", ), (6, ), 3, parts)
 
 
+def glue() -> ModelCase:
+    """Two branches joined by glue (an Add, then two Concats of skips): at 4 stages every partition
+    method puts the glue on a stage of its own, a stage without parameters."""
+    layers = [
+        GraphLayerSpec("pa", nn.Linear, 6, D, inputs=["x"]),
+        GraphLayerSpec("pb", nn.Linear, 6, D, inputs=["x"]),
+        GraphLayerSpec("add", Add, inputs=["pa", "pb"]),
+        GraphLayerSpec("cat", Concat, inputs=["add", "pa"]),
+        GraphLayerSpec("cat2", Concat, inputs=["cat", "pb"]),
+        GraphLayerSpec("head", nn.Linear, 3 * D, 3, inputs=["cat2"]),
+    ]
+    return ModelCase(layers, ("x", ), (6, ), 3)
+
+
+def glue_out() -> ModelCase:
+    """The output layer is glue (an Add of two heads): at 4 stages every partition method, and the
+    explicit 2-stage cut, leave the loss stage without parameters."""
+    layers = [
+        GraphLayerSpec("pa", nn.Linear, 6, 4 * D, inputs=["x"]),
+        GraphLayerSpec("pb", nn.Linear, 6, D, inputs=["x"]),
+        GraphLayerSpec("add", Add, inputs=["pb", "pb"]),
+        GraphLayerSpec("cat", Concat, inputs=["add", "pb"]),
+        GraphLayerSpec("ha", nn.Linear, 4 * D, 3, inputs=["pa"]),
+        GraphLayerSpec("hb", nn.Linear, 2 * D, 3, inputs=["cat"]),
+        GraphLayerSpec("out", Add, inputs=["ha", "hb"]),
+    ]
+    parts = {2: {"pa": 0, "pb": 0, "add": 0, "cat": 0, "ha": 0, "hb": 0, "out": 1}}
+    return ModelCase(layers, ("x", ), (6, ), 3, parts)
+
+
 MODELS: dict[str, Callable[[], ModelCase]] = {
     "chain": chain, "diamond": diamond, "four_branch": four_branch, "skip": skip, "fanout3": fanout3,
-    "three_input": three_input, "tied": tied, "varlen": varlen,
+    "three_input": three_input, "tied": tied, "varlen": varlen, "glue": glue, "glue_out": glue_out,
 }
 
 
@@ -190,3 +220,35 @@ def make_batches(model: ModelCase, *, step: int, dp_rank: int, micro_batches: in
         y = torch.randint(0, model.num_classes, (micro_batch_size, ), generator=g)
         batches.append((xs[0] if len(xs) == 1 else xs, y))
     return batches
+
+
+class ReplicaOrderedDataset(torch.utils.data.Dataset):
+    """The samples of :func:`make_batches`, laid out for DeepSpeed's pipeline loader.
+
+    DeepSpeed's ``training_data=`` loader is a ``DistributedSampler`` over the data-parallel
+    replicas, unshuffled (replica ``d`` reads samples ``d, d + dp, d + 2 dp, ...``), cut into
+    micro-batches of ``micro_batch_size``. Sample ``n`` here is row ``i`` of micro-batch ``k`` of
+    step ``s`` of replica ``n % dp``, where ``n // dp = (s * micro_batches + k) * micro_batch_size +
+    i``, so a loader that follows that rule hands every replica exactly ``make_batches``'s
+    micro-batches.
+    """
+
+    def __init__(self, model: ModelCase, *, dp: int, steps: int, micro_batches: int, micro_batch_size: int):
+        shards = []
+        for d in range(dp):
+            rows = []
+            for step in range(steps):
+                for xs, y in make_batches(model, step=step, dp_rank=d, micro_batches=micro_batches,
+                                          micro_batch_size=micro_batch_size):
+                    for i in range(micro_batch_size):
+                        x = tuple(t[i] for t in xs) if isinstance(xs, tuple) else xs[i]
+                        rows.append((x, y[i]))
+            shards.append(rows)
+        self.dp = dp
+        self.samples = [shards[n % dp][n // dp] for n in range(dp * len(shards[0]))]
+
+    def __len__(self):
+        return len(self.samples)
+
+    def __getitem__(self, n):
+        return self.samples[n]

@@ -9,13 +9,14 @@ to ``rtol=1e-5`` in fp32.
 import pytest
 import torch
 
+from models import MODELS as MODEL_CASES, make_batches
 from reference import train_reference
 
 pytestmark = pytest.mark.dist
 
 MODELS = ["chain", "diamond", "four_branch", "skip", "fanout3", "three_input"]
 # Models whose shape is forced by an explicit partition at this stage count (see tests/models.py).
-EXPLICIT = {3: {"skip", "fanout3"}, 4: {"diamond", "skip", "fanout3", "tied", "varlen"}}
+EXPLICIT = {2: {"glue_out"}, 3: {"skip", "fanout3"}, 4: {"diamond", "skip", "fanout3", "tied", "varlen"}}
 BASE = {"steps": 3, "mbs": 4, "gas": 4, "lr": 0.1}
 
 
@@ -32,6 +33,18 @@ def golden(stages):
     return [case(m, stages, z) for m in MODELS for z in (0, 1)]
 
 
+# Stages without parameters (glue only), under every partition method, SGD and DeepSpeed's Adam,
+# ZeRO-0 and ZeRO-1, a glue loss stage in pipe 2 x data 2, and the zero-bubble schedules.
+GLUE = [case("glue", 4, 0, partition="uniform"), case("glue", 4, 1, partition="parameters"),
+        case("glue", 4, 0, partition="sequential", optimizer="adam", lr=0.01),
+        case("glue", 4, 1, partition="graphpipe", optimizer="adam", lr=0.01),
+        case("glue_out", 4, 1, partition="sequential"), case("glue_out", 4, 0, partition="uniform", optimizer="adam",
+                                                              lr=0.01),
+        case("glue_out", 2, 1, optimizer="adam", lr=0.01), case("glue", 4, 1, schedule="zb1"),
+        case("glue_out", 4, 0, schedule="zb2")]
+# training_data=: DeepSpeed's loader on every stage that reads the batch (middle stages 1 and 2 read
+# graph inputs here), and data-parallel shards (pipe 2 x data 2).
+DATA = [case("three_input", 4, 0, training_data=True), case("three_input", 2, 1, training_data=True)]
 # Zero-bubble schedules (split backward, I then W): DAG shapes of the golden test, ZeRO-0/1, pipe x data.
 WORLDS = {
     2: golden(2) + [case("chain", 2, 1, schedule="zb2")],
@@ -46,7 +59,10 @@ WORLDS = {
        case("four_branch", 4, 1, schedule="zb1"), case("skip", 4, 0, schedule="zb2"),
        case("three_input", 4, 0, schedule="zb2"), case("tied", 4, 1, schedule="zb1"),
        case("four_branch", 2, 0, schedule="zb1"), case("skip", 2, 1, schedule="zb2"),  # pipe 2 x data 2
-       case("four_branch", 4, 1, partition="golden/plan_four_branch_s4_zb1.json")],  # runs the plan's zb1
+       case("four_branch", 4, 1, partition="golden/plan_four_branch_s4_zb1.json"),  # runs the plan's zb1
+       # the plan marks stage 2 (four layers) to recompute: checkpointing there only
+       case("four_branch", 4, 0, partition="golden/plan_four_branch_s4_recompute.json", recompute=4)]
+    + GLUE + DATA,
 }
 # The schedule each case must have run: the config's, else its plan file's, else 1f1b.
 PLAN_SCHEDULES = {"golden/plan_four_branch_s4_zb1.json": "zb1"}
@@ -67,6 +83,8 @@ def test_pipeline_training_matches_single_device_model(run_cases, world, c):
         assert res["schedule"] == c.get("schedule", PLAN_SCHEDULES.get(c["partition"], "1f1b"))
         assert res["losses"] == pytest.approx(ref.losses, rel=1e-5), f"rank {r} (stage {res['stage']})"
         assert res["eval"] == pytest.approx(ref.eval_loss, rel=1e-5), f"rank {r} (stage {res['stage']})"
+        if "recompute" in c:
+            assert res["ckpt_interval"] == (c["recompute"] if res["stage"] == 2 else 0), f"rank {r}"
     logits = {res["dp"]: res["logits"] for res in ranks if res["logits"] is not None}
     assert sorted(logits) == list(range(dp)), "the output stage of every replica returns logits"
     for d, value in logits.items():
@@ -77,3 +95,27 @@ def test_pipeline_training_matches_single_device_model(run_cases, world, c):
             torch.testing.assert_close(value, ref.state[name], rtol=1e-5, atol=1e-6, msg=name)
             seen.add(name)
     assert seen == set(ref.state), "every parameter lives on exactly the stages that own it"
+
+
+@pytest.mark.parametrize("c", GLUE, ids=[c["id"] for c in GLUE])
+def test_glue_cases_have_a_stage_without_parameters(run_cases, c):
+    ranks = _load(run_cases("golden_w4", 4, WORLDS[4]), c, 4)
+    assert any(not res["state"] for res in ranks), [sorted(res["state"]) for res in ranks]
+
+
+@pytest.mark.parametrize("c", DATA, ids=[c["id"] for c in DATA])
+def test_training_data_feeds_each_pipeline_the_same_samples_and_each_replica_its_own_shard(run_cases, c):
+    ranks = _load(run_cases("golden_w4", 4, WORLDS[4]), c, 4)
+    mc = MODEL_CASES[c["model"]]()
+    for res in ranks:
+        # DeepSpeed's loader (a DistributedSampler over replicas, unshuffled) on ReplicaOrderedDataset
+        # gives replica d the micro-batches make_batches gives it, in order.
+        expected = [(list(x) if isinstance(x, tuple) else [x], y) for step in range(c["steps"])
+                    for x, y in make_batches(mc, step=step, dp_rank=res["dp"], micro_batches=c["gas"],
+                                             micro_batch_size=c["mbs"])]
+        if res["seen"]:
+            assert len(res["seen"]) == len(expected), f"stage {res['stage']}"
+            for (xs, y), (ex, ey) in zip(res["seen"], expected):
+                assert torch.equal(y, ey) and all(torch.equal(a, b) for a, b in zip(xs, ex)), f"stage {res['stage']}"
+    readers = sorted(res["stage"] for res in ranks if res["seen"] and res["dp"] == 0)
+    assert readers == list(range(c["stages"])), "every stage of this model reads the batch"

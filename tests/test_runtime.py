@@ -15,7 +15,9 @@ pytestmark = pytest.mark.dist
 CKPT = [case("four_branch", 4, 1, checkpoint=True), case("four_branch", 2, 0, checkpoint=True),
         case("tied", 4, 1, checkpoint=True)]
 DROP_IN = [case("chain", 4, z, clip=0.0, **extra) for z in (0, 1) for extra in ({}, {"deepspeed_module": True})]
-BF16 = [case("four_branch", 4, 1, bf16=True), case("skip", 4, 1, bf16=True)]
+BF16 = [case("four_branch", 4, 1, bf16=True), case("skip", 4, 1, bf16=True),
+        # stages without parameters: a middle one under ZeRO-1, the loss stage under ZeRO-0
+        case("glue", 4, 1, bf16=True, partition="sequential"), case("glue_out", 4, 0, bf16=True, partition="uniform")]
 TRACED = case("four_branch", 4, 1, trace=True, steps_per_print=1, wall_clock=True)
 CASES = CKPT + DROP_IN + BF16 + [TRACED]
 

@@ -54,7 +54,8 @@ def simulate_plan(plan: Plan, db: CostDB, *, schedule: str | None = None) -> Sim
         stage_graph = StageGraph.chain(plan.num_stages)
         bounds = model.chain_boundaries(masks)
     b = plan.micro_batch
-    costs = tuple(model.stage(m, b, s.devices, boundary=bd) for m, s, bd in zip(masks, plan.stages, bounds))
+    costs = tuple(model.stage(m, b, s.devices, boundary=bd, recompute=s.recompute)
+                  for m, s, bd in zip(masks, plan.stages, bounds))
     lists = build_schedule(stage_graph, plan.num_microbatches, name=schedule)
 
     def duration(a: Action) -> float:
@@ -73,7 +74,7 @@ def simulate_plan(plan: Plan, db: CostDB, *, schedule: str | None = None) -> Sim
 
     timeline = simulate(lists, duration=duration)
     in_flight = tuple(peak_in_flight(lists[s]) for s in range(plan.num_stages))
-    mem = tuple(c.weight_bytes + k * c.stash_bytes for c, k in zip(costs, in_flight))
+    mem = tuple(c.memory(k) for c, k in zip(costs, in_flight))
     span = timeline.makespan
     busy = tuple(timeline.busy(s) for s in range(plan.num_stages))
     device_busy = sum(t * s.devices for t, s in zip(busy, plan.stages))
@@ -90,8 +91,8 @@ def predict(plan: Plan, db: CostDB, *, schedule: str | None = None) -> Plan:
     """``plan`` with its :class:`Prediction` filled in, priced under ``schedule`` (default: the
     plan's own), which the returned plan carries."""
     sim = simulate_plan(plan, db, schedule=schedule)
-    edges = tuple(sorted({(a.stage_idx, a.peer) for actions in sim.schedule.values() for a in actions
-                          if a.kind is K.SEND_F}))
+    edges = tuple(sorted({(op.stage_idx, op.peer) for actions in sim.schedule.values() for a in actions
+                          for op in a.transfers if op.kind is K.SEND_F}))
     return replace(plan, schedule=schedule or plan.schedule).with_prediction(sim.prediction, edges)
 
 

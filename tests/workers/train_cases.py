@@ -16,7 +16,7 @@ import deepspeed
 import gpp_deepspeed
 from deepspeed.pipe import PipelineModule
 from gpp_deepspeed import GraphPipelineModule
-from models import MODELS, make_batches
+from models import MODELS, ReplicaOrderedDataset, make_batches
 
 
 def ds_config(case, dp):
@@ -68,14 +68,32 @@ def build(case, world_size):
     params = [p for p in module.parameters() if p.requires_grad]
     opt = None if case.get("optimizer") == "adam" else torch.optim.SGD(params, lr=case["lr"], momentum=case.get("momentum", 0.9))
     init = deepspeed.initialize if case.get("deepspeed_module") else gpp_deepspeed.initialize
-    engine, _, _, _ = init(model=module, optimizer=opt, model_parameters=params, config=ds_config(case, dp))
+    data = None
+    if case.get("training_data"):  # DeepSpeed's own loader instead of data_iter=
+        data = ReplicaOrderedDataset(mc, dp=dp, steps=case["steps"], micro_batches=case["gas"],
+                                     micro_batch_size=case["mbs"])
+    engine, _, _, _ = init(model=module, optimizer=opt, model_parameters=params, config=ds_config(case, dp),
+                           training_data=data)
+    engine.case_seen = []
+    if data is not None and engine.data_iterator is not None:
+        engine.data_iterator = _recording(engine.data_iterator, engine.case_seen)
     return mc, module, engine
+
+
+def _recording(batches, seen):
+    """``batches``, keeping a copy of every (inputs, labels) this rank reads."""
+    for x, y in batches:
+        seen.append(([t.clone() for t in x] if isinstance(x, (tuple, list)) else [x.clone()], y.clone()))
+        yield x, y
 
 
 def train(engine, mc, case, steps):
     dp_rank = engine.grid.data_parallel_id
     losses = []
     for step in steps:
+        if case.get("training_data"):
+            losses.append(engine.train_batch().item())
+            continue
         batches = make_batches(mc, step=step, dp_rank=dp_rank, micro_batches=case["gas"], micro_batch_size=case["mbs"])
         losses.append(engine.train_batch(data_iter=iter(to_model_dtype(batches, case))).item())
     return losses
@@ -86,7 +104,8 @@ def run_case(case, out, rank, world_size):
         case = {**case, "trace_dir": str(out / f"trace_{case['id']}")}
     mc, module, engine = build(case, world_size)
     result = {"stage": engine.stage_id, "dp": engine.grid.data_parallel_id,
-              "schedule": getattr(engine, "gpp_config", None) and engine.gpp_config.schedule}
+              "schedule": getattr(engine, "gpp_config", None) and engine.gpp_config.schedule,
+              "ckpt_interval": module.activation_checkpoint_interval}
     if case.get("checkpoint"):
         ckpt = str(out / f"ckpt_{case['id']}")
         train(engine, mc, case, range(2))
@@ -102,6 +121,8 @@ def run_case(case, out, rank, world_size):
         loss, logits = engine.eval_batch(it, return_logits=True)
         result["eval"] = loss.item()
         result["logits"] = logits.detach().float().clone() if torch.is_tensor(logits) else None
+        if case.get("training_data"):
+            result["seen"] = engine.case_seen
         if isinstance(module, GraphPipelineModule):
             result["state"] = {k: v.detach().float().clone() for k, v in module.graph_state_dict().items()}
     torch.save(result, out / f"{case['id']}.rank{rank}.pt")
