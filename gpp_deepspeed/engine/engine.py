@@ -38,6 +38,7 @@ from ..schedule.zero_bubble import buffers_needed
 from .flat import flatten, port_ranges, unflatten
 from .instructions import (GraphPipeSchedule, RecvActivationFrom, RecvGradFrom, SendActivationTo, SendGradTo,
                            WaitSends)
+from . import portable
 from .module import GraphPipelineModule
 from .p2p import EdgeTransport
 from .split_engine import SPLIT_SCHEDULES, SplitBackwardMixin, check_split_backward_supported
@@ -130,6 +131,20 @@ class GraphPipelineEngine(SplitBackwardMixin, PipelineEngine):
                 self._build_data_iter(self.training_data)
         else:
             self.data_iterator = None
+
+    # -- checkpoints (portable across layouts: see portable.py) ------------------------------------
+
+    def save_checkpoint(self, save_dir, tag=None, client_state={}, save_latest=True, exclude_frozen_parameters=False):
+        tag = f"global_step{self.global_steps}" if tag is None else tag   # DeepSpeed's default tag
+        out = super().save_checkpoint(save_dir, tag=tag, client_state=client_state, save_latest=save_latest,
+                                      exclude_frozen_parameters=exclude_frozen_parameters)
+        portable.save_extras(self, save_dir, tag)
+        return out
+
+    def load_checkpoint(self, load_dir, tag=None, **kwargs):
+        """DeepSpeed's ``load_checkpoint``; a checkpoint saved under another layout (partition,
+        stage count, data-parallel degree, or a ``GraphModel``) loads layer by layer by name."""
+        return portable.load_checkpoint(self, load_dir, tag, ds_load=super().load_checkpoint, **kwargs)
 
     # -- roles ------------------------------------------------------------------------------------
 
