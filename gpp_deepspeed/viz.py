@@ -47,7 +47,8 @@ __all__ = ["draw_layer_dag", "draw_stage_dag", "draw_gantt", "write_chrome_trace
 _DPI = 110
 _LABEL_LIMIT = 80          # the layer DAG names its nodes up to this many layers
 _RC = {"svg.fonttype": "none", "font.size": 8, "axes.titlesize": 10}
-_COLORS = {K.FORWARD: "#4C72B0", K.BACKWARD: "#DD8452", "reduce": "#55A868", "comm": "#444444"}
+_COLORS = {K.FORWARD: "#4C72B0", K.BACKWARD: "#DD8452", K.BACKWARD_INPUT: "#DD8452", K.BACKWARD_WEIGHT: "#8172B3",
+           "reduce": "#55A868", "comm": "#444444"}
 
 
 def format_bytes(num_bytes: float) -> str:
@@ -211,25 +212,29 @@ def draw_gantt(timeline: Timeline, path: str | Path, *, title: str | None = None
             bars = defaultdict(list)
             for a, start, end in timeline.spans[s]:
                 t0, dur = start * 1e3, (end - start) * 1e3
-                if a.kind in (K.FORWARD, K.BACKWARD):
+                if a.kind in (K.FORWARD, K.BACKWARD, K.BACKWARD_INPUT, K.BACKWARD_WEIGHT):
                     bars[a.kind].append((t0, dur))
                     text = str(a.mb_idx)
                     if dur / span_ms * axis_in >= 0.06 + 0.07 * len(text):
                         ax.text(t0 + dur / 2, row, text, ha="center", va="center", fontsize=6.5, color="white")
                 elif a.kind in (K.REDUCE_GRAD, K.REDUCE_TIED, K.STEP):
                     bars["reduce"].append((t0, max(dur, span_ms * 1e-3)))
-                elif a.kind in (K.SEND_F, K.SEND_B):
-                    sends.append((t0, row - 0.38))
-                elif a.kind in (K.RECV_F, K.RECV_B):
-                    recvs.append((t0, row + 0.38))
+                for op in a.transfers:  # a grouped transfer marks each of its sends and receives
+                    if op.kind in (K.SEND_F, K.SEND_B):
+                        sends.append((t0, row - 0.38))
+                    else:
+                        recvs.append((t0, row + 0.38))
             for kind, ranges in bars.items():
                 ax.broken_barh(ranges, (row - 0.3, 0.6), facecolors=_COLORS[kind], edgecolor="white",
                                linewidth=0.3)
         for pts, label, marker in ((sends, "send", "v"), (recvs, "recv", "^")):
             if pts:
                 ax.scatter(*zip(*pts), marker=marker, s=7, color=_COLORS["comm"], linewidths=0, label=label)
-        handles = [mpl.patches.Patch(color=_COLORS[k], label=lbl)
-                   for k, lbl in ((K.FORWARD, "forward"), (K.BACKWARD, "backward"), ("reduce", "reduce/step"))]
+        shown = {a.kind for spans in timeline.spans.values() for a, _, _ in spans}
+        legend = [(K.FORWARD, "forward"), (K.BACKWARD, "backward")]
+        if K.BACKWARD_WEIGHT in shown:  # a split backward: I in the backward colour, W apart
+            legend = [(K.FORWARD, "forward"), (K.BACKWARD_INPUT, "input grad (I)"), (K.BACKWARD_WEIGHT, "weight grad (W)")]
+        handles = [mpl.patches.Patch(color=_COLORS[k], label=lbl) for k, lbl in legend + [("reduce", "reduce/step")]]
         ax.legend(handles=handles + ax.get_legend_handles_labels()[0], loc="upper left",
                   bbox_to_anchor=(1.0, 1.0), frameon=False, fontsize=7)
         ax.set_yticks(range(len(stages)), [f"stage {s}" for s in stages])

@@ -9,7 +9,9 @@ aggregation and checkpoints are DeepSpeed's. What changes:
 * transfers go along stage edges between any two stages (:mod:`.p2p`), several tensors per edge;
 * every buffer keeps its own loss and output gradients, because stages run out of lock-step;
 * the schedule is :func:`gpp_deepspeed.schedule.build_schedule`'s action list for this stage,
-  validated (deadlock, buffer reuse) before it runs.
+  validated (deadlock under NCCL's rendezvous semantics, buffer reuse, release points) before it
+  runs; it decides the buffer slot of every micro-batch (:func:`~gpp_deepspeed.schedule.assign_buffers`),
+  when buffers are freed (``RELEASE_IN``/``RELEASE_OUT``) and which transfers are posted together.
 
 Buffers per micro-batch slot: ``loaded`` (graph inputs read from the batch), ``received``
 (``{TensorRef: value}`` from other stages), ``inputs`` (the flat tuple given to the stage's forward),
@@ -33,20 +35,23 @@ from ..config import GraphPipelineConfig, with_plan_schedule
 from ..errors import GPPConfigError
 from ..schedule.generators import build_schedule
 from ..schedule.ir import Action, ActionKind as K, format_schedule
+from ..schedule.lowering import assign_buffers
 from ..schedule.validate import validate_schedule
-from ..schedule.zero_bubble import buffers_needed
 from .flat import flatten, port_ranges, unflatten
-from .instructions import (GraphPipeSchedule, RecvActivationFrom, RecvGradFrom, SendActivationTo, SendGradTo,
-                           WaitSends)
 from . import portable
+from .instructions import (GraphPipeSchedule, RecvActivationFrom, RecvGradFrom, ReleaseInputs, ReleaseOutputs,
+                           SendActivationTo, SendGradTo, Transfers, WaitSends)
 from .module import GraphPipelineModule
-from .p2p import EdgeTransport
-from .split_engine import SPLIT_SCHEDULES, SplitBackwardMixin, check_split_backward_supported
+from .p2p import EdgeTransport, Incoming, Outgoing
+from .split_engine import SplitBackwardMixin, check_split_backward_supported
 
 __all__ = ["GraphPipelineEngine"]
 
 _EXTRA_BUFFERS = ("loaded", "received", "grads", "losses", "weight_grad")
-_WAITING = frozenset({K.RECV_F, K.RECV_B, K.WAIT_SENDS})
+_WAITING = frozenset({K.RECV_F, K.RECV_B, K.P2P, K.WAIT_SENDS})
+# DeepSpeed's pipe timer of each transfer kind (wall_clock_breakdown).
+_TIMERS = {K.SEND_F: PIPE_SEND_OUTPUT_TIMER, K.RECV_F: PIPE_RECV_INPUT_TIMER, K.SEND_B: PIPE_SEND_GRAD_TIMER,
+           K.RECV_B: PIPE_RECV_GRAD_TIMER}
 
 
 def _wall_clock(timer: str, handler):
@@ -91,7 +96,7 @@ class GraphPipelineEngine(SplitBackwardMixin, PipelineEngine):
         # This stage's edges by peer, in the order the schedule visits them (fixed for the run).
         self._in_edges = {e.src: e for e in self.stage_graph.edges if e.dst == self.stage_id}
         self._out_edges = {e.dst: e for e in self.stage_graph.edges if e.src == self.stage_id}
-        self._schedules: dict[tuple[int, bool], tuple[list[Action], int]] = {}
+        self._schedules: dict[tuple[int, bool], tuple[list[Action], dict[int, int]]] = {}
         self.last_timeline: list[tuple[Action, float, float]] = []   # this stage's last batch, timed
         self._trace_events: list[dict] = []
         self._trace_t0 = time.perf_counter()
@@ -99,6 +104,9 @@ class GraphPipelineEngine(SplitBackwardMixin, PipelineEngine):
             self.pipe_buffers[key] = [None] * self.num_pipe_buffers
         self.module.engine_attached = True
         self._dag_ready = True
+        # Every pair of ranks that exchanges tensors talks once now, in one order on all ranks, so
+        # NCCL creates no communicator in the middle of a schedule.
+        self.transport.warm_up(sorted((e.src, e.dst) for e in self.stage_graph.edges))
         if self.training_data:
             self._place_data_iter()
         if self.gpp_config.print_stage_graph and self.global_rank == 0:
@@ -165,36 +173,28 @@ class GraphPipelineEngine(SplitBackwardMixin, PipelineEngine):
 
     # -- schedules ----------------------------------------------------------------------------------
 
-    def _num_buffers(self, stage: int, micro_batches: int, train: bool, actions: list[Action]) -> int:
-        if not train:
-            return min(micro_batches, 2)
-        if self.gpp_config.schedule in SPLIT_SCHEDULES:  # W keeps a micro-batch's buffer after its I
-            return buffers_needed(actions)
-        if self.gpp_config.schedule == "gpipe":
-            return micro_batches
-        return max(1, min(micro_batches, self.stage_graph.depth(stage)))
-
-    def graph_schedule(self, micro_batches: int, *, train: bool) -> tuple[list[Action], int]:
-        """This stage's actions for one batch and its buffer count (validated once per shape)."""
+    def graph_schedule(self, micro_batches: int, *, train: bool) -> tuple[list[Action], dict[int, int]]:
+        """This stage's actions for one batch and the buffer slot of each micro-batch (validated
+        once per shape)."""
         key = (micro_batches, train)
         if key not in self._schedules:
             loading = {s.stage_idx for s in self.module.partition.stages if s.loads}
             loading.add(self.stage_graph.output_stage)
             full = build_schedule(self.stage_graph, micro_batches, name=self.gpp_config.schedule, train=train,
                                   loading_stages=loading)
-            buffers = {s: self._num_buffers(s, micro_batches, train, full[s]) for s in full}
+            slots = assign_buffers(full)
             if self.gpp_config.validate_schedule:
-                validate_schedule(full, self.stage_graph, micro_batches, train=train, num_buffers=buffers)
+                validate_schedule(full, self.stage_graph, micro_batches, train=train, slots=slots)
             if self.global_rank == 0:
                 logger.debug("graph pipeline schedule:\n%s", format_schedule(full))
-            self._schedules[key] = (full[self.stage_id], buffers[self.stage_id])
+            self._schedules[key] = (full[self.stage_id], slots[self.stage_id])
         return self._schedules[key]
 
     def _graph_pipe_schedule(self, micro_batches: int, train: bool) -> GraphPipeSchedule:
-        actions, buffers = self.graph_schedule(micro_batches, train=train)
+        actions, slot_of = self.graph_schedule(micro_batches, train=train)
         self.last_timeline = []
         return GraphPipeSchedule(actions, micro_batches=micro_batches, stages=self.num_stages,
-                                 stage_id=self.stage_id, num_buffers=buffers, record=self.last_timeline)
+                                 stage_id=self.stage_id, slot_of=slot_of, record=self.last_timeline)
 
     # -- what the last batch did ------------------------------------------------------------------
 
@@ -292,12 +292,6 @@ class GraphPipelineEngine(SplitBackwardMixin, PipelineEngine):
         super()._exec_forward_pass(buffer_id)
         if self.is_last_stage() and torch.is_grad_enabled():
             self.pipe_buffers["losses"][buffer_id] = self.loss
-        if not torch.is_grad_enabled():
-            # No backward follows: drop what only the backward would read.
-            for key in ("inputs", "loaded", "received", "labels"):
-                self.pipe_buffers[key][buffer_id] = None
-            if self.is_last_stage():
-                self.pipe_buffers["outputs"][buffer_id] = None
 
     def _exec_backward_pass(self, buffer_id):
         if self.is_last_stage():
@@ -306,8 +300,6 @@ class GraphPipelineEngine(SplitBackwardMixin, PipelineEngine):
             super()._exec_backward_pass(buffer_id)  # DeepSpeed's backward(loss), scaled by 1/GAS
         else:
             self._backward_from_grads(buffer_id)
-        for key in ("outputs", "output_tensors", "grads", "labels"):
-            self.pipe_buffers[key][buffer_id] = None
 
     def _backward_from_grads(self, buffer_id):
         """One autograd pass from every output that received a gradient (summed over readers)."""
@@ -353,49 +345,93 @@ class GraphPipelineEngine(SplitBackwardMixin, PipelineEngine):
             for p in params:
                 p.grad.detach().mul_(clip_coef.to(p.grad.dtype))
 
+    # -- buffers ----------------------------------------------------------------------------------
+
+    def _exec_release_inputs(self, buffer_id):
+        for key in ("inputs", "loaded", "received"):
+            self.pipe_buffers[key][buffer_id] = None
+
+    def _exec_release_outputs(self, buffer_id):
+        for key in ("outputs", "output_tensors", "grads", "labels", "losses", "weight_grad"):
+            self.pipe_buffers[key][buffer_id] = None
+
     # -- transfers --------------------------------------------------------------------------------
+
+    def _exec_transfers(self, ops):
+        """Run one transfer action: every send and receive of ``ops`` posted at once."""
+        sends, recvs, receivers = [], [], []
+        for kind, buffer_id, peer in ops:
+            if kind is K.SEND_F:
+                flat, arity = self._flat_ports(buffer_id, self._out_edges[peer].tensors)
+                sends.append(Outgoing(peer, (self.stage_id, peer), flat, arity))
+            elif kind is K.SEND_B:
+                sends.append(Outgoing(peer, (peer, self.stage_id), self._input_grads(buffer_id, peer)))
+            elif kind is K.RECV_F:
+                recvs.append(Incoming(peer, (peer, self.stage_id)))
+                receivers.append((self._store_activations, buffer_id, peer, None))
+            else:
+                positions, specs = self._grad_positions(buffer_id, peer)
+                recvs.append(Incoming(peer, (self.stage_id, peer), specs))
+                receivers.append((self._store_grads, buffer_id, peer, positions))
+        got = self.transport.exchange(sends, recvs, always_layout=self.dynamic_shape)
+        for (store, buffer_id, peer, extra), (layout, tensors) in zip(receivers, got):
+            store(buffer_id, peer, layout, tensors, extra)
 
     def _flat_ports(self, buffer_id, refs):
         outputs = self.pipe_buffers["outputs"][buffer_id]
         return flatten([outputs[self._out_index[ref]] for ref in refs])
 
-    def _exec_send_activations_to(self, buffer_id, peer):
-        flat, arity = self._flat_ports(buffer_id, self._out_edges[peer].tensors)
-        self.transport.send((self.stage_id, peer), peer, arity, flat, always_layout=self.dynamic_shape)
-        if not torch.is_grad_enabled() and peer == next(reversed(self._out_edges)):
-            self.pipe_buffers["outputs"][buffer_id] = None
-
-    def _exec_recv_activations_from(self, buffer_id, peer):
-        edge = self._in_edges[peer]
-        layout = self.transport.recv_layout((peer, self.stage_id), peer, always_layout=self.dynamic_shape)
-        tensors = self.transport.recv_tensors(peer, layout.specs)
-        for t in tensors:
-            t.requires_grad = t.is_floating_point() and torch.is_grad_enabled()
-        received = self.pipe_buffers["received"][buffer_id] or {}
-        received.update(zip(edge.tensors, unflatten(tensors, layout.arity)))
-        self.pipe_buffers["received"][buffer_id] = received
-
-    def _exec_send_grads_to(self, buffer_id, peer):
+    def _input_grads(self, buffer_id, peer):
         received = self.pipe_buffers["received"][buffer_id]
         flat, _ = flatten([received[ref] for ref in self._in_edges[peer].tensors])
         # A tensor this stage did not use still gets a (zero) gradient: the producer waits for one.
-        grads = [t.grad if t.grad is not None else torch.zeros_like(t) for t in flat if t.is_floating_point()]
-        self.transport.send_tensors(peer, grads)
-        if peer == next(reversed(self._in_edges)):
-            for key in ("inputs", "loaded", "received"):
-                self.pipe_buffers[key][buffer_id] = None
+        return [t.grad if t.grad is not None else torch.zeros_like(t) for t in flat if t.is_floating_point()]
 
-    def _exec_recv_grads_from(self, buffer_id, peer):
+    def _grad_positions(self, buffer_id, peer):
+        """Flat output positions of the edge to ``peer``'s floating-point tensors, in the order
+        their gradients come, and those gradients' (shape, dtype)."""
         flat, arity = flatten(self.pipe_buffers["outputs"][buffer_id])
         ranges = port_ranges(arity)
-        # Flat output positions of this edge's floating-point tensors, in the order they were sent.
         positions = [i for ref in self._out_edges[peer].tensors for i in ranges[self._out_index[ref]]
                      if flat[i].is_floating_point()]
-        got = self.transport.recv_tensors(peer, [(tuple(flat[i].shape), flat[i].dtype) for i in positions])
+        return positions, tuple((tuple(flat[i].shape), flat[i].dtype) for i in positions)
+
+    def _store_activations(self, buffer_id, peer, layout, tensors, _):
+        for t in tensors:
+            t.requires_grad = t.is_floating_point() and torch.is_grad_enabled()
+        received = self.pipe_buffers["received"][buffer_id] or {}
+        received.update(zip(self._in_edges[peer].tensors, unflatten(tensors, layout.arity)))
+        self.pipe_buffers["received"][buffer_id] = received
+
+    def _store_grads(self, buffer_id, peer, _, got, positions):
         grads: dict[int, torch.Tensor] = self.pipe_buffers["grads"][buffer_id] or {}
         for pos, g in zip(positions, got):
             grads[pos] = g if pos not in grads else grads[pos] + g
         self.pipe_buffers["grads"][buffer_id] = grads
+
+    def _exec_transfer_group(self, ops):
+        timers = [_TIMERS[kind] for kind in dict.fromkeys(kind for kind, _, _ in ops)]
+        if self.wall_clock_breakdown():  # a grouped transfer counts under each of its kinds' timers
+            for name in timers:
+                self.timers(name).start()
+        try:
+            self._exec_transfers(ops)
+        finally:
+            if self.wall_clock_breakdown():
+                for name in timers:
+                    self.timers(name).stop()
+
+    def _exec_send_activations_to(self, buffer_id, peer):
+        self._exec_transfers([(K.SEND_F, buffer_id, peer)])
+
+    def _exec_recv_activations_from(self, buffer_id, peer):
+        self._exec_transfers([(K.RECV_F, buffer_id, peer)])
+
+    def _exec_send_grads_to(self, buffer_id, peer):
+        self._exec_transfers([(K.SEND_B, buffer_id, peer)])
+
+    def _exec_recv_grads_from(self, buffer_id, peer):
+        self._exec_transfers([(K.RECV_B, buffer_id, peer)])
 
     def _exec_wait_sends(self):
         self.transport.wait_sends()
@@ -409,6 +445,9 @@ class GraphPipelineEngine(SplitBackwardMixin, PipelineEngine):
         RecvActivationFrom: _wall_clock(PIPE_RECV_INPUT_TIMER, _exec_recv_activations_from),
         SendGradTo: _wall_clock(PIPE_SEND_GRAD_TIMER, _exec_send_grads_to),
         RecvGradFrom: _wall_clock(PIPE_RECV_GRAD_TIMER, _exec_recv_grads_from),
+        Transfers: _exec_transfer_group,
+        ReleaseInputs: _exec_release_inputs,
+        ReleaseOutputs: _exec_release_outputs,
         WaitSends: _exec_wait_sends,
         **SplitBackwardMixin._SPLIT_INSTRUCTIONS,
     }

@@ -1,17 +1,27 @@
 """Point-to-point transfers along stage edges, between any two stages.
 
-DeepSpeed's ``pipe/p2p.py`` only talks to adjacent stages and its sends block (gloo's ``send`` is a
-rendezvous), which deadlocks on DAGs. Here every send is asynchronous (``isend``; the tensor is
-kept alive until the send completes) and every receive blocks (``irecv`` then ``wait``). Messages
-between a pair of ranks are matched in the order they are posted, so no tags are needed (NCCL
-ignores them).
+DeepSpeed's ``pipe/p2p.py`` only talks to adjacent stages and its sends block, which deadlocks on
+DAGs. Here a stage runs each transfer action of its schedule (one transfer, or a grouped ``P2P``
+action) as one :func:`deepspeed.comm.batch_isend_irecv` (``ncclGroupStart``/``End`` under NCCL,
+posted one by one under gloo): every send and receive of the action is posted at once, the
+receives are waited for before the stage computes, and sends complete in the background until
+``WAIT_SENDS`` (their tensors are kept alive until then). Messages between a pair of ranks are
+matched in the order they are posted, so no tags are needed (NCCL ignores them); the schedule's
+order makes that order the same at both ends (see :mod:`gpp_deepspeed.schedule.lowering`).
 
-An edge message is the edge's tensors, flattened. Before the first message of an edge (and
-before every message when ``dynamic_shape`` is set) the sender sends its layout:
+An edge message is one buffer per dtype: the edge's tensors, flattened and concatenated in order
+(gradients likewise), so a fan-in stage pays one message per edge, not one per tensor. Before the
+first message of an edge (and before every message when ``dynamic_shape`` is set) the sender sends
+its layout:
 
     [length]  then  [num_ports, (arity, (dtype_id, ndim, *shape) per tensor) per port]
 
-as int64 tensors, the receiver allocates buffers from it and keeps it.
+as int64 tensors; the receiver allocates buffers from it and keeps it. Those receives are posted
+right after the action's other transfers, so they never hold up its sends.
+
+Communicators: NCCL creates the communicator of a pair of ranks on its first transfer, a blocking
+collective of the two; :meth:`EdgeTransport.warm_up` makes one exchange over every stage edge, in
+one global order, when the engine is built, so that no communicator is created mid-schedule.
 """
 
 from __future__ import annotations
@@ -24,7 +34,7 @@ from deepspeed import comm as dist
 
 from ..errors import GPPError
 
-__all__ = ["Layout", "EdgeTransport", "encode_layout", "decode_layout"]
+__all__ = ["Layout", "EdgeTransport", "Outgoing", "Incoming", "encode_layout", "decode_layout", "pack", "unpack"]
 
 ID_TO_DTYPE = [
     torch.float32, torch.float64, torch.complex64, torch.complex128, torch.float16, torch.bfloat16, torch.uint8,
@@ -76,8 +86,77 @@ def decode_layout(ints: list[int]) -> Layout:
     return Layout(tuple(arity), tuple(specs))
 
 
+def pack(tensors) -> list[torch.Tensor]:
+    """One flat buffer per dtype, in order of first appearance: what goes over the wire.
+
+    >>> [b.tolist() for b in pack([torch.ones(2), torch.tensor([7]), torch.zeros(1, 1)])]
+    [[1.0, 1.0, 0.0], [7]]
+    """
+    groups: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault(t.dtype, []).append(t.detach().reshape(-1))
+    return [flat[0].contiguous() if len(flat) == 1 else torch.cat(flat) for flat in groups.values()]
+
+
+def unpack(buffers, specs) -> list[torch.Tensor]:
+    """The tensors of ``specs`` (shape, dtype), as views of the buffers :func:`pack` made.
+
+    >>> [t.tolist() for t in unpack(pack([torch.ones(2), torch.tensor([7])]), [((2,), torch.float32), ((1,), torch.int64)])]
+    [[1.0, 1.0], [7]]
+    """
+    offsets = {dtype: [buf, 0] for dtype, buf in zip(_dtypes(specs), buffers)}
+    out = []
+    for shape, dtype in specs:
+        buf, pos = offsets[dtype]
+        n = _numel(shape)
+        out.append(buf[pos:pos + n].view(shape).detach())
+        offsets[dtype][1] = pos + n
+    return out
+
+
+def _dtypes(specs) -> list[torch.dtype]:
+    return list(dict.fromkeys(dtype for _, dtype in specs))
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _buffers(specs, device) -> list[torch.Tensor]:
+    """Empty receive buffers for the message whose tensors are ``specs``."""
+    sizes: dict[torch.dtype, int] = {}
+    for shape, dtype in specs:
+        sizes[dtype] = sizes.get(dtype, 0) + _numel(shape)
+    return [torch.empty(n, dtype=dtype, device=device) for dtype, n in sizes.items()]
+
+
+@dataclass
+class Outgoing:
+    """One message to send: an edge's activations (``arity`` given: the layout may go first) or
+    the gradients of one (``arity`` None: the receiver knows their shapes)."""
+
+    peer: int
+    edge: tuple[int, int]
+    tensors: list
+    arity: list[int] | None = None
+
+
+@dataclass
+class Incoming:
+    """One message to receive: ``specs`` when the receiver knows the shapes (gradients), else the
+    edge's layout is used, received first when not known yet."""
+
+    peer: int
+    edge: tuple[int, int]
+    specs: tuple | None = None
+
+
 class EdgeTransport:
-    """Asynchronous sends and blocking receives to other stages of this rank's pipeline."""
+    """Grouped transfers to other stages of this rank's pipeline: receives block, sends complete
+    in the background until :meth:`wait_sends`."""
 
     def __init__(self, grid, device, *, stage: int, timeout_s: float):
         self.grid = grid
@@ -96,43 +175,78 @@ class EdgeTransport:
         self._layouts.clear()
         self._sent_layout.clear()
 
-    def _isend(self, tensor: torch.Tensor, stage: int) -> None:
-        tensor = tensor.detach().contiguous()
-        self._pending.append((dist.isend(tensor, self._rank(stage)), tensor))
+    def _op(self, op, tensor: torch.Tensor, stage: int):
+        return dist.P2POp(op, tensor, self._rank(stage))
 
-    def send(self, edge: tuple[int, int], peer: int, arity, tensors, *, always_layout: bool) -> None:
-        """Post the asynchronous sends of one edge message (layout first when needed)."""
+    def warm_up(self, edges) -> None:
+        """Exchange one element with the peer of every stage edge of this rank, in the order of
+        ``edges`` (the same list on every rank): NCCL creates each pair's communicator here, and
+        the least edge not yet done always has both its ranks at it, so this cannot deadlock."""
+        for src, dst in edges:
+            if self.stage not in (src, dst):
+                continue
+            peer = dst if self.stage == src else src
+            out = torch.zeros(1, device=self.device)
+            got = torch.empty(1, device=self.device)
+            works = dist.batch_isend_irecv([self._op(dist.isend, out, peer), self._op(dist.irecv, got, peer)])
+            for w in works:
+                self._wait(w, peer)
+
+    def exchange(self, sends: list[Outgoing], recvs: list[Incoming], *, always_layout: bool):
+        """Post every send and receive of one transfer action together; wait for the receives.
+
+        Returns, per incoming message, its layout (None for gradients) and its tensors.
+        """
         self._reap()
-        if always_layout or edge not in self._sent_layout:
-            ints = encode_layout(arity, tensors)
-            self._isend(torch.tensor([len(ints)], dtype=torch.int64, device=self.device), peer)
-            self._isend(torch.tensor(ints, dtype=torch.int64, device=self.device), peer)
-            self._sent_layout.add(edge)
-        for t in tensors:
-            self._isend(t, peer)
+        ops, keep = [], []
+        for m in sends:
+            if m.arity is not None and (always_layout or m.edge not in self._sent_layout):
+                ints = encode_layout(m.arity, m.tensors)
+                keep += [torch.tensor([len(ints)], dtype=torch.int64, device=self.device),
+                         torch.tensor(ints, dtype=torch.int64, device=self.device)]
+                ops += [self._op(dist.isend, keep[-2], m.peer), self._op(dist.isend, keep[-1], m.peer)]
+                self._sent_layout.add(m.edge)
+            for buf in pack(m.tensors):
+                keep.append(buf)
+                ops.append(self._op(dist.isend, buf, m.peer))
+        num_sends = len(ops)
+        layouts: list = [None] * len(recvs)
+        bufs: list = [None] * len(recvs)
+        waits: list[tuple[object, int]] = []
+        late = []
+        for i, m in enumerate(recvs):
+            if m.specs is None and (always_layout or m.edge not in self._layouts):
+                late.append(i)
+                continue
+            layouts[i] = self._layouts[m.edge] if m.specs is None else None
+            bufs[i] = _buffers(m.specs if m.specs is not None else layouts[i].specs, self.device)
+            ops += [self._op(dist.irecv, b, m.peer) for b in bufs[i]]
+            waits += [(None, m.peer)] * len(bufs[i])
+        works = dist.batch_isend_irecv(ops) if ops else []
+        if len(works) == len(ops):  # one request per operation (gloo)
+            self._pending += list(zip(works[:num_sends], keep))
+            waits = [(w, peer) for w, (_, peer) in zip(works[num_sends:], waits)]
+        else:  # one request for the coalesced group (NCCL): it completes as a whole
+            peer = (recvs or sends)[0].peer
+            waits = [(w, peer) for w in works]
+        for i in late:
+            m = recvs[i]
+            layouts[i] = self.recv_layout(m.edge, m.peer)
+            bufs[i] = _buffers(layouts[i].specs, self.device)
+            waits += [(dist.irecv(b, self._rank(m.peer)), m.peer) for b in bufs[i]]
+        for work, peer in waits:
+            self._wait(work, peer)
+        return [(layout, unpack(b, layout.specs if layout is not None else m.specs))
+                for layout, b, m in zip(layouts, bufs, recvs)]
 
-    def send_tensors(self, peer: int, tensors) -> None:
-        """Post asynchronous sends of tensors whose layout the peer knows (gradients)."""
-        self._reap()
-        for t in tensors:
-            self._isend(t, peer)
-
-    def recv_layout(self, edge: tuple[int, int], peer: int, *, always_layout: bool) -> Layout:
-        if always_layout or edge not in self._layouts:
-            length = torch.empty(1, dtype=torch.int64, device=self.device)
-            self._wait(dist.irecv(length, self._rank(peer)), peer)
-            ints = torch.empty(int(length.item()), dtype=torch.int64, device=self.device)
-            self._wait(dist.irecv(ints, self._rank(peer)), peer)
-            self._layouts[edge] = decode_layout(ints.tolist())
+    def recv_layout(self, edge: tuple[int, int], peer: int) -> Layout:
+        """Receive and keep the layout of ``edge`` (blocking)."""
+        length = torch.empty(1, dtype=torch.int64, device=self.device)
+        self._wait(dist.irecv(length, self._rank(peer)), peer)
+        ints = torch.empty(int(length.item()), dtype=torch.int64, device=self.device)
+        self._wait(dist.irecv(ints, self._rank(peer)), peer)
+        self._layouts[edge] = decode_layout(ints.tolist())
         return self._layouts[edge]
-
-    def recv_tensors(self, peer: int, specs) -> list[torch.Tensor]:
-        """Receive tensors of known shapes and dtypes from ``peer``; blocks until all arrived."""
-        bufs = [torch.empty(shape, dtype=dtype, device=self.device) for shape, dtype in specs]
-        works = [dist.irecv(b, self._rank(peer)) for b in bufs]
-        for w in works:
-            self._wait(w, peer)
-        return bufs
 
     def _wait(self, work, peer: int) -> None:
         try:
