@@ -394,6 +394,17 @@ class StageCostModel:
     def fits(self, mask: int, b: int, n: int, in_flight: int, *, recompute: bool = False) -> bool:
         return self.memory(mask, b, n, in_flight, recompute=recompute) <= self.db.hardware.memory_bytes
 
+    def time_per_sample_inference(self, mask: int, b: int, n: int) -> float:
+        """A forward-only stage's seconds per sample (EdgePipe's objective, arXiv 2110.14895):
+        its forward with the activations in and out; no backward, no all-reduce."""
+        return self.stage(mask, b, n).fwd_s / b
+
+    def inference_memory(self, mask: int, b: int, n: int) -> float:
+        """Bytes per device of a forward-only stage: the parameters (no gradients, no optimizer
+        state) and one micro-batch's activations."""
+        c = self.stage(mask, b, n)
+        return c.weight_bytes / (1 + self.db.hardware.optimizer_factor) + c.stash_bytes
+
 
 def micro_batch_sizes(mini_batch: int, candidates: Sequence[int] | None = None) -> list[int]:
     """Micro-batch sizes to sweep: powers of two dividing the mini-batch (GraphPipe Sec. 5).
