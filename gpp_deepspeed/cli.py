@@ -139,7 +139,10 @@ def _plan(args) -> None:
     db = _load_costs(args.costs)
     if args.space is not None and args.method != "graphpipe":
         _warn(f"--space applies to graphpipe only; {args.method} ignores it")
-    result = _search(args.method, db, args)
+    if args.cluster:
+        result = _hetero(db, args)
+    else:
+        result = _search(args.method, db, args)
     plan = result.plan
     if plan is None:
         raise GPPError(f"{args.method} found no plan for {db.model} on {args.devices} devices, mini-batch "
@@ -157,6 +160,19 @@ def _plan(args) -> None:
         lines.append(f"  wrote {args.output}")
     lines.append(_how_to_run(plan, args.output))
     _emit(args, data, "\n".join(lines))
+
+
+def _hetero(db: CostDB, args) -> SearchResult:
+    """EdgePipe-style planning over the device classes of ``--cluster``."""
+    from .planner.hetero import Cluster, hetero_search
+    cluster = Cluster.load(args.cluster)
+    if args.devices != cluster.num_devices:
+        raise GPPConfigError(f"--devices {args.devices} but cluster file {args.cluster} has {cluster.num_devices} "
+                             f"devices ({', '.join(f'{c.count} {c.name}' for c in cluster.classes)})")
+    _say(args, f"hetero: {args.objective} plan for {db.model} on {cluster.num_devices} devices of "
+               f"{len(cluster.classes)} classes, mini-batch {args.mini_batch}")
+    return hetero_search(db, cluster, mini_batch=args.mini_batch, objective=args.objective,
+                         micro_batches=args.micro_batches)
 
 
 def _how_to_run(plan: Plan, path: str | None) -> str:
@@ -330,7 +346,7 @@ def _method(name: str) -> Callable[..., SearchResult]:
 def _search(method: str, db: CostDB, args) -> SearchResult:
     """Run planner ``method`` with the command line's devices, mini-batch, sweep and space."""
     search = _method(method)
-    kw = {"space": args.space or "full"} if method == "graphpipe" else {}
+    kw = {"space": args.space or "full", "recompute": args.recompute} if method == "graphpipe" else {}
     _say(args, f"{method}: searching {db.model} on {args.devices} devices, mini-batch {args.mini_batch}")
     return search(db, num_devices=args.devices, mini_batch=args.mini_batch,
                            micro_batches=args.micro_batches, progress=None if args.quiet else _stderr, **kw)
@@ -467,6 +483,8 @@ def _parser() -> argparse.ArgumentParser:
     search.add_argument("--mini-batch", type=_positive, required=True, metavar="B", help="samples per iteration")
     search.add_argument("--space", choices=("full", "runtime"), help="graphpipe: per-stage degrees (full, "
                         "the default) or one degree for all stages (runtime, what the engine runs)")
+    search.add_argument("--recompute", action="store_true", help="graphpipe: a stage that would not fit "
+                        "may recompute its activations in the backward (the plan marks it; the engine checkpoints it)")
     search.add_argument("--schedules", type=_schedule_names, metavar="1f1b,zb1,zb2",
                         help="training schedules to price each plan with (default: 1f1b); plan keeps the "
                         "fastest that fits memory, compare shows one row per method and schedule")
@@ -484,6 +502,10 @@ def _parser() -> argparse.ArgumentParser:
     p.set_defaults(run=_profile)
 
     p = sub.add_parser("plan", parents=[common, search], help="search a plan")
+    p.add_argument("--cluster", metavar="FILE", help="heterogeneous devices: a cluster file of device classes "
+                   "(docs/planner.md); plans a chain of stages, each on devices of one class")
+    p.add_argument("--objective", choices=("train", "inference"), default="train",
+                   help="with --cluster: training throughput, or forward-only pipeline throughput (EdgePipe)")
     p.add_argument("--method", default="graphpipe", help="graphpipe (default), pipedream, piper, ds-uniform, "
                    "ds-parameters")
     p.add_argument("-o", "--output", metavar="PLAN", help="plan JSON to write")

@@ -183,11 +183,11 @@ def test_gpp_subcommands_and_options_are_frozen():
     options = {name: sorted(o for a in p._actions for o in a.option_strings if o.startswith("--"))
                for name, p in sub.choices.items()}
     common = ["--help", "--json", "--quiet"]
-    search = sorted(common + ["--devices", "--mini-batch", "--micro-batches", "--schedules", "--space"])
+    search = sorted(common + ["--devices", "--mini-batch", "--micro-batches", "--recompute", "--schedules", "--space"])
     assert options == {
         "profile": sorted(common + ["--analytic", "--device", "--granularity", "--micro-batches",
                                     "--no-link-measure", "--output", "--size", "--tiny"]),
-        "plan": sorted(search + ["--method", "--output"]),
+        "plan": sorted(search + ["--cluster", "--method", "--objective", "--output"]),
         "simulate": sorted(common + ["--costs"]),
         "viz": sorted(common + ["--costs", "--format", "--output-dir"]),
         "viz-run": sorted(common + ["--step", "--format", "--output-dir"]),

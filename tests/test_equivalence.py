@@ -61,7 +61,9 @@ WORLDS = {
        case("four_branch", 4, 1, schedule="zb1"), case("skip", 4, 0, schedule="zb2"),
        case("three_input", 4, 0, schedule="zb2"), case("tied", 4, 1, schedule="zb1"),
        case("four_branch", 2, 0, schedule="zb1"), case("skip", 2, 1, schedule="zb2"),  # pipe 2 x data 2
-       case("four_branch", 4, 1, partition="golden/plan_four_branch_s4_zb1.json")]  # runs the plan's zb1
+       case("four_branch", 4, 1, partition="golden/plan_four_branch_s4_zb1.json"),  # runs the plan's zb1
+       # the plan marks stage 2 (four layers) to recompute: checkpointing there only
+       case("four_branch", 4, 0, partition="golden/plan_four_branch_s4_recompute.json", recompute=4)]
     + GLUE + DATA,
 }
 # The schedule each case must have run: the config's, else its plan file's, else 1f1b.
@@ -83,6 +85,8 @@ def test_pipeline_training_matches_single_device_model(run_cases, world, c):
         assert res["schedule"] == c.get("schedule", PLAN_SCHEDULES.get(c["partition"], "1f1b"))
         assert res["losses"] == pytest.approx(ref.losses, rel=1e-5), f"rank {r} (stage {res['stage']})"
         assert res["eval"] == pytest.approx(ref.eval_loss, rel=1e-5), f"rank {r} (stage {res['stage']})"
+        if "recompute" in c:
+            assert res["ckpt_interval"] == (c["recompute"] if res["stage"] == 2 else 0), f"rank {r}"
     logits = {res["dp"]: res["logits"] for res in ranks if res["logits"] is not None}
     assert sorted(logits) == list(range(dp)), "the output stage of every replica returns logits"
     for d, value in logits.items():

@@ -105,6 +105,11 @@ class GraphPipelineModule(PipelineModule):
                          checkpointable_layers=checkpointable_layers, dynamic_shape=dynamic_shape)
         self.stage_spec: StageSpec = partition.stages[self.stage_id]
         self._local_entries = self._entries[self._local_start:self._local_stop]
+        if activation_checkpoint_interval == 0 and _recomputes(_as_plan(partition_method), self.stage_spec.layers):
+            # The plan chose recomputation for this stage (PipeDream-2BW's planner): its layers
+            # run as one checkpointed chunk here, and every other stage keeps its activations.
+            self.activation_checkpoint_interval = len(self._local_entries)
+            self._precompute_checkpointable_values()
         self.glue_placeholder: nn.Parameter | None = None
         if not any(p.requires_grad for p in self.parameters()):
             # A glue-only stage (an Add of skips, a concat): torch and DeepSpeed optimizers refuse
@@ -280,12 +285,24 @@ def _assign(graph: LayerGraph, entries: list[LayerEntry], num_stages: int, metho
     return balanced_partition(graph, num_stages, weights=weights, slack=BRANCH_SLACK)
 
 
-def _from_plan(graph: LayerGraph, num_stages: int, plan: Any) -> dict[str, int]:
-    if not isinstance(plan, Plan):
-        path = Path(plan)
+def _as_plan(method: Any) -> Plan | None:
+    """The plan ``partition_method`` names (a Plan or the path of its JSON file), else None."""
+    if isinstance(method, Plan):
+        return method
+    if isinstance(method, os.PathLike) or isinstance(method, str) and method.endswith(".json"):
+        path = Path(method)
         if not path.is_file():
-            raise PartitionError(f'partition_method names plan file "{plan}", which does not exist')
-        plan = Plan.load(path)
+            raise PartitionError(f'partition_method names plan file "{method}", which does not exist')
+        return Plan.load(path)
+    return None
+
+
+def _recomputes(plan: Plan | None, layers: Sequence[str]) -> bool:
+    return plan is not None and any(s.recompute and set(s.layers) == set(layers) for s in plan.stages)
+
+
+def _from_plan(graph: LayerGraph, num_stages: int, plan: Any) -> dict[str, int]:
+    plan = _as_plan(plan)
     if plan.num_stages != num_stages:
         raise PartitionError(f"plan {plan.method} for {plan.model} has {plan.num_stages} stages but the pipeline has "
                              f"{num_stages}; launch with {plan.num_stages} pipeline stages (num_stages={plan.num_stages})")

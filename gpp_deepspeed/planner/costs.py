@@ -219,6 +219,13 @@ class StageCost:
     stash_bytes: float    # activations stashed per in-flight micro-batch per device
     bwd_input_s: float = 0.0   # split backward: input gradients plus the gradient transfers (I)
     bwd_weight_s: float = 0.0  # split backward: weight gradients (W)
+    working_bytes: float = 0.0  # recomputed stage: one micro-batch's activations during its backward
+
+    def memory(self, in_flight: int) -> float:
+        """Peak bytes per device with ``in_flight`` micro-batches stashed (GraphPipe Sec. 3, Eq. 2;
+        a recomputed stage stashes only its inputs and rebuilds one micro-batch's activations
+        at a time, PipeDream-2BW Sec. 3.3)."""
+        return self.weight_bytes + in_flight * self.stash_bytes + self.working_bytes
 
 
 @dataclass
@@ -322,13 +329,17 @@ class StageCostModel:
                                   if self.consumers[i] & ~before)))
         return [(cuts[k - 1] if k > 0 else 0.0, cuts[k] if k < len(cuts) else 0.0) for k in range(len(masks))]
 
-    def stage(self, mask: int, b: int, n: int, *, boundary: tuple[float, float] | None = None) -> StageCost:
+    def stage(self, mask: int, b: int, n: int, *, boundary: tuple[float, float] | None = None,
+              recompute: bool = False) -> StageCost:
         """Price layer set ``mask`` as one stage with micro-batch ``b`` on ``n`` devices.
 
         ``boundary`` overrides the bytes per sample entering and leaving the stage (a chain
-        pipeline relays skip tensors, see :meth:`chain_boundaries`).
+        pipeline relays skip tensors, see :meth:`chain_boundaries`). ``recompute``: the stage
+        checkpoints its activations, PipeDream-2BW's per-stage choice (arXiv 2006.09503, Sec. 3.3):
+        the backward runs the forward again first, and a micro-batch in flight stashes only the
+        stage's inputs.
         """
-        key = (mask, b, n, boundary)
+        key = (mask, b, n, boundary, recompute)
         hit = self._cache.get(key)
         if hit is not None:
             return hit
@@ -358,24 +369,41 @@ class StageCostModel:
         if n > 1 and params > 0:
             ring = hw.link(n)
             allreduce = 2 * (n - 1) * ring.alpha_s + 2 * (n - 1) / n * params * ring.beta_s_per_byte
+        working = 0.0
+        if recompute:
+            again = sum(times[i][0] for i in self._members(mask))
+            bwd += again
+            grad_in += again
+            working, stash = stash, in_b
         cost = StageCost(fwd_s=fwd, bwd_s=bwd, allreduce_s=allreduce,
                          weight_bytes=params * (1 + hw.optimizer_factor), stash_bytes=stash * shard,
-                         bwd_input_s=grad_in, bwd_weight_s=grad_w)
+                         bwd_input_s=grad_in, bwd_weight_s=grad_w, working_bytes=working * shard)
         self._cache[key] = cost
         return cost
 
-    def time_per_sample(self, mask: int, b: int, n: int, *, boundary: tuple[float, float] | None = None) -> float:
+    def time_per_sample(self, mask: int, b: int, n: int, *, boundary: tuple[float, float] | None = None,
+                        recompute: bool = False) -> float:
         """The stage's seconds per sample: GraphPipe's TPS (Sec. 5, Eq. 1)."""
-        c = self.stage(mask, b, n, boundary=boundary)
+        c = self.stage(mask, b, n, boundary=boundary, recompute=recompute)
         return (c.fwd_s + c.bwd_s + c.allreduce_s * b / self.mini_batch) / b
 
-    def memory(self, mask: int, b: int, n: int, in_flight: int) -> float:
+    def memory(self, mask: int, b: int, n: int, in_flight: int, *, recompute: bool = False) -> float:
         """Peak bytes per device with ``in_flight`` micro-batches stashed (GraphPipe Sec. 3, Eq. 2)."""
-        c = self.stage(mask, b, n)
-        return c.weight_bytes + in_flight * c.stash_bytes
+        return self.stage(mask, b, n, recompute=recompute).memory(in_flight)
 
-    def fits(self, mask: int, b: int, n: int, in_flight: int) -> bool:
-        return self.memory(mask, b, n, in_flight) <= self.db.hardware.memory_bytes
+    def fits(self, mask: int, b: int, n: int, in_flight: int, *, recompute: bool = False) -> bool:
+        return self.memory(mask, b, n, in_flight, recompute=recompute) <= self.db.hardware.memory_bytes
+
+    def time_per_sample_inference(self, mask: int, b: int, n: int) -> float:
+        """A forward-only stage's seconds per sample (EdgePipe's objective, arXiv 2110.14895):
+        its forward with the activations in and out; no backward, no all-reduce."""
+        return self.stage(mask, b, n).fwd_s / b
+
+    def inference_memory(self, mask: int, b: int, n: int) -> float:
+        """Bytes per device of a forward-only stage: the parameters (no gradients, no optimizer
+        state) and one micro-batch's activations."""
+        c = self.stage(mask, b, n)
+        return c.weight_bytes / (1 + self.db.hardware.optimizer_factor) + c.stash_bytes
 
 
 def micro_batch_sizes(mini_batch: int, candidates: Sequence[int] | None = None) -> list[int]:

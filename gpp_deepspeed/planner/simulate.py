@@ -36,9 +36,11 @@ class SimulatedPlan:
     prediction: Prediction
 
 
-def simulate_plan(plan: Plan, db: CostDB, *, schedule: str | None = None) -> SimulatedPlan:
+def simulate_plan(plan: Plan, db: CostDB, *, schedule: str | None = None, cluster=None,
+                  train: bool = True) -> SimulatedPlan:
     """Simulate one iteration (one mini-batch) of ``plan`` priced by ``db``, under ``schedule``
-    (default: the plan's own)."""
+    (default: the plan's own). With a :class:`~gpp_deepspeed.planner.hetero.Cluster`, each stage
+    is priced for its ``device_class``; ``train=False`` runs forwards only (inference)."""
     schedule = schedule or plan.schedule
     names = set(db.by_name)
     planned = [n for s in plan.stages for n in s.layers]
@@ -54,8 +56,11 @@ def simulate_plan(plan: Plan, db: CostDB, *, schedule: str | None = None) -> Sim
         stage_graph = StageGraph.chain(plan.num_stages)
         bounds = model.chain_boundaries(masks)
     b = plan.micro_batch
-    costs = tuple(model.stage(m, b, s.devices, boundary=bd) for m, s, bd in zip(masks, plan.stages, bounds))
-    lists = build_schedule(stage_graph, plan.num_microbatches, name=schedule)
+    models = [model if cluster is None else cluster.stage_model(db, s.device_class, plan.mini_batch, plan.num_devices)
+              for s in plan.stages]
+    costs = tuple(mdl.stage(m, b, s.devices, boundary=bd, recompute=s.recompute)
+                  for mdl, m, s, bd in zip(models, masks, plan.stages, bounds))
+    lists = build_schedule(stage_graph, plan.num_microbatches, name=schedule, train=train)
 
     def duration(a: Action) -> float:
         c = costs[a.stage_idx]
@@ -73,23 +78,28 @@ def simulate_plan(plan: Plan, db: CostDB, *, schedule: str | None = None) -> Sim
 
     timeline = simulate(lists, duration=duration)
     in_flight = tuple(peak_in_flight(lists[s]) for s in range(plan.num_stages))
-    mem = tuple(c.weight_bytes + k * c.stash_bytes for c, k in zip(costs, in_flight))
+    if train:
+        mem = tuple(c.memory(k) for c, k in zip(costs, in_flight))
+    else:
+        mem = tuple(mdl.inference_memory(m, b, s.devices) for mdl, m, s in zip(models, masks, plan.stages))
+    limits = [mdl.db.hardware.memory_bytes for mdl in models]
     span = timeline.makespan
     busy = tuple(timeline.busy(s) for s in range(plan.num_stages))
     device_busy = sum(t * s.devices for t, s in zip(busy, plan.stages))
-    tps = max(model.time_per_sample(m, b, s.devices, boundary=bd) for m, s, bd in zip(masks, plan.stages, bounds))
+    tps = max(mdl.time_per_sample(m, b, s.devices, boundary=bd) if train else mdl.time_per_sample_inference(m, b, s.devices)
+              for mdl, m, s, bd in zip(models, masks, plan.stages, bounds))
     prediction = Prediction(
         iteration_time_s=span, samples_per_s=plan.mini_batch / span if span > 0 else float("inf"),
         bottleneck_tps_s=tps, peak_mem_bytes=max(mem), stage_mem_bytes=mem, stage_in_flight=in_flight,
         stage_busy_s=busy, bubble_fraction=1 - device_busy / (span * plan.num_devices) if span > 0 else 0.0,
-        fits_memory=max(mem) <= db.hardware.memory_bytes)
+        fits_memory=all(x <= limit for x, limit in zip(mem, limits)))
     return SimulatedPlan(lists, costs, timeline, prediction)
 
 
-def predict(plan: Plan, db: CostDB, *, schedule: str | None = None) -> Plan:
+def predict(plan: Plan, db: CostDB, *, schedule: str | None = None, cluster=None, train: bool = True) -> Plan:
     """``plan`` with its :class:`Prediction` filled in, priced under ``schedule`` (default: the
-    plan's own), which the returned plan carries."""
-    sim = simulate_plan(plan, db, schedule=schedule)
+    plan's own), which the returned plan carries (``cluster``, ``train``: as :func:`simulate_plan`)."""
+    sim = simulate_plan(plan, db, schedule=schedule, cluster=cluster, train=train)
     edges = tuple(sorted({(op.stage_idx, op.peer) for actions in sim.schedule.values() for a in actions
                           for op in a.transfers if op.kind is K.SEND_F}))
     return replace(plan, schedule=schedule or plan.schedule).with_prediction(sim.prediction, edges)
