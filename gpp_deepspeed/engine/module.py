@@ -314,11 +314,8 @@ def _runs_as_chain(method: Any) -> bool:
     and plans priced as chains (``"pipeline": "chain"``: the PipeDream, Piper and DeepSpeed baselines)."""
     if isinstance(method, str) and method.lower() == "sequential":
         return True
-    if isinstance(method, Plan):
-        return method.pipeline == "chain"
-    if isinstance(method, os.PathLike) or isinstance(method, str) and method.endswith(".json"):
-        return Plan.load(Path(method)).pipeline == "chain"  # _assign has loaded it once already: it exists
-    return False
+    plan = _as_plan(method)
+    return plan is not None and plan.pipeline == "chain"
 
 
 def _plan_schedule(method: Any) -> str | None:
