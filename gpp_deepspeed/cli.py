@@ -14,7 +14,9 @@ Synopsis::
 
 ``plan`` and ``compare`` take ``--schedules``: ``plan`` keeps the fastest listed training schedule
 whose memory fits (the plan JSON carries it, and the engine runs it unless the DeepSpeed config's
-``graph_pipeline.schedule`` says otherwise); ``compare`` prices every method's plan under each.
+``graph_pipeline.schedule`` says otherwise); ``compare`` prices every method's plan under each. The asynchronous schedules (``pipedream``,
+``2bw``, ``pipeoptim``) are priced in steady state: one batch with the pipeline full before and
+after it (no warm-up, no flush), their stashed weight versions counted in memory.
 
 Every subcommand takes ``--json`` (machine-readable JSON on stdout instead of a table) and
 ``--quiet`` (no progress lines on stderr). Errors the package raises and missing files print
@@ -44,7 +46,7 @@ from .errors import GPPConfigError, GPPError
 from .models import BUILDERS, DEVICES, ModelDesc, analytic_costs, tiny
 from .planner import CommFit, CostDB, Hardware, Plan, SearchResult, graphpipe_search, simulate_plan
 from .planner.simulate import choose_schedule, predict
-from .schedule import get_schedule
+from .schedule import get_schedule, is_async
 
 __all__ = ["main"]
 
@@ -460,6 +462,8 @@ def _names(text: str) -> list[str]:
 def _schedule_names(text: str) -> tuple[str, ...]:
     names = tuple(n.lower() for n in _names(text))
     for n in names:
+        if is_async(n):
+            continue
         try:
             get_schedule(n)
         except GPPConfigError as e:

@@ -33,11 +33,14 @@ from deepspeed.utils import logger
 
 from ..config import GraphPipelineConfig, with_plan_schedule
 from ..errors import GPPConfigError
+from ..schedule.asynchronous import is_async
 from ..schedule.generators import build_schedule
 from ..schedule.ir import Action, ActionKind as K, format_schedule
 from ..schedule.lowering import assign_buffers
 from ..schedule.validate import validate_schedule
 from .flat import flatten, port_ranges, unflatten
+from . import asynchronous as _async
+from . import portable
 from .instructions import (GraphPipeSchedule, RecvActivationFrom, RecvGradFrom, ReleaseInputs, ReleaseOutputs,
                            SendActivationTo, SendGradTo, Transfers, WaitSends)
 from .module import GraphPipelineModule
@@ -106,6 +109,10 @@ class GraphPipelineEngine(SplitBackwardMixin, PipelineEngine):
         # Every pair of ranks that exchanges tensors talks once now, in one order on all ranks, so
         # NCCL creates no communicator in the middle of a schedule.
         self.transport.warm_up(sorted((e.src, e.dst) for e in self.stage_graph.edges))
+        self._async = None
+        if is_async(self.gpp_config.schedule):
+            _async.check_async_options(self)
+            self._async = _async.AsyncPipeline(self)
         if self.training_data:
             self._place_data_iter()
         if self.gpp_config.print_stage_graph and self.global_rank == 0:
@@ -138,6 +145,20 @@ class GraphPipelineEngine(SplitBackwardMixin, PipelineEngine):
                 self._build_data_iter(self.training_data)
         else:
             self.data_iterator = None
+
+    # -- checkpoints (portable across layouts: see portable.py) ------------------------------------
+
+    def save_checkpoint(self, save_dir, tag=None, client_state={}, save_latest=True, exclude_frozen_parameters=False):
+        tag = f"global_step{self.global_steps}" if tag is None else tag   # DeepSpeed's default tag
+        out = super().save_checkpoint(save_dir, tag=tag, client_state=client_state, save_latest=save_latest,
+                                      exclude_frozen_parameters=exclude_frozen_parameters)
+        portable.save_extras(self, save_dir, tag)
+        return out
+
+    def load_checkpoint(self, load_dir, tag=None, **kwargs):
+        """DeepSpeed's ``load_checkpoint``; a checkpoint saved under another layout (partition,
+        stage count, data-parallel degree, or a ``GraphModel``) loads layer by layer by name."""
+        return portable.load_checkpoint(self, load_dir, tag, ds_load=super().load_checkpoint, **kwargs)
 
     # -- roles ------------------------------------------------------------------------------------
 
@@ -175,8 +196,11 @@ class GraphPipelineEngine(SplitBackwardMixin, PipelineEngine):
             self._schedules[key] = (full[self.stage_id], slots[self.stage_id])
         return self._schedules[key]
 
-    def _graph_pipe_schedule(self, micro_batches: int, train: bool) -> GraphPipeSchedule:
-        actions, slot_of = self.graph_schedule(micro_batches, train=train)
+    def _graph_pipe_schedule(self, micro_batches: int, train: bool, *, flush: bool = False) -> GraphPipeSchedule:
+        if self._async is not None and train:
+            actions, slot_of = self._async.segment(micro_batches, flush=flush)
+        else:
+            actions, slot_of = self.graph_schedule(micro_batches, train=train)
         self.last_timeline = []
         return GraphPipeSchedule(actions, micro_batches=micro_batches, stages=self.num_stages,
                                  stage_id=self.stage_id, slot_of=slot_of, record=self.last_timeline)
@@ -194,7 +218,15 @@ class GraphPipelineEngine(SplitBackwardMixin, PipelineEngine):
         return waiting / wall if wall > 0 else 0.0
 
     def train_batch(self, data_iter=None):
+        if self._async is not None:
+            self._async.in_batch = True
         loss = super().train_batch(data_iter)
+        if self._async is not None:
+            self._async.in_batch = False
+            # Updates are UPDATE actions inside the pipeline, not DeepSpeed's STEP: count the batch here.
+            self._async.batches += 1
+            self.global_steps += 1
+            self.global_samples += self.train_batch_size()
         if self.gpp_config.trace_dir is not None:
             self._trace(self.gpp_config.trace_dir)
         every = self.steps_per_print()
@@ -220,6 +252,27 @@ class GraphPipelineEngine(SplitBackwardMixin, PipelineEngine):
 
     def _train_schedule(self):
         return self._graph_pipe_schedule(self.micro_batches, True)
+
+    def flush(self) -> None:
+        """Drain an asynchronous pipeline: run the backwards and updates of every micro-batch still
+        in flight, so the weights are final. Called before ``eval_batch`` and ``save_checkpoint``;
+        a no-op for the synchronous schedules and for an empty pipeline."""
+        if self._async is None or self._async.batches == 0:
+            return
+        self.module.train()
+        self._async.in_batch = True
+        self._exec_schedule(self._graph_pipe_schedule(self._async.micro_batches, True, flush=True))
+        self._async.in_batch = False
+        self._async.batches = 0
+        self._async.versions.reset()
+
+    def eval_batch(self, data_iter, *args, **kwargs):
+        self.flush()
+        return super().eval_batch(data_iter, *args, **kwargs)
+
+    def save_checkpoint(self, save_dir, *args, **kwargs):
+        self.flush()
+        return super().save_checkpoint(save_dir, *args, **kwargs)
 
     def _inference_schedule(self, micro_batches):
         return self._graph_pipe_schedule(micro_batches, False)
@@ -274,7 +327,11 @@ class GraphPipelineEngine(SplitBackwardMixin, PipelineEngine):
                   for ref in self.spec.in_ports]
         flat, self.module.in_arity = flatten(values)
         self.pipe_buffers["inputs"][buffer_id] = tuple(flat)
-        super()._exec_forward_pass(buffer_id)
+        if self._async is not None and torch.is_grad_enabled():
+            with self._async.versions.forward_on_current():
+                super()._exec_forward_pass(buffer_id)
+        else:
+            super()._exec_forward_pass(buffer_id)
         if self.is_last_stage() and torch.is_grad_enabled():
             self.pipe_buffers["losses"][buffer_id] = self.loss
 
@@ -435,6 +492,9 @@ class GraphPipelineEngine(SplitBackwardMixin, PipelineEngine):
         ReleaseOutputs: _exec_release_outputs,
         WaitSends: _exec_wait_sends,
         **SplitBackwardMixin._SPLIT_INSTRUCTIONS,
+        _async.StashWeights: _async.exec_stash,
+        _async.PredictWeights: _async.exec_predict,
+        _async.UpdateWeights: _async.exec_update,
     }
 
 

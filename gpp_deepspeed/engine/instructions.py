@@ -15,6 +15,7 @@ from deepspeed.runtime.pipe import schedule as ds
 
 from ..schedule.ir import Action, ActionKind as K
 from .split_engine import BackwardInputPass, BackwardWeightPass
+from .asynchronous import WEIGHT_INSTRUCTIONS
 
 __all__ = ["SendActivationTo", "RecvActivationFrom", "SendGradTo", "RecvGradFrom", "Transfers", "ReleaseInputs",
            "ReleaseOutputs", "WaitSends", "GraphPipeSchedule", "to_instruction"]
@@ -97,6 +98,8 @@ def to_instruction(action: Action, slot_of: dict[int, int]) -> ds.PipeInstructio
     """The DeepSpeed instruction that executes ``action``; ``slot_of`` maps micro-batches to buffers."""
     if action.kind in _SIMPLE:
         return _SIMPLE[action.kind]()
+    if action.kind in WEIGHT_INSTRUCTIONS:  # weight versions are named by micro-batch, not buffer
+        return WEIGHT_INSTRUCTIONS[action.kind](action.mb_idx)
     if action.kind is K.P2P:
         return Transfers((op.kind, slot_of[op.mb_idx], op.peer) for op in action.ops)
     buffer_id = slot_of[action.mb_idx]

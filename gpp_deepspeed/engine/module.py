@@ -34,6 +34,7 @@ from ..planner.plan import Plan
 from ..planner.search import graphpipe_partition, proxy_costs
 from ..graph.stages import Partition, StageSpec, derive_partition
 from ..spec import LayerEntry, call_layer, normalize_layers, port_leaves, resolve
+from ..checkpoint import layer_model_file, layer_model_files
 from .flat import flatten, unflatten
 from .shm import release_own_shm
 
@@ -89,6 +90,7 @@ class GraphPipelineModule(PipelineModule):
         self.graph: LayerGraph = graph
         self.partition: Partition = partition
         self._entries: list[LayerEntry] = [by_name[n] for n in partition.layer_order]
+        self._list_index = {e.name: i for i, e in enumerate(entries)}   # DeepSpeed's layer_XX numbering
         # Set by the engine before each forward: how many tensors each in-port carries (-1: one
         # tensor, k: a tuple of k), learned from the layouts of the received edges.
         self.in_arity: list[int] | None = None
@@ -224,6 +226,21 @@ class GraphPipelineModule(PipelineModule):
         return reads, [self._local_entries[i].name for i in idxs if self._local_entries[i].name in later]
 
     # -- naming ---------------------------------------------------------------------------------
+
+    def ckpt_layer_path(self, ckpt_dir, local_layer_idx):
+        """Layer files are keyed by layer name (:mod:`gpp_deepspeed.checkpoint`), not by the
+        partition-dependent index DeepSpeed uses, so checkpoints move between layouts."""
+        return layer_model_file(ckpt_dir, self._local_entries[local_layer_idx].name,
+                                self._grid._topo.get_rank_repr(rank=self.global_rank))
+
+    def ckpt_layer_path_list(self, ckpt_dir, local_layer_idx):
+        name = self._local_entries[local_layer_idx].name
+        files = layer_model_files(ckpt_dir, name, index=self._list_index[name])
+        if not files:
+            raise GPPError(f'checkpoint {ckpt_dir} has no file for layer "{name}" (looked for '
+                           f"{os.path.basename(layer_model_file(ckpt_dir, name))} and DeepSpeed's "
+                           f"layer_{self._list_index[name]:02d}-*model_states.pt)")
+        return files
 
     def local_layer_names(self) -> tuple[str, ...]:
         return self.stage_spec.layers

@@ -10,6 +10,8 @@ from .lowering import (BufferSlots, add_release, assign_buffers, group_for_rende
                        order_transfers)
 from .validate import MODES, Timeline, default_duration, simulate, validate_schedule
 from .zero_bubble import peak_in_flight, unit_split_duration, zb1, zb2
+from .asynchronous import (ASYNC_SCHEDULES, AsyncReport, async_segment, async_slots, is_async, predicted_updates,
+                           steady_batch_idx, validate_async)
 
 __all__ = [
     "Action", "ActionKind", "Schedule", "format_schedule",
@@ -18,4 +20,6 @@ __all__ = [
     "BufferSlots", "add_release", "assign_buffers", "group_for_rendezvous", "group_p2p", "num_slots", "order_transfers",
     "MODES", "Timeline", "default_duration", "simulate", "validate_schedule",
     "peak_in_flight", "unit_split_duration", "zb1", "zb2",
+    "ASYNC_SCHEDULES", "AsyncReport", "async_segment", "async_slots", "is_async", "predicted_updates", "steady_batch_idx",
+    "validate_async",
 ]

@@ -17,6 +17,7 @@ Representative forms::
     (1SEND_F1@2;1RECV_B0@2)P2P  0RELEASE_OUT0  0RELEASE_IN0
     2I0  2SEND_B0@0  2W0          (split backward, as torch writes it: input gradient, then weight gradient)
     0WAIT_SENDS  0REDUCE_TIED  0REDUCE_GRAD  0STEP
+    0STASH4  0PREDICT4  0UPDATE4          (weight versions of the asynchronous schedules)
 """
 
 from __future__ import annotations
@@ -49,6 +50,11 @@ class ActionKind(str, Enum):
     REDUCE_TIED = "REDUCE_TIED"  # all-reduce gradients of tied layers across the stages sharing them
     REDUCE_GRAD = "REDUCE_GRAD"  # all-reduce gradients across data-parallel replicas of the stage
     STEP = "STEP"                # optimizer step
+    # Weight versions of the asynchronous schedules (schedule/asynchronous.py); their micro-batch
+    # index names a weight version: the micro-batch whose forward first runs on it.
+    STASH = "STASH"              # copy the stage's current weights into version mb_idx
+    PREDICT = "PREDICT"          # version mb_idx := the weights predicted for its backward (PipeOptim)
+    UPDATE = "UPDATE"            # optimizer step with version mb_idx's gradient, then free the version
 
     @property
     def has_mb(self) -> bool:
@@ -66,7 +72,8 @@ class ActionKind(str, Enum):
 
 _MB_KINDS = frozenset({ActionKind.LOAD, ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT,
                        ActionKind.BACKWARD_WEIGHT, ActionKind.SEND_F, ActionKind.RECV_F, ActionKind.SEND_B,
-                       ActionKind.RECV_B, ActionKind.RELEASE_IN, ActionKind.RELEASE_OUT})
+                       ActionKind.RECV_B, ActionKind.RELEASE_IN, ActionKind.RELEASE_OUT,
+                       ActionKind.STASH, ActionKind.PREDICT, ActionKind.UPDATE})
 _PEER_KINDS = frozenset({ActionKind.SEND_F, ActionKind.RECV_F, ActionKind.SEND_B, ActionKind.RECV_B})
 # Longest kinds first so that "SEND_F" is not read as "S" + ...
 _KIND_ALTERNATIVES = "|".join(sorted((re.escape(k.value) for k in ActionKind), key=len, reverse=True))

@@ -106,6 +106,8 @@ def run_case(case, out, rank, world_size):
     result = {"stage": engine.stage_id, "dp": engine.grid.data_parallel_id,
               "schedule": getattr(engine, "gpp_config", None) and engine.gpp_config.schedule,
               "ckpt_interval": module.activation_checkpoint_interval}
+    if hasattr(engine, "stage_graph"):
+        result["depth"] = engine.stage_graph.depth(engine.stage_id)
     if case.get("checkpoint"):
         ckpt = str(out / f"ckpt_{case['id']}")
         train(engine, mc, case, range(2))
