@@ -211,8 +211,7 @@ def _how_to_run(plan: Plan, path: str | None) -> str:
             f'{plan.micro_batch // dp}, "gradient_accumulation_steps": {plan.num_microbatches}'
             + ("" if path else "\n  (write the plan with -o plan.json)"))
     if plan.pipeline == "chain":
-        # The prediction relays every tensor along a chain; the engine sends along the stage DAG.
-        text += "\n  (a chain plan: the engine runs its stages as a stage DAG, so its time may differ)"
+        text += "\n  (a chain plan: the engine runs it as a chain, relaying skip tensors through the stages between)"
     return text
 
 
