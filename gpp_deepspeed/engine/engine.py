@@ -40,6 +40,7 @@ from ..schedule.lowering import assign_buffers
 from ..schedule.validate import validate_schedule
 from .flat import flatten, port_ranges, unflatten
 from . import asynchronous as _async
+from . import portable
 from .instructions import (GraphPipeSchedule, RecvActivationFrom, RecvGradFrom, ReleaseInputs, ReleaseOutputs,
                            SendActivationTo, SendGradTo, Transfers, WaitSends)
 from .module import GraphPipelineModule
@@ -144,6 +145,20 @@ class GraphPipelineEngine(SplitBackwardMixin, PipelineEngine):
                 self._build_data_iter(self.training_data)
         else:
             self.data_iterator = None
+
+    # -- checkpoints (portable across layouts: see portable.py) ------------------------------------
+
+    def save_checkpoint(self, save_dir, tag=None, client_state={}, save_latest=True, exclude_frozen_parameters=False):
+        tag = f"global_step{self.global_steps}" if tag is None else tag   # DeepSpeed's default tag
+        out = super().save_checkpoint(save_dir, tag=tag, client_state=client_state, save_latest=save_latest,
+                                      exclude_frozen_parameters=exclude_frozen_parameters)
+        portable.save_extras(self, save_dir, tag)
+        return out
+
+    def load_checkpoint(self, load_dir, tag=None, **kwargs):
+        """DeepSpeed's ``load_checkpoint``; a checkpoint saved under another layout (partition,
+        stage count, data-parallel degree, or a ``GraphModel``) loads layer by layer by name."""
+        return portable.load_checkpoint(self, load_dir, tag, ds_load=super().load_checkpoint, **kwargs)
 
     # -- roles ------------------------------------------------------------------------------------
 

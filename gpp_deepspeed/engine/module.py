@@ -34,6 +34,7 @@ from ..planner.plan import Plan
 from ..planner.search import graphpipe_partition, proxy_costs
 from ..graph.stages import Partition, StageSpec, derive_partition
 from ..spec import LayerEntry, call_layer, normalize_layers, port_leaves, resolve
+from ..checkpoint import layer_model_file, layer_model_files
 from .flat import flatten, unflatten
 from .shm import release_own_shm
 
@@ -59,12 +60,14 @@ class GraphPipelineModule(PipelineModule):
         ``"parameters"`` (default) or ``"uniform"``: balanced by parameter or layer count, keeping
         independent branches on separate stages (accepting a heaviest stage up to 10% above the
         least possible one when that makes the stage graph shallower); ``"sequential"``: the chain baseline, the list order
-        cut into contiguous stages as DeepSpeed does; ``"type:<regex>"``: balance the layers whose
+        cut into contiguous stages as DeepSpeed does and run as a chain (a tensor that skips stages
+        is relayed through every stage in between, as DeepSpeed's ``PipelineEngine`` carries it); ``"type:<regex>"``: balance the layers whose
         class matches; ``"graphpipe"``: GraphPipe's search (:mod:`gpp_deepspeed.planner`) for the
         least-bottleneck stage graph, priced by ``cost_db`` (a :class:`~gpp_deepspeed.planner.CostDB`
         or the path of one ``gpp profile`` wrote; without one, time is taken as proportional to
         parameters); a plan (a :class:`~gpp_deepspeed.planner.plan.Plan` or the path of a JSON file
-        ``gpp plan`` wrote), whose stages must match the pipeline's stage count; or an explicit
+        ``gpp plan`` wrote), whose stages must match the pipeline's stage count (a plan priced as a
+        chain, ``"pipeline": "chain"``, runs as a chain with relays); or an explicit
         ``{layer_name: stage_idx}`` mapping. Every rank computes or loads the same partition.
     cost_db
         The cost database ``partition_method="graphpipe"`` plans with.
@@ -81,12 +84,13 @@ class GraphPipelineModule(PipelineModule):
             dist.init_distributed(dist_backend=get_accelerator().communication_backend_name())
         stages = _stage_count(num_stages, topology, dist.get_world_size())
         partition = derive_partition(graph, _assign(graph, entries, stages, partition_method, cost_db),
-                                     num_stages=stages)
+                                     num_stages=stages, relay=_runs_as_chain(partition_method))
         by_name = {e.name: e for e in entries}
         # Plain attributes may be set before nn.Module.__init__; the parent's __init__ needs them.
         self.graph: LayerGraph = graph
         self.partition: Partition = partition
         self._entries: list[LayerEntry] = [by_name[n] for n in partition.layer_order]
+        self._list_index = {e.name: i for i, e in enumerate(entries)}   # DeepSpeed's layer_XX numbering
         # Set by the engine before each forward: how many tensors each in-port carries (-1: one
         # tensor, k: a tuple of k), learned from the layouts of the received edges.
         self.in_arity: list[int] | None = None
@@ -223,6 +227,21 @@ class GraphPipelineModule(PipelineModule):
 
     # -- naming ---------------------------------------------------------------------------------
 
+    def ckpt_layer_path(self, ckpt_dir, local_layer_idx):
+        """Layer files are keyed by layer name (:mod:`gpp_deepspeed.checkpoint`), not by the
+        partition-dependent index DeepSpeed uses, so checkpoints move between layouts."""
+        return layer_model_file(ckpt_dir, self._local_entries[local_layer_idx].name,
+                                self._grid._topo.get_rank_repr(rank=self.global_rank))
+
+    def ckpt_layer_path_list(self, ckpt_dir, local_layer_idx):
+        name = self._local_entries[local_layer_idx].name
+        files = layer_model_files(ckpt_dir, name, index=self._list_index[name])
+        if not files:
+            raise GPPError(f'checkpoint {ckpt_dir} has no file for layer "{name}" (looked for '
+                           f"{os.path.basename(layer_model_file(ckpt_dir, name))} and DeepSpeed's "
+                           f"layer_{self._list_index[name]:02d}-*model_states.pt)")
+        return files
+
     def local_layer_names(self) -> tuple[str, ...]:
         return self.stage_spec.layers
 
@@ -305,6 +324,15 @@ def _from_plan(graph: LayerGraph, num_stages: int, plan: Any) -> dict[str, int]:
         raise PartitionError(f"plan {plan.method} for {plan.model} has {plan.num_stages} stages but the pipeline has "
                              f"{num_stages}; launch with {plan.num_stages} pipeline stages (num_stages={plan.num_stages})")
     return plan.stage_of
+
+
+def _runs_as_chain(method: Any) -> bool:
+    """Whether the partition is a chain that relays skip tensors: ``"sequential"`` (DeepSpeed's cut)
+    and plans priced as chains (``"pipeline": "chain"``: the PipeDream, Piper and DeepSpeed baselines)."""
+    if isinstance(method, str) and method.lower() == "sequential":
+        return True
+    plan = _as_plan(method)
+    return plan is not None and plan.pipeline == "chain"
 
 
 def _plan_schedule(method: Any) -> str | None:

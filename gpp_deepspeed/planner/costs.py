@@ -280,6 +280,9 @@ class StageCostModel:
 
     @staticmethod
     def _members(mask: int) -> list[int]:
+        low = mask & -mask
+        if mask and not mask & (mask + low):   # one run of ones: a range of layers, the usual stage
+            return list(range(low.bit_length() - 1, mask.bit_length()))
         out = []
         while mask:
             low = mask & -mask
@@ -293,6 +296,16 @@ class StageCostModel:
         hit = self._cache.get(key)
         if hit is None:
             hit = self._cache[key] = [c.times(shard) for c in self.db.layers]
+        return hit
+
+    def _layer_rows(self, shard: float) -> list[tuple]:
+        """Per layer on a shard: forward, backward, its two split halves, parameter and stash
+        bytes (cached: the searches price many stages at few shard sizes)."""
+        key = ("rows", shard)
+        hit = self._cache.get(key)
+        if hit is None:
+            hit = self._cache[key] = [(*t, *c.split_backward_times(shard), c.param_bytes, c.stash_bytes)
+                                      for t, c in zip(self.layer_times(shard), self.db.layers)]
         return hit
 
     def boundary_bytes(self, mask: int) -> tuple[float, float]:
@@ -348,16 +361,15 @@ class StageCostModel:
         shard = b / n
         fwd = bwd = grad_in = grad_w = 0.0
         params = stash = 0.0
-        times = self.layer_times(shard)
+        rows = self._layer_rows(shard)
         for i in self._members(mask):
-            f, bw = times[i]
-            gi, gw = layers[i].split_backward_times(shard)
+            f, bw, gi, gw, p, st = rows[i]
             fwd += f
             bwd += bw
             grad_in += gi
             grad_w += gw
-            params += layers[i].param_bytes
-            stash += layers[i].stash_bytes
+            params += p
+            stash += st
         in_b, out_b = self.boundary_bytes(mask) if boundary is None else boundary
         # Activations arrive before the forward and leave after it; gradients mirror them
         # (with a split backward, around I: W talks to no one).
@@ -371,7 +383,7 @@ class StageCostModel:
             allreduce = 2 * (n - 1) * ring.alpha_s + 2 * (n - 1) / n * params * ring.beta_s_per_byte
         working = 0.0
         if recompute:
-            again = sum(times[i][0] for i in self._members(mask))
+            again = sum(rows[i][0] for i in self._members(mask))
             bwd += again
             grad_in += again
             working, stash = stash, in_b
