@@ -14,7 +14,9 @@ Synopsis::
 
 ``plan`` and ``compare`` take ``--schedules``: ``plan`` keeps the fastest listed training schedule
 whose memory fits (the plan JSON carries it, and the engine runs it unless the DeepSpeed config's
-``graph_pipeline.schedule`` says otherwise); ``compare`` prices every method's plan under each.
+``graph_pipeline.schedule`` says otherwise); ``compare`` prices every method's plan under each. The asynchronous schedules (``pipedream``,
+``2bw``, ``pipeoptim``) are priced in steady state: one batch with the pipeline full before and
+after it (no warm-up, no flush), their stashed weight versions counted in memory.
 
 Every subcommand takes ``--json`` (machine-readable JSON on stdout instead of a table) and
 ``--quiet`` (no progress lines on stderr). Errors the package raises and missing files print
@@ -44,7 +46,7 @@ from .errors import GPPConfigError, GPPError
 from .models import BUILDERS, DEVICES, ModelDesc, analytic_costs, tiny
 from .planner import CommFit, CostDB, Hardware, Plan, SearchResult, graphpipe_search, simulate_plan
 from .planner.simulate import choose_schedule, predict
-from .schedule import get_schedule
+from .schedule import get_schedule, is_async
 
 __all__ = ["main"]
 
@@ -139,13 +141,18 @@ def _plan(args) -> None:
     db = _load_costs(args.costs)
     if args.space is not None and args.method != "graphpipe":
         _warn(f"--space applies to graphpipe only; {args.method} ignores it")
-    result = _search(args.method, db, args)
+    if args.cluster:
+        result = _hetero(db, args)
+    else:
+        result = _search(args.method, db, args)
     plan = result.plan
     if plan is None:
         raise GPPError(f"{args.method} found no plan for {db.model} on {args.devices} devices, mini-batch "
                        f"{args.mini_batch}: {result.status}")
     if args.schedules:  # the schedule becomes part of the plan: the fastest that fits memory
         plan = choose_schedule(plan, db, schedules=args.schedules)
+    if args.topology:
+        plan = _placed(plan, db, args)
     if args.output:
         plan.save(args.output)
     data = {"method": result.method, "status": result.status, "search_time_s": result.search_time_s,
@@ -157,6 +164,35 @@ def _plan(args) -> None:
         lines.append(f"  wrote {args.output}")
     lines.append(_how_to_run(plan, args.output))
     _emit(args, data, "\n".join(lines))
+
+
+def _hetero(db: CostDB, args) -> SearchResult:
+    """EdgePipe-style planning over the device classes of ``--cluster``."""
+    from .planner.hetero import Cluster, hetero_search
+    cluster = Cluster.load(args.cluster)
+    if args.devices != cluster.num_devices:
+        raise GPPConfigError(f"--devices {args.devices} but cluster file {args.cluster} has {cluster.num_devices} "
+                             f"devices ({', '.join(f'{c.count} {c.name}' for c in cluster.classes)})")
+    _say(args, f"hetero: {args.objective} plan for {db.model} on {cluster.num_devices} devices of "
+               f"{len(cluster.classes)} classes, mini-batch {args.mini_batch}")
+    return hetero_search(db, cluster, mini_batch=args.mini_batch, objective=args.objective,
+                         micro_batches=args.micro_batches)
+
+
+def _placed(plan: Plan, db: CostDB, args) -> Plan:
+    """``plan`` with its stages placed on the devices of ``--topology`` (a topology JSON, or a
+    hostfile whose hosts get the cost database's intra- and inter-node links)."""
+    from .planner.topology import Topology, contiguous, place, placement_time
+    path = Path(args.topology)
+    if path.suffix == ".json":
+        topo = Topology.load(path)
+    else:
+        topo = Topology.from_hostfile(path, intra=db.hardware.intra, inter=db.hardware.inter)
+    placement, t = place(plan, db, topo)
+    before = placement_time(plan, db, topo, contiguous(plan))
+    _say(args, f"placement on {path}: {t * 1e3:.2f} ms/iteration (contiguous: {before * 1e3:.2f} ms)")
+    notes = {**plan.notes, "placement_iteration_s": t, "contiguous_iteration_s": before}
+    return dataclasses.replace(plan, placement=placement, notes=notes)
 
 
 def _how_to_run(plan: Plan, path: str | None) -> str:
@@ -176,8 +212,7 @@ def _how_to_run(plan: Plan, path: str | None) -> str:
             f"{'' if set(degrees) == {1} else ' (each rank of stage s processes micro-batch / ranks of s rows)'}"
             + ("" if path else "\n  (write the plan with -o plan.json)"))
     if plan.pipeline == "chain":
-        # The prediction relays every tensor along a chain; the engine sends along the stage DAG.
-        text += "\n  (a chain plan: the engine runs its stages as a stage DAG, so its time may differ)"
+        text += "\n  (a chain plan: the engine runs it as a chain, relaying skip tensors through the stages between)"
     return text
 
 
@@ -332,7 +367,7 @@ def _method(name: str) -> Callable[..., SearchResult]:
 def _search(method: str, db: CostDB, args) -> SearchResult:
     """Run planner ``method`` with the command line's devices, mini-batch, sweep and space."""
     search = _method(method)
-    kw = {"space": args.space or "full"} if method == "graphpipe" else {}
+    kw = {"space": args.space or "full", "recompute": args.recompute} if method == "graphpipe" else {}
     _say(args, f"{method}: searching {db.model} on {args.devices} devices, mini-batch {args.mini_batch}")
     return search(db, num_devices=args.devices, mini_batch=args.mini_batch,
                            micro_batches=args.micro_batches, progress=None if args.quiet else _stderr, **kw)
@@ -446,6 +481,8 @@ def _names(text: str) -> list[str]:
 def _schedule_names(text: str) -> tuple[str, ...]:
     names = tuple(n.lower() for n in _names(text))
     for n in names:
+        if is_async(n):
+            continue
         try:
             get_schedule(n)
         except GPPConfigError as e:
@@ -469,6 +506,8 @@ def _parser() -> argparse.ArgumentParser:
     search.add_argument("--mini-batch", type=_positive, required=True, metavar="B", help="samples per iteration")
     search.add_argument("--space", choices=("full", "runtime"), help="graphpipe: per-stage degrees (full, "
                         "the default) or one degree for all stages (runtime); the engine runs both")
+    search.add_argument("--recompute", action="store_true", help="graphpipe: a stage that would not fit "
+                        "may recompute its activations in the backward (the plan marks it; the engine checkpoints it)")
     search.add_argument("--schedules", type=_schedule_names, metavar="1f1b,zb1,zb2",
                         help="training schedules to price each plan with (default: 1f1b); plan keeps the "
                         "fastest that fits memory, compare shows one row per method and schedule")
@@ -486,6 +525,12 @@ def _parser() -> argparse.ArgumentParser:
     p.set_defaults(run=_profile)
 
     p = sub.add_parser("plan", parents=[common, search], help="search a plan")
+    p.add_argument("--cluster", metavar="FILE", help="heterogeneous devices: a cluster file of device classes "
+                   "(docs/planner.md); plans a chain of stages, each on devices of one class")
+    p.add_argument("--topology", metavar="FILE", help="place the stages on concrete devices: a topology JSON "
+                   "(per-pair links) or a hostfile (the cost database's links inside and across hosts)")
+    p.add_argument("--objective", choices=("train", "inference"), default="train",
+                   help="with --cluster: training throughput, or forward-only pipeline throughput (EdgePipe)")
     p.add_argument("--method", default="graphpipe", help="graphpipe (default), pipedream, piper, ds-uniform, "
                    "ds-parameters")
     p.add_argument("-o", "--output", metavar="PLAN", help="plan JSON to write")

@@ -28,13 +28,16 @@ class GraphPipelineConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    schedule: Literal["1f1b", "gpipe", "zb1", "zb2"] = "1f1b"
+    schedule: Literal["1f1b", "gpipe", "zb1", "zb2", "pipedream", "2bw", "pipeoptim"] = "1f1b"
     """Training schedule: ``"1f1b"`` is the branch-aware synchronous 1F1B (PipeDream-Flush on a
     DAG, GraphPipe's default); ``"gpipe"`` runs every forward before any backward (more
     activation memory, useful as a baseline); ``"zb1"`` and ``"zb2"`` split each backward into
     input and weight gradients (zero-bubble ZB-H1 and a ZB-H2-like schedule, arXiv 2401.10241):
     ``zb1`` holds no more micro-batches than 1F1B's busiest stage, ``zb2`` up to about twice as
-    many for a near-zero bubble. Neither works with activation checkpointing.
+    many for a near-zero bubble. Neither works with activation checkpointing. ``"pipedream"``,
+    ``"2bw"`` and ``"pipeoptim"`` are asynchronous: the pipeline never drains between batches
+    (``engine.flush()`` drains it) and weights update inside it; see
+    :mod:`gpp_deepspeed.schedule.asynchronous` for what each computes.
 
     Precedence: a schedule named here wins; otherwise a plan loaded with
     ``partition_method="plan.json"`` brings the schedule it was priced with (``gpp plan

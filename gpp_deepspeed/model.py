@@ -67,6 +67,21 @@ class GraphModel(nn.Module):
             env[TensorRef(name)] = call_layer(entry, self._funcs[name], args)
         return env[TensorRef(self.graph.output)]
 
+    def load_pipeline_checkpoint(self, load_dir: str, tag: str | None = None, *,
+                                 optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
+        """Load a checkpoint the pipeline engine wrote (any partition), and the per-layer optimizer
+        state into ``optimizer`` where it was saved; returns the engine's counters
+        (``global_steps``, ...). See :mod:`gpp_deepspeed.checkpoint`."""
+        from .checkpoint import load_graph_model
+        return load_graph_model(self, load_dir, tag, optimizer=optimizer)
+
+    def save_pipeline_checkpoint(self, save_dir: str, tag: str, *, optimizer: torch.optim.Optimizer | None = None,
+                                 global_steps: int = 0) -> str:
+        """Write this model (and ``optimizer``'s state, per layer) as a checkpoint that
+        ``engine.load_checkpoint`` loads under any partition; returns its folder."""
+        from .checkpoint import save_graph_model
+        return save_graph_model(self, save_dir, tag, optimizer=optimizer, global_steps=global_steps)
+
 
 def _bind(forward_fn, module):
     return lambda *args: forward_fn(module, *args)

@@ -219,10 +219,11 @@ def draw_gantt(timeline: Timeline, path: str | Path, *, title: str | None = None
                         ax.text(t0 + dur / 2, row, text, ha="center", va="center", fontsize=6.5, color="white")
                 elif a.kind in (K.REDUCE_GRAD, K.REDUCE_TIED, K.STEP):
                     bars["reduce"].append((t0, max(dur, span_ms * 1e-3)))
-                elif a.kind in (K.SEND_F, K.SEND_B):
-                    sends.append((t0, row - 0.38))
-                elif a.kind in (K.RECV_F, K.RECV_B):
-                    recvs.append((t0, row + 0.38))
+                for op in a.transfers:  # a grouped transfer marks each of its sends and receives
+                    if op.kind in (K.SEND_F, K.SEND_B):
+                        sends.append((t0, row - 0.38))
+                    else:
+                        recvs.append((t0, row + 0.38))
             for kind, ranges in bars.items():
                 ax.broken_barh(ranges, (row - 0.3, 0.6), facecolors=_COLORS[kind], edgecolor="white",
                                linewidth=0.3)

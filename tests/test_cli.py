@@ -183,11 +183,11 @@ def test_gpp_subcommands_and_options_are_frozen():
     options = {name: sorted(o for a in p._actions for o in a.option_strings if o.startswith("--"))
                for name, p in sub.choices.items()}
     common = ["--help", "--json", "--quiet"]
-    search = sorted(common + ["--devices", "--mini-batch", "--micro-batches", "--schedules", "--space"])
+    search = sorted(common + ["--devices", "--mini-batch", "--micro-batches", "--recompute", "--schedules", "--space"])
     assert options == {
         "profile": sorted(common + ["--analytic", "--device", "--granularity", "--micro-batches",
                                     "--no-link-measure", "--output", "--size", "--tiny"]),
-        "plan": sorted(search + ["--method", "--output"]),
+        "plan": sorted(search + ["--cluster", "--method", "--objective", "--output", "--topology"]),
         "simulate": sorted(common + ["--costs"]),
         "viz": sorted(common + ["--costs", "--format", "--output-dir"]),
         "viz-run": sorted(common + ["--step", "--format", "--output-dir"]),
@@ -215,3 +215,16 @@ def test_gpp_plan_defaults_to_the_full_space_and_prints_the_launch_and_batch_val
     assert (f'"train_batch_size": {plan.mini_batch}, "train_micro_batch_size_per_gpu": {plan.micro_batch}, '
             f'"gradient_accumulation_steps": {plan.num_microbatches}') in out
     assert "not runnable" not in out
+
+
+def test_gpp_compare_prices_the_asynchronous_schedules_in_steady_state(costs, capsys):
+    assert gpp("compare", costs, "--devices", DEVICES, "--mini-batch", MINI_BATCH, "--methods", "graphpipe",
+               "--schedules", "1f1b,pipedream,2bw,pipeoptim", "--json", "--quiet") == 0
+    rows = {r["method"].split("/")[1]: r for r in json.loads(capsys.readouterr().out)["rows"]}
+    assert sorted(rows) == ["1f1b", "2bw", "pipedream", "pipeoptim"]
+    # No warm-up and no flush in a steady batch: never slower than 1F1B's batch; weight versions
+    # cost memory (one per micro-batch in flight for PipeDream and PipeOptim, two for 2BW).
+    for name in ("pipedream", "2bw", "pipeoptim"):
+        assert rows[name]["iteration_time_s"] <= rows["1f1b"]["iteration_time_s"] + 1e-12
+        assert rows[name]["peak_mem_bytes"] > rows["1f1b"]["peak_mem_bytes"]
+    assert rows["pipedream"]["peak_mem_bytes"] == rows["pipeoptim"]["peak_mem_bytes"]

@@ -12,8 +12,10 @@ from hypothesis import strategies as st
 
 from gpp_deepspeed.errors import GPPConfigError, ScheduleError
 from gpp_deepspeed.graph import StageEdge, StageGraph
-from gpp_deepspeed.schedule import (Action, ActionKind, build_schedule, format_schedule, get_schedule, gpipe,
-                                    one_f_one_b, simulate, validate_schedule, warmup_forwards)
+from gpp_deepspeed.schedule import (SCHEDULES, Action, ActionKind, add_release, add_send_recv, assign_buffers, build_schedule,
+                                    format_schedule, get_schedule, gpipe, group_for_rendezvous, group_p2p, num_slots,
+                                    one_f_one_b,
+                                    order_transfers, simulate, validate_schedule, warmup_forwards)
 
 K = ActionKind
 
@@ -37,6 +39,8 @@ def compute_order(actions):
 
 
 def example_action(kind: ActionKind, stage: int, mb: int, peer: int) -> Action:
+    if kind is K.P2P:  # a send and a receive to the same peer, posted together
+        return Action.group([Action(stage, K.SEND_F, mb, peer), Action(stage, K.RECV_B, max(mb - 1, 0), peer)])
     return Action(stage, kind, mb if kind.has_mb else None, peer if kind.has_peer else None)
 
 
@@ -83,6 +87,23 @@ def test_action_constructor_checks_micro_batch_and_peer_presence():
         Action(0, K.RECV_F, 0)
     with pytest.raises(ScheduleError, match="peer"):
         Action(0, K.FORWARD, 0, peer=1)
+
+
+def test_action_str_and_parse_of_grouped_transfers_and_releases():
+    g = Action.parse("(1SEND_F1@2;1RECV_B0@2)P2P")
+    assert g.kind is K.P2P and g.stage_idx == 1 and g.ops == (Action(1, K.SEND_F, 1, peer=2),
+                                                               Action(1, K.RECV_B, 0, peer=2))
+    assert g.transfers == g.ops and g.mb_idxs == (1, 0)
+    # inside a group, torch's chain form without a peer still means the neighbour
+    assert Action.parse("(1SEND_F1;1RECV_B0)P2P") == g
+    assert str(Action(3, K.RELEASE_IN, 2)) == "3RELEASE_IN2" and Action.parse("3RELEASE_OUT2").kind is K.RELEASE_OUT
+
+
+@pytest.mark.parametrize("bad", ["(1SEND_F1@2)P2P", "(1SEND_F1@2;2RECV_B0@1)P2P", "(1F1;1RECV_B0@2)P2P", "1P2P",
+                                 "(1SEND_F1@2;1RECV_B0@2)", "1RELEASE_IN"])
+def test_action_parse_rejects_malformed_groups_and_releases(bad):
+    with pytest.raises(ScheduleError):
+        Action.parse(bad)
 
 
 def test_format_schedule_prints_one_line_per_stage():
@@ -169,40 +190,50 @@ def stage_dags(draw):
 
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(sg=stage_dags(), num_mb=st.integers(1, 6))
-def test_build_schedule_on_random_stage_dags_passes_the_validator(sg, num_mb):
+def test_build_schedule_on_random_stage_dags_passes_the_rendezvous_validator(sg, num_mb):
     n = sg.num_stages
-    depth = [sg.depth(s) for s in range(n)]
-    for name in ("1f1b", "gpipe"):
+    for name in SCHEDULES:
         for train in (True, False):
-            if not train:
-                buffers = {s: min(num_mb, 2) for s in range(n)}
-            elif name == "1f1b":
-                buffers = {s: min(num_mb, depth[s]) for s in range(n)}
-            else:
-                buffers = {s: num_mb for s in range(n)}
             sched = build_schedule(sg, num_mb, name=name, train=train)
-            timeline = validate_schedule(sched, sg, num_mb, train=train, num_buffers=buffers)
-            # compute time alone bounds the makespan from below
+            slots = assign_buffers(sched)
+            # rendezvous mode: every send blocks until its receive is posted (NCCL)
+            timeline = validate_schedule(sched, sg, num_mb, train=train, slots=slots)
+            assert simulate(sched, mode="async").makespan <= timeline.makespan
+            # compute time alone bounds the makespan from below (split: I and W of one unit each)
             per_mb = 3.0 if train else 1.0
             assert timeline.makespan >= num_mb * per_mb
             for s in range(n):
                 kinds = [a.kind for a in sched[s]]
                 assert kinds.count(K.FORWARD) == num_mb
-                assert kinds.count(K.BACKWARD) == (num_mb if train else 0)
+                split = kinds.count(K.BACKWARD_INPUT)
+                assert kinds.count(K.BACKWARD) + split == (num_mb if train else 0)
+                assert kinds.count(K.BACKWARD_WEIGHT) == split
+                assert kinds.count(K.RELEASE_IN) == kinds.count(K.RELEASE_OUT) == num_mb
                 assert kinds[-1] is (K.STEP if train else K.WAIT_SENDS)
+                assert num_slots(slots[s]) <= num_mb
+
+
+@pytest.mark.parametrize("num_stages", range(1, 6))
+@pytest.mark.parametrize("num_mb", [1, 2, 3, 8])
+def test_one_f_one_b_on_a_chain_needs_one_buffer_more_than_its_depth_at_most(num_stages, num_mb):
+    # depth micro-batches in flight, plus the one whose gradient goes out while the next comes in
+    sg = StageGraph.chain(num_stages)
+    slots = assign_buffers(build_schedule(sg, num_mb))
+    for s in range(num_stages):
+        assert num_slots(slots[s]) <= min(num_mb, sg.depth(s) + 1)
 
 
 def test_build_schedule_lowers_a_two_branch_graph_as_written_by_hand():
     sg = dag(3, [(0, 2), (1, 2)])
     sched = build_schedule(sg, 2, name="1f1b", train=True)
     expected = {
-        0: "0LOAD0 0F0 0SEND_F0@2 0LOAD1 0F1 0SEND_F1@2 0RECV_B0@2 0B0 0RECV_B1@2 0B1 "
-           "0WAIT_SENDS 0REDUCE_TIED 0REDUCE_GRAD 0STEP",
-        1: "1LOAD0 1F0 1SEND_F0@2 1LOAD1 1F1 1SEND_F1@2 1RECV_B0@2 1B0 1RECV_B1@2 1B1 "
-           "1WAIT_SENDS 1REDUCE_TIED 1REDUCE_GRAD 1STEP",
-        2: "2LOAD0 2RECV_F0@0 2RECV_F0@1 2F0 2B0 2SEND_B0@0 2SEND_B0@1 "
-           "2LOAD1 2RECV_F1@0 2RECV_F1@1 2F1 2B1 2SEND_B1@0 2SEND_B1@1 "
-           "2WAIT_SENDS 2REDUCE_TIED 2REDUCE_GRAD 2STEP",
+        0: "0LOAD0 0F0 0SEND_F0@2 0LOAD1 0F1 (0SEND_F1@2;0RECV_B0@2)P2P 0B0 0RELEASE_OUT0 0RELEASE_IN0 "
+           "0RECV_B1@2 0B1 0RELEASE_OUT1 0RELEASE_IN1 0WAIT_SENDS 0REDUCE_TIED 0REDUCE_GRAD 0STEP",
+        1: "1LOAD0 1F0 1SEND_F0@2 1LOAD1 1F1 (1SEND_F1@2;1RECV_B0@2)P2P 1B0 1RELEASE_OUT0 1RELEASE_IN0 "
+           "1RECV_B1@2 1B1 1RELEASE_OUT1 1RELEASE_IN1 1WAIT_SENDS 1REDUCE_TIED 1REDUCE_GRAD 1STEP",
+        2: "2LOAD0 (2RECV_F0@0;2RECV_F0@1)P2P 2F0 2B0 2RELEASE_OUT0 "
+           "(2SEND_B0@0;2SEND_B0@1;2RECV_F1@0;2RECV_F1@1)P2P 2RELEASE_IN0 2LOAD1 2F1 2B1 2RELEASE_OUT1 "
+           "(2SEND_B1@0;2SEND_B1@1)P2P 2RELEASE_IN1 2WAIT_SENDS 2REDUCE_TIED 2REDUCE_GRAD 2STEP",
     }
     assert sched == parse_schedule(expected)
 
@@ -231,9 +262,43 @@ CHAIN2_M2 = {
 }
 
 
+# CHAIN2_M2 with the transfers that cross grouped, as torch's 1F1B posts them with batch_isend_irecv
+CHAIN2_M2_GROUPED = {
+    0: "0LOAD0 0F0 0SEND_F0@1 0LOAD1 0F1 (0SEND_F1@1;0RECV_B0@1)P2P 0B0 0RECV_B1@1 0B1 0WAIT_SENDS",
+    1: "1LOAD0 1RECV_F0@0 1F0 1B0 (1SEND_B0@0;1RECV_F1@0)P2P 1LOAD1 1F1 1B1 1SEND_B1@0 1WAIT_SENDS",
+}
+
+
 def test_validate_schedule_accepts_the_hand_written_chain_schedules():
     validate_schedule(parse_schedule(CHAIN2_M1), StageGraph.chain(2), 1, train=True)
-    validate_schedule(parse_schedule(CHAIN2_M2), StageGraph.chain(2), 2, train=True, num_buffers={0: 2, 1: 1})
+    validate_schedule(parse_schedule(CHAIN2_M2), StageGraph.chain(2), 2, train=True, num_buffers={0: 2, 1: 1},
+                      mode="async")
+    validate_schedule(parse_schedule(CHAIN2_M2_GROUPED), StageGraph.chain(2), 2, train=True,
+                      num_buffers={0: 2, 1: 2})
+
+
+def test_validate_schedule_rejects_two_stages_that_each_send_to_the_other_before_receiving():
+    # gloo buffers both sends, so the ungrouped schedule runs there; under NCCL each send waits for
+    # its receive, which the other stage posts only after its own send: both wait forever
+    simulate(parse_schedule(CHAIN2_M2), mode="async")
+    with pytest.raises(ScheduleError, match="deadlocks under rendezvous semantics") as info:
+        validate_schedule(parse_schedule(CHAIN2_M2), StageGraph.chain(2), 2, train=True)
+    msg = str(info.value)
+    assert "stage 0 at 0SEND_F1@1" in msg and "stage 1 at 1SEND_B0@0" in msg
+    assert "0SEND_F1@1 waits for stage 1 to post its receive" in msg and "batch_isend_irecv" in msg
+
+
+def test_validate_schedule_runs_a_grouped_transfer_as_one_step_whose_ops_progress_together():
+    timeline = simulate(parse_schedule(CHAIN2_M2_GROUPED), mode="rendezvous")
+    spans = {str(a): (start, end) for a, start, end in timeline.spans[0]}
+    # stage 0 posts F1's send and B0's receive together (t = 2); both are through when stage 1
+    # posts its own group, after F0 (t = 1..2) and B0 (t = 2..4)
+    assert spans["(0SEND_F1@1;0RECV_B0@1)P2P"] == (4.0, 4.0)
+
+
+def test_simulate_rejects_an_unknown_mode():
+    with pytest.raises(ScheduleError, match="rendezvous"):
+        simulate(parse_schedule(CHAIN2_M1), mode="nccl")
 
 
 def test_validate_schedule_reports_a_deadlock_when_a_gradient_is_awaited_before_the_activation_is_sent():
@@ -279,9 +344,15 @@ def test_validate_schedule_reports_a_send_to_a_stage_that_is_not_a_neighbour():
 def test_validate_schedule_reports_two_micro_batches_sharing_a_buffer_in_flight():
     # stage 0 holds micro-batches 0 and 1 at once (F1 runs before B0), so one buffer is too few
     with pytest.raises(ScheduleError, match="share buffer 0"):
-        validate_schedule(parse_schedule(CHAIN2_M2), StageGraph.chain(2), 2, train=True, num_buffers={0: 1})
-    # stage 1 finishes micro-batch 0 before touching micro-batch 1, so one buffer is enough there
-    validate_schedule(parse_schedule(CHAIN2_M2), StageGraph.chain(2), 2, train=True, num_buffers={0: 2, 1: 1})
+        validate_schedule(parse_schedule(CHAIN2_M2), StageGraph.chain(2), 2, train=True, num_buffers={0: 1},
+                          mode="async")
+    # stage 1 finishes micro-batch 0 before touching micro-batch 1, so one buffer is enough there...
+    validate_schedule(parse_schedule(CHAIN2_M2), StageGraph.chain(2), 2, train=True, num_buffers={0: 2, 1: 1},
+                      mode="async")
+    # ...unless it sends the gradient of 0 while receiving 1, in one grouped transfer
+    with pytest.raises(ScheduleError, match="stage 1: micro-batches 0 and 1 share buffer 0"):
+        validate_schedule(parse_schedule(CHAIN2_M2_GROUPED), StageGraph.chain(2), 2, train=True,
+                          num_buffers={0: 2, 1: 1})
 
 
 def test_validate_schedule_reports_messages_received_in_another_order_than_sent():
@@ -334,3 +405,78 @@ def test_simulate_charges_latency_once_per_hop():
     sched = build_schedule(StageGraph.chain(2), 1, name="1f1b", train=False)
     # forward on stage 0 (1), one hop (0.5), forward on stage 1 (1)
     assert simulate(sched, latency=0.5).makespan == 2.5
+
+
+# ---------------------------------------------------------------------------------------------
+# (g) lowering passes on literal action lists
+
+
+def lists(text: str) -> list[Action]:
+    return [Action.parse(t) for t in text.split()]
+
+
+def test_group_p2p_merges_each_run_of_transfers_and_moves_loads_and_releases_after_it():
+    before = {1: lists("1RECV_F0@0 1F0 1SEND_F0@2 1RECV_F1@0 1F1 1SEND_F1@2 1RECV_B0@2 1B0 1RELEASE_OUT0 "
+                       "1SEND_B0@0 1RELEASE_IN0 1LOAD2 1RECV_F2@0 1F2 1WAIT_SENDS")}
+    after = {1: lists("1RECV_F0@0 1F0 (1SEND_F0@2;1RECV_F1@0)P2P 1F1 (1SEND_F1@2;1RECV_B0@2)P2P 1B0 1RELEASE_OUT0 "
+                      "(1SEND_B0@0;1RECV_F2@0)P2P 1RELEASE_IN0 1LOAD2 1F2 1WAIT_SENDS")}
+    assert group_p2p(before) == after
+
+
+def test_add_release_frees_outputs_after_the_backward_and_inputs_after_the_gradient_is_sent():
+    before = {1: lists("1RECV_F0@0 1F0 (1SEND_F0@2;1RECV_F1@0)P2P 1F1 (1SEND_F1@2;1RECV_B0@2)P2P 1B0 "
+                       "(1SEND_B0@0;1RECV_B1@2)P2P 1B1 1SEND_B1@0")}
+    after = {1: lists("1RECV_F0@0 1F0 (1SEND_F0@2;1RECV_F1@0)P2P 1F1 (1SEND_F1@2;1RECV_B0@2)P2P 1B0 1RELEASE_OUT0 "
+                      "(1SEND_B0@0;1RECV_B1@2)P2P 1RELEASE_IN0 1B1 1RELEASE_OUT1 1SEND_B1@0 1RELEASE_IN1")}
+    assert add_release(before) == after
+
+
+def test_add_release_in_evaluation_frees_inputs_after_the_forward_and_outputs_after_their_sends():
+    before = {0: lists("0LOAD0 0F0 0SEND_F0@1 0SEND_F0@2 0LOAD1 0F1 0SEND_F1@1 0SEND_F1@2")}
+    after = {0: lists("0LOAD0 0F0 0RELEASE_IN0 0SEND_F0@1 0SEND_F0@2 0RELEASE_OUT0 "
+                      "0LOAD1 0F1 0RELEASE_IN1 0SEND_F1@1 0SEND_F1@2 0RELEASE_OUT1")}
+    assert add_release(before) == after
+
+
+def test_assign_buffers_reuses_a_slot_once_its_micro_batch_is_released():
+    sched = {1: lists("1RECV_F0@0 1F0 1RECV_F1@0 1F1 1B0 1RELEASE_OUT0 (1SEND_B0@0;1RECV_F2@0)P2P 1RELEASE_IN0 "
+                      "1F2 1B1 1RELEASE_OUT1 1RELEASE_IN1 1B2 1RELEASE_OUT2 1RELEASE_IN2")}
+    # 0 and 1 are live together; 2 arrives in the group that returns 0's gradient, so 0's slot is
+    # still held; 1's slot is free by the time nothing else is live
+    assert assign_buffers(sched) == {1: {0: 0, 1: 1, 2: 2}}
+    sched = {0: lists("0F0 0F1 0B0 0RELEASE_IN0 0F2 0B1 0RELEASE_IN1 0F3 0B2 0B3")}
+    assert assign_buffers(sched) == {0: {0: 0, 1: 1, 2: 0, 3: 1}}
+    assert num_slots({0: 0, 1: 1, 2: 0}) == 2 and num_slots({}) == 1
+
+
+def test_group_for_rendezvous_keeps_a_chain_as_written_and_reorders_only_what_would_deadlock():
+    chain = StageGraph.chain(4)
+    plain = add_send_recv(one_f_one_b(chain, 6), chain)
+    assert group_for_rendezvous(plain) == group_p2p(plain)
+    # a chain 0 -> 1 -> 2 -> 3 with a skip edge 0 -> 3 between stages 3 warm-up forwards apart
+    skip = dag(4, [(0, 1), (0, 2), (0, 3), (1, 2), (2, 3)])
+    plain = add_send_recv(one_f_one_b(skip, 4), skip)
+    with pytest.raises(ScheduleError, match="rendezvous"):
+        simulate(group_p2p(plain), mode="rendezvous")
+    assert group_for_rendezvous(plain) == group_p2p(order_transfers(plain))
+
+
+def test_order_transfers_sends_on_a_skip_edge_when_the_receiver_is_ready():
+    # 0 -> 1 -> 2 with a skip edge 0 -> 2, 1F1B, 3 micro-batches: stage 0 runs two warm-up
+    # forwards, stage 2 none, so stage 2 returns gradient 0 before it can take activation 1
+    sg = dag(3, [(0, 1), (0, 2), (1, 2)])
+    plain = add_send_recv(one_f_one_b(sg, 3), sg)
+    assert [str(a) for a in plain[0][:9]] == ["0F0", "0SEND_F0@1", "0SEND_F0@2", "0F1", "0SEND_F1@1",
+                                              "0SEND_F1@2", "0F2", "0SEND_F2@1", "0SEND_F2@2"]
+    with pytest.raises(ScheduleError, match="rendezvous"):
+        simulate(plain, mode="rendezvous")
+    ordered = order_transfers(plain)
+    # activation 2 goes to stage 2 with the receive of gradient 0, which stage 2 returns first
+    assert ordered[0] == lists("0F0 0SEND_F0@1 0SEND_F0@2 0F1 0SEND_F1@1 0SEND_F1@2 0F2 0SEND_F2@1 0RECV_B0@1 "
+                               "0RECV_B0@2 0SEND_F2@2 0B0 0RECV_B1@1 0RECV_B1@2 0B1 0RECV_B2@1 0RECV_B2@2 0B2")
+    # and stage 2 takes activation 1 before returning gradient 0, as stage 0 sends them
+    assert ordered[2][4:8] == lists("2RECV_F1@0 2RECV_F1@1 2SEND_B0@1 2SEND_B0@0")
+    for s in range(3):
+        assert compute_order(ordered[s]) == compute_order(plain[s])
+    simulate(ordered, mode="rendezvous")
+    assert simulate(ordered, mode="async").makespan == simulate(plain, mode="async").makespan

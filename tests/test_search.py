@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import random
 
@@ -173,7 +174,16 @@ def _sp_candidates(tree) -> set[frozenset]:
     return out
 
 
-def _brute_force(db, *, num_devices, b, stage_devices, allowed=None) -> float:
+def _stage_tps(cm, mask, b, n, in_flight, recompute) -> float:
+    """A stage's TPS as it is when it fits, recomputed when only that fits, else infinite."""
+    if cm.fits(mask, b, n, in_flight):
+        return cm.time_per_sample(mask, b, n)
+    if recompute and cm.fits(mask, b, n, in_flight, recompute=True):
+        return cm.time_per_sample(mask, b, n, recompute=True)
+    return float("inf")
+
+
+def _brute_force(db, *, num_devices, b, stage_devices, allowed=None, recompute=False) -> float:
     cm = StageCostModel(db, 64, p2p_devices=num_devices)
     dag = nx.DiGraph()
     dag.add_nodes_from(c.name for c in db.layers)
@@ -189,8 +199,8 @@ def _brute_force(db, *, num_devices, b, stage_devices, allowed=None) -> float:
         for devices in itertools.product(stage_devices, repeat=len(blocks)):
             if sum(devices) != num_devices:
                 continue
-            if all(cm.fits(m, b, n, depth[s]) for s, (m, n) in enumerate(zip(masks, devices))):
-                best = min(best, max(cm.time_per_sample(m, b, n) for m, n in zip(masks, devices)))
+            best = min(best, max(_stage_tps(cm, m, b, n, depth[s], recompute)
+                                 for s, (m, n) in enumerate(zip(masks, devices))))
     return best
 
 
@@ -316,3 +326,56 @@ def test_identical_branches_solved_once_still_give_the_brute_force_optimum(seed)
     assert in_space * (1 - 1e-9) <= tps <= in_space / (1 - TOL)
     assert sum(n for _, n in stages) == num_devices
     assert max(cm.time_per_sample(m, b, n) for m, n in stages) <= tps * (1 + 1e-9)
+
+
+# -- recomputation per stage (PipeDream-2BW's planner) ---------------------------------------------
+
+def test_a_stage_that_fits_only_recomputed_is_marked_and_priced_one_forward_more():
+    # Two layers on two single-device stages: the first keeps 2 micro-batches in flight, 2 x 10
+    # bytes > 15; recomputed it stashes its inputs (none: it reads the graph input) and rebuilds
+    # one micro-batch's 10 bytes. Its time per sample becomes fwd + fwd + bwd = 1 + 1 + 2.
+    db = chain(2, fwd={"l0": 1.0, "l1": 1.0}, bwd={"l0": 2.0, "l1": 2.0}, stash_bytes={"l0": 10, "l1": 10},
+               out_bytes={"l0": 2}, hw=hardware(memory_bytes=15))
+    tree, _ = sp_tree(db.graph)
+    cm = StageCostModel(db, 4, p2p_devices=2)
+    plain = bottleneck_search(cm, tree, num_devices=2, micro_batch=1, stage_devices=[1])
+    assert plain[0] is None
+    tps, stages, _ = bottleneck_search(cm, tree, num_devices=2, micro_batch=1, stage_devices=[1], recompute=True)
+    assert tps == pytest.approx(4.0, rel=TOL)
+    plan = graphpipe_search(db, num_devices=2, mini_batch=4, micro_batches=[1], space="runtime", recompute=True).plan
+    assert [s.recompute for s in plan.stages] == [True, False]
+    assert plan.predicted.stage_mem_bytes == (10, 10) and plan.predicted.fits_memory
+
+
+@pytest.mark.parametrize("seed", range(16))
+def test_search_with_recomputation_matches_brute_force_and_never_loses_to_without(seed):
+    rng = random.Random(500 + seed)
+    layers = _random_dag(rng, rng.randint(3, 7))
+    db = _random_db(rng, layers, memory=True)
+    db = dataclasses.replace(db, hardware=dataclasses.replace(db.hardware, memory_bytes=int(rng.uniform(12, 40))))
+    num_devices, b = rng.randint(2, 4), rng.choice([1, 2])
+    stage_devices = [n for n in (1, 2) if b % n == 0]
+    tree, added = sp_tree(db.graph)
+    cm = StageCostModel(db, 64, p2p_devices=num_devices)
+    tps, _, _ = bottleneck_search(cm, tree, num_devices=num_devices, micro_batch=b, stage_devices=stage_devices,
+                                  rel_tol=TOL, recompute=True)
+    without, _, _ = bottleneck_search(cm, tree, num_devices=num_devices, micro_batch=b, stage_devices=stage_devices,
+                                      rel_tol=TOL)
+    in_space = _brute_force(db, num_devices=num_devices, b=b, stage_devices=stage_devices,
+                            allowed=_sp_candidates(tree), recompute=True)
+    if without is not None:
+        assert tps is not None and tps <= without * (1 + TOL)
+    if tps is None:
+        assert in_space == float("inf") or added
+        return
+    if not added:
+        assert in_space * (1 - 1e-9) <= tps <= in_space / (1 - TOL)
+
+
+def test_without_memory_pressure_no_stage_recomputes():
+    rng = random.Random(3)
+    db = _random_db(rng, _random_dag(rng, 8), memory=False)
+    a = graphpipe_search(db, num_devices=4, mini_batch=8).plan
+    b = graphpipe_search(db, num_devices=4, mini_batch=8, recompute=True).plan
+    assert not any(s.recompute for s in b.stages)
+    assert a.predicted.samples_per_s == pytest.approx(b.predicted.samples_per_s)

@@ -14,10 +14,9 @@ from hypothesis import strategies as st
 
 from gpp_deepspeed.errors import ScheduleError
 from gpp_deepspeed.graph import StageGraph
-from gpp_deepspeed.schedule import (Action, ActionKind, build_schedule, one_f_one_b, peak_in_flight, simulate,
-                                    validate_schedule, zb1, zb2)
+from gpp_deepspeed.schedule import (Action, ActionKind, assign_buffers, build_schedule, num_slots, one_f_one_b,
+                                    peak_in_flight, simulate, validate_schedule, zb1, zb2)
 from gpp_deepspeed.schedule.generators import lower
-from gpp_deepspeed.schedule.zero_bubble import buffers_needed
 
 from test_schedule import dag, parse_schedule, stage_dags
 
@@ -70,7 +69,9 @@ def test_zb2_on_a_chain_reaches_the_floor_of_the_output_stage_starting_late(time
     p, m = 4, 8
     sg = StageGraph.chain(p)
     loading = {0, p - 1}
-    sched = lower(zb2(sg, m, duration=lambda a: durations(*times)(a)), sg, loading_stages=loading, train=True)
+    # the same compute times order the transfers, which zb2's greedy order needs under NCCL
+    sched = lower(zb2(sg, m, duration=lambda a: durations(*times)(a)), sg, loading_stages=loading, train=True,
+                  duration=durations(*times))
     assert bubble(sched, m, *times) == (p - 1) * tf
 
 
@@ -103,8 +104,9 @@ def test_validator_rejects_a_weight_gradient_before_its_input_gradient():
 def test_validator_rejects_a_buffer_reused_while_a_weight_gradient_is_pending():
     sg = StageGraph.chain(3)
     sched = build_schedule(sg, 6, name="zb1")
-    need = {s: buffers_needed(sched[s]) for s in sched}
-    validate_schedule(sched, sg, 6, train=True, num_buffers=need)
+    slots = assign_buffers(sched)  # a micro-batch keeps its buffer until its W
+    validate_schedule(sched, sg, 6, train=True, slots=slots)
+    need = {s: num_slots(slots[s]) for s in sched}
     tight = {**need, 2: need[2] - 1}
     with pytest.raises(ScheduleError, match="share buffer"):
         validate_schedule(sched, sg, 6, train=True, num_buffers=tight)
@@ -119,9 +121,8 @@ def test_zero_bubble_schedules_on_random_stage_dags_pass_the_validator_and_compu
     base_span = simulate(base).makespan
     for name, cap in (("zb1", top), ("zb2", 2 * top - 1)):
         sched = build_schedule(sg, num_mb, name=name)
-        need = {s: buffers_needed(sched[s]) for s in sched}
-        timeline = validate_schedule(sched, sg, num_mb, train=True, num_buffers=need)
-        assert timeline.makespan <= base_span  # never slower than 1F1B with B = I + W
+        validate_schedule(sched, sg, num_mb, train=True, slots=assign_buffers(sched))  # rendezvous-safe
+        assert simulate(sched).makespan <= base_span  # never slower than 1F1B with B = I + W
         for s in range(n):
             kinds = [(a.kind, a.mb_idx) for a in sched[s]]
             for j in range(num_mb):  # every micro-batch: one F, one I, one W, and no fused B

@@ -9,7 +9,9 @@ aggregation and checkpoints are DeepSpeed's. What changes:
 * transfers go along stage edges between any two stages (:mod:`.p2p`), several tensors per edge;
 * every buffer keeps its own loss and output gradients, because stages run out of lock-step;
 * the schedule is :func:`gpp_deepspeed.schedule.build_schedule`'s action list for this stage,
-  validated (deadlock, buffer reuse) before it runs.
+  validated (deadlock under NCCL's rendezvous semantics, buffer reuse, release points) before it
+  runs; it decides the buffer slot of every micro-batch (:func:`~gpp_deepspeed.schedule.assign_buffers`),
+  when buffers are freed (``RELEASE_IN``/``RELEASE_OUT``) and which transfers are posted together.
 
 Buffers per micro-batch slot: ``loaded`` (graph inputs read from the batch), ``received``
 (``{TensorRef: value}`` from other stages), ``inputs`` (the flat tuple given to the stage's forward),
@@ -31,23 +33,29 @@ from deepspeed.utils import logger
 
 from ..config import GraphPipelineConfig, with_plan_schedule
 from ..errors import GPPConfigError
+from ..schedule.asynchronous import is_async
 from ..schedule.generators import build_schedule
 from ..schedule.ir import Action, ActionKind as K, format_schedule
+from ..schedule.lowering import assign_buffers
 from ..schedule.validate import validate_schedule
-from ..schedule.zero_bubble import buffers_needed
 from .flat import flatten, port_ranges, unflatten
+from . import asynchronous as _async
 from .compat import count_each_stage_once
-from .instructions import (GraphPipeSchedule, RecvActivationFrom, RecvGradFrom, SendActivationTo, SendGradTo,
-                           WaitSends)
+from . import portable
+from .instructions import (GraphPipeSchedule, RecvActivationFrom, RecvGradFrom, ReleaseInputs, ReleaseOutputs,
+                           SendActivationTo, SendGradTo, Transfers, WaitSends)
 from .module import GraphPipelineModule
-from .p2p import EdgeTransport
-from .reshard import cut_rows, edge_peers, grad_scale, join_rows
-from .split_engine import SPLIT_SCHEDULES, SplitBackwardMixin, check_split_backward_supported
+from .p2p import EdgeTransport, Incoming, Outgoing
+from .reshard import cut_rows, edge_peers, grad_scale, join_rows, warm_up_pairs
+from .split_engine import SplitBackwardMixin, check_split_backward_supported
 
 __all__ = ["GraphPipelineEngine"]
 
 _EXTRA_BUFFERS = ("loaded", "received", "grads", "losses", "weight_grad")
-_WAITING = frozenset({K.RECV_F, K.RECV_B, K.WAIT_SENDS})
+_WAITING = frozenset({K.RECV_F, K.RECV_B, K.P2P, K.WAIT_SENDS})
+# DeepSpeed's pipe timer of each transfer kind (wall_clock_breakdown).
+_TIMERS = {K.SEND_F: PIPE_SEND_OUTPUT_TIMER, K.RECV_F: PIPE_RECV_INPUT_TIMER, K.SEND_B: PIPE_SEND_GRAD_TIMER,
+           K.RECV_B: PIPE_RECV_GRAD_TIMER}
 
 
 def _wall_clock(timer: str, handler):
@@ -101,7 +109,7 @@ class GraphPipelineEngine(SplitBackwardMixin, PipelineEngine):
                            for t in self._out_edges}
         count_each_stage_once(self.optimizer, is_stage_leader=self.grid.is_stage_leader(),
                               group=self.grid.get_model_parallel_group())
-        self._schedules: dict[tuple[int, bool], tuple[list[Action], int]] = {}
+        self._schedules: dict[tuple[int, bool], tuple[list[Action], dict[int, int]]] = {}
         self.last_timeline: list[tuple[Action, float, float]] = []   # this stage's last batch, timed
         self._trace_events: list[dict] = []
         self._trace_t0 = time.perf_counter()
@@ -109,6 +117,13 @@ class GraphPipelineEngine(SplitBackwardMixin, PipelineEngine):
             self.pipe_buffers[key] = [None] * self.num_pipe_buffers
         self.module.engine_attached = True
         self._dag_ready = True
+        # Every pair of ranks that exchanges tensors talks once now, in one order on all ranks, so
+        # NCCL creates no communicator in the middle of a schedule.
+        self.transport.warm_up(warm_up_pairs(self.placement, self.stage_graph, replica=self.grid.replica_id))
+        self._async = None
+        if is_async(self.gpp_config.schedule):
+            _async.check_async_options(self)
+            self._async = _async.AsyncPipeline(self)
         if self.training_data:
             if any(n > 1 for n in self.placement.degrees):
                 # DeepSpeed's loader shards samples over a stage's data-parallel ranks, but the ranks of
@@ -147,6 +162,20 @@ class GraphPipelineEngine(SplitBackwardMixin, PipelineEngine):
                 self._build_data_iter(self.training_data)
         else:
             self.data_iterator = None
+
+    # -- checkpoints (portable across layouts: see portable.py) ------------------------------------
+
+    def save_checkpoint(self, save_dir, tag=None, client_state={}, save_latest=True, exclude_frozen_parameters=False):
+        tag = f"global_step{self.global_steps}" if tag is None else tag   # DeepSpeed's default tag
+        out = super().save_checkpoint(save_dir, tag=tag, client_state=client_state, save_latest=save_latest,
+                                      exclude_frozen_parameters=exclude_frozen_parameters)
+        portable.save_extras(self, save_dir, tag)
+        return out
+
+    def load_checkpoint(self, load_dir, tag=None, **kwargs):
+        """DeepSpeed's ``load_checkpoint``; a checkpoint saved under another layout (partition,
+        stage count, data-parallel degree, or a ``GraphModel``) loads layer by layer by name."""
+        return portable.load_checkpoint(self, load_dir, tag, ds_load=super().load_checkpoint, **kwargs)
 
     # -- roles ------------------------------------------------------------------------------------
 
@@ -196,36 +225,31 @@ class GraphPipelineEngine(SplitBackwardMixin, PipelineEngine):
 
     # -- schedules ----------------------------------------------------------------------------------
 
-    def _num_buffers(self, stage: int, micro_batches: int, train: bool, actions: list[Action]) -> int:
-        if not train:
-            return min(micro_batches, 2)
-        if self.gpp_config.schedule in SPLIT_SCHEDULES:  # W keeps a micro-batch's buffer after its I
-            return buffers_needed(actions)
-        if self.gpp_config.schedule == "gpipe":
-            return micro_batches
-        return max(1, min(micro_batches, self.stage_graph.depth(stage)))
-
-    def graph_schedule(self, micro_batches: int, *, train: bool) -> tuple[list[Action], int]:
-        """This stage's actions for one batch and its buffer count (validated once per shape)."""
+    def graph_schedule(self, micro_batches: int, *, train: bool) -> tuple[list[Action], dict[int, int]]:
+        """This stage's actions for one batch and the buffer slot of each micro-batch (validated
+        once per shape)."""
         key = (micro_batches, train)
         if key not in self._schedules:
             loading = {s.stage_idx for s in self.module.partition.stages if s.loads}
             loading.add(self.stage_graph.output_stage)
             full = build_schedule(self.stage_graph, micro_batches, name=self.gpp_config.schedule, train=train,
                                   loading_stages=loading)
-            buffers = {s: self._num_buffers(s, micro_batches, train, full[s]) for s in full}
+            slots = assign_buffers(full)
             if self.gpp_config.validate_schedule:
-                validate_schedule(full, self.stage_graph, micro_batches, train=train, num_buffers=buffers)
+                validate_schedule(full, self.stage_graph, micro_batches, train=train, slots=slots)
             if self.global_rank == 0:
                 logger.debug("graph pipeline schedule:\n%s", format_schedule(full))
-            self._schedules[key] = (full[self.stage_id], buffers[self.stage_id])
+            self._schedules[key] = (full[self.stage_id], slots[self.stage_id])
         return self._schedules[key]
 
-    def _graph_pipe_schedule(self, micro_batches: int, train: bool) -> GraphPipeSchedule:
-        actions, buffers = self.graph_schedule(micro_batches, train=train)
+    def _graph_pipe_schedule(self, micro_batches: int, train: bool, *, flush: bool = False) -> GraphPipeSchedule:
+        if self._async is not None and train:
+            actions, slot_of = self._async.segment(micro_batches, flush=flush)
+        else:
+            actions, slot_of = self.graph_schedule(micro_batches, train=train)
         self.last_timeline = []
         return GraphPipeSchedule(actions, micro_batches=micro_batches, stages=self.num_stages,
-                                 stage_id=self.stage_id, num_buffers=buffers, record=self.last_timeline)
+                                 stage_id=self.stage_id, slot_of=slot_of, record=self.last_timeline)
 
     # -- what the last batch did ------------------------------------------------------------------
 
@@ -240,7 +264,15 @@ class GraphPipelineEngine(SplitBackwardMixin, PipelineEngine):
         return waiting / wall if wall > 0 else 0.0
 
     def train_batch(self, data_iter=None):
+        if self._async is not None:
+            self._async.in_batch = True
         loss = super().train_batch(data_iter)
+        if self._async is not None:
+            self._async.in_batch = False
+            # Updates are UPDATE actions inside the pipeline, not DeepSpeed's STEP: count the batch here.
+            self._async.batches += 1
+            self.global_steps += 1
+            self.global_samples += self.train_batch_size()
         if self.gpp_config.trace_dir is not None:
             self._trace(self.gpp_config.trace_dir)
         every = self.steps_per_print()
@@ -267,6 +299,27 @@ class GraphPipelineEngine(SplitBackwardMixin, PipelineEngine):
 
     def _train_schedule(self):
         return self._graph_pipe_schedule(self.micro_batches, True)
+
+    def flush(self) -> None:
+        """Drain an asynchronous pipeline: run the backwards and updates of every micro-batch still
+        in flight, so the weights are final. Called before ``eval_batch`` and ``save_checkpoint``;
+        a no-op for the synchronous schedules and for an empty pipeline."""
+        if self._async is None or self._async.batches == 0:
+            return
+        self.module.train()
+        self._async.in_batch = True
+        self._exec_schedule(self._graph_pipe_schedule(self._async.micro_batches, True, flush=True))
+        self._async.in_batch = False
+        self._async.batches = 0
+        self._async.versions.reset()
+
+    def eval_batch(self, data_iter, *args, **kwargs):
+        self.flush()
+        return super().eval_batch(data_iter, *args, **kwargs)
+
+    def save_checkpoint(self, save_dir, *args, **kwargs):
+        self.flush()
+        return super().save_checkpoint(save_dir, *args, **kwargs)
 
     def _inference_schedule(self, micro_batches):
         return self._graph_pipe_schedule(micro_batches, False)
@@ -334,15 +387,13 @@ class GraphPipelineEngine(SplitBackwardMixin, PipelineEngine):
                   for ref in self.spec.in_ports]
         flat, self.module.in_arity = flatten(values)
         self.pipe_buffers["inputs"][buffer_id] = tuple(flat)
-        super()._exec_forward_pass(buffer_id)
+        if self._async is not None and torch.is_grad_enabled():
+            with self._async.versions.forward_on_current():
+                super()._exec_forward_pass(buffer_id)
+        else:
+            super()._exec_forward_pass(buffer_id)
         if self.is_last_stage() and torch.is_grad_enabled():
             self.pipe_buffers["losses"][buffer_id] = self.loss
-        if not torch.is_grad_enabled():
-            # No backward follows: drop what only the backward would read.
-            for key in ("inputs", "loaded", "received", "labels"):
-                self.pipe_buffers[key][buffer_id] = None
-            if self.is_last_stage():
-                self.pipe_buffers["outputs"][buffer_id] = None
 
     def _exec_backward_pass(self, buffer_id):
         if self.is_last_stage():
@@ -351,8 +402,6 @@ class GraphPipelineEngine(SplitBackwardMixin, PipelineEngine):
             super()._exec_backward_pass(buffer_id)  # DeepSpeed's backward(loss), scaled by 1/GAS
         else:
             self._backward_from_grads(buffer_id)
-        for key in ("outputs", "output_tensors", "grads", "labels"):
-            self.pipe_buffers[key][buffer_id] = None
 
     def _backward_from_grads(self, buffer_id):
         """One autograd pass from every output that received a gradient (summed over readers)."""
@@ -400,7 +449,48 @@ class GraphPipelineEngine(SplitBackwardMixin, PipelineEngine):
             for p in params:
                 p.grad.detach().mul_(clip_coef.to(p.grad.dtype))
 
+    # -- buffers ----------------------------------------------------------------------------------
+
+    def _exec_release_inputs(self, buffer_id):
+        for key in ("inputs", "loaded", "received"):
+            self.pipe_buffers[key][buffer_id] = None
+
+    def _exec_release_outputs(self, buffer_id):
+        for key in ("outputs", "output_tensors", "grads", "labels", "losses", "weight_grad"):
+            self.pipe_buffers[key][buffer_id] = None
+
     # -- transfers --------------------------------------------------------------------------------
+
+    def _exec_transfers(self, ops):
+        """Run one transfer action: every send and receive of ``ops`` posted at once."""
+        # With per-stage degrees a stage edge is one message per peer rank: each consumer rank gets
+        # exactly its rows from the producer ranks holding them (reshard.py); gradients go back the
+        # same way. With equal degrees that is one message to the same-index rank.
+        sends, recvs, receivers = [], [], []
+        for kind, buffer_id, peer in ops:
+            if kind is K.SEND_F:
+                flat, arity = self._flat_ports(buffer_id, self._out_edges[peer].tensors)
+                what = f"edge {self.stage_id} -> {peer}"
+                sends += [Outgoing(peer, (self.stage_id, peer), cut_rows(flat, to, what=what), arity, rank=to.rank)
+                          for to in self._out_peers[peer]]
+            elif kind is K.SEND_B:
+                grads, what = self._input_grads(buffer_id, peer), f"edge {peer} -> {self.stage_id}"
+                sends += [Outgoing(peer, (peer, self.stage_id), cut_rows(grads, to, what=what), rank=to.rank)
+                          for to in self._in_peers[peer]]
+            elif kind is K.RECV_F:
+                recvs += [Incoming(peer, (peer, self.stage_id), rank=frm.rank) for frm in self._in_peers[peer]]
+                receivers.append((self._store_activations, buffer_id, peer, None, len(self._in_peers[peer])))
+            else:
+                positions, outputs = self._grad_positions(buffer_id, peer)
+                what = f"edge {self.stage_id} -> {peer}"
+                for frm in self._out_peers[peer]:
+                    specs = tuple((tuple(t.shape), t.dtype) for t in cut_rows(outputs, frm, what=what))
+                    recvs.append(Incoming(peer, (self.stage_id, peer), specs, rank=frm.rank))
+                receivers.append((self._store_grads, buffer_id, peer, positions, len(self._out_peers[peer])))
+        got = iter(self.transport.exchange(sends, recvs, always_layout=self.dynamic_shape))
+        for store, buffer_id, peer, extra, count in receivers:
+            parts = [next(got) for _ in range(count)]
+            store(buffer_id, peer, parts[0][0], join_rows([tensors for _, tensors in parts]), extra)
 
     def _flat_ports(self, buffer_id, refs):
         outputs = self.pipe_buffers["outputs"][buffer_id]
@@ -440,25 +530,60 @@ class GraphPipelineEngine(SplitBackwardMixin, PipelineEngine):
         if peer == next(reversed(self._in_edges)):
             for key in ("inputs", "loaded", "received"):
                 self.pipe_buffers[key][buffer_id] = None
+    def _input_grads(self, buffer_id, peer):
+        received = self.pipe_buffers["received"][buffer_id]
+        flat, _ = flatten([received[ref] for ref in self._in_edges[peer].tensors])
+        # A tensor this stage did not use still gets a (zero) gradient: the producer waits for one.
+        return [t.grad if t.grad is not None else torch.zeros_like(t) for t in flat if t.is_floating_point()]
 
-    def _exec_recv_grads_from(self, buffer_id, peer):
+    def _grad_positions(self, buffer_id, peer):
+        """Flat output positions of the edge to ``peer``'s floating-point tensors, in the order
+        their gradients come, and those output tensors (the gradients' shapes)."""
         flat, arity = flatten(self.pipe_buffers["outputs"][buffer_id])
         ranges = port_ranges(arity)
-        # Flat output positions of this edge's floating-point tensors, in the order they were sent.
         positions = [i for ref in self._out_edges[peer].tensors for i in ranges[self._out_index[ref]]
                      if flat[i].is_floating_point()]
-        pieces = []
-        for frm in self._out_peers[peer]:
-            rows = cut_rows([flat[i] for i in positions], frm, what=f"edge {self.stage_id} -> {peer}")
-            pieces.append(self.transport.recv_tensors(peer, [(tuple(t.shape), t.dtype) for t in rows], rank=frm.rank))
-        got = join_rows(pieces)
+        return positions, [flat[i] for i in positions]
+
+    def _store_activations(self, buffer_id, peer, layout, tensors, _):
+        for t in tensors:
+            t.requires_grad = t.is_floating_point() and torch.is_grad_enabled()
+        received = self.pipe_buffers["received"][buffer_id] or {}
+        received.update(zip(self._in_edges[peer].tensors, unflatten(tensors, layout.arity)))
+        self.pipe_buffers["received"][buffer_id] = received
+
+    def _store_grads(self, buffer_id, peer, _, got, positions):
         scale = grad_scale(self.placement, src=self.stage_id, dst=peer)
-        if scale != 1:
+        if scale != 1:  # see reshard.py: each rank differentiates its stage degree times its share
             got = [g * scale for g in got]
         grads: dict[int, torch.Tensor] = self.pipe_buffers["grads"][buffer_id] or {}
         for pos, g in zip(positions, got):
             grads[pos] = g if pos not in grads else grads[pos] + g
         self.pipe_buffers["grads"][buffer_id] = grads
+
+    def _exec_transfer_group(self, ops):
+        timers = [_TIMERS[kind] for kind in dict.fromkeys(kind for kind, _, _ in ops)]
+        if self.wall_clock_breakdown():  # a grouped transfer counts under each of its kinds' timers
+            for name in timers:
+                self.timers(name).start()
+        try:
+            self._exec_transfers(ops)
+        finally:
+            if self.wall_clock_breakdown():
+                for name in timers:
+                    self.timers(name).stop()
+
+    def _exec_send_activations_to(self, buffer_id, peer):
+        self._exec_transfers([(K.SEND_F, buffer_id, peer)])
+
+    def _exec_recv_activations_from(self, buffer_id, peer):
+        self._exec_transfers([(K.RECV_F, buffer_id, peer)])
+
+    def _exec_send_grads_to(self, buffer_id, peer):
+        self._exec_transfers([(K.SEND_B, buffer_id, peer)])
+
+    def _exec_recv_grads_from(self, buffer_id, peer):
+        self._exec_transfers([(K.RECV_B, buffer_id, peer)])
 
     def _exec_wait_sends(self):
         self.transport.wait_sends()
@@ -473,8 +598,14 @@ class GraphPipelineEngine(SplitBackwardMixin, PipelineEngine):
         RecvActivationFrom: _wall_clock(PIPE_RECV_INPUT_TIMER, _exec_recv_activations_from),
         SendGradTo: _wall_clock(PIPE_SEND_GRAD_TIMER, _exec_send_grads_to),
         RecvGradFrom: _wall_clock(PIPE_RECV_GRAD_TIMER, _exec_recv_grads_from),
+        Transfers: _exec_transfer_group,
+        ReleaseInputs: _exec_release_inputs,
+        ReleaseOutputs: _exec_release_outputs,
         WaitSends: _exec_wait_sends,
         **SplitBackwardMixin._SPLIT_INSTRUCTIONS,
+        _async.StashWeights: _async.exec_stash,
+        _async.PredictWeights: _async.exec_predict,
+        _async.UpdateWeights: _async.exec_update,
     }
 
 

@@ -35,6 +35,7 @@ from ..planner.search import graphpipe_partition, proxy_costs
 from ..graph.placement import Placement
 from ..graph.stages import Partition, StageSpec, derive_partition
 from ..spec import LayerEntry, call_layer, normalize_layers, port_leaves, resolve
+from ..checkpoint import layer_model_file, layer_model_files
 from .compat import pipeline_grid
 from .flat import flatten, unflatten
 from .shm import release_own_shm
@@ -62,12 +63,14 @@ class GraphPipelineModule(PipelineModule):
         ``"parameters"`` (default) or ``"uniform"``: balanced by parameter or layer count, keeping
         independent branches on separate stages (accepting a heaviest stage up to 10% above the
         least possible one when that makes the stage graph shallower); ``"sequential"``: the chain baseline, the list order
-        cut into contiguous stages as DeepSpeed does; ``"type:<regex>"``: balance the layers whose
+        cut into contiguous stages as DeepSpeed does and run as a chain (a tensor that skips stages
+        is relayed through every stage in between, as DeepSpeed's ``PipelineEngine`` carries it); ``"type:<regex>"``: balance the layers whose
         class matches; ``"graphpipe"``: GraphPipe's search (:mod:`gpp_deepspeed.planner`) for the
         least-bottleneck stage graph, priced by ``cost_db`` (a :class:`~gpp_deepspeed.planner.CostDB`
         or the path of one ``gpp profile`` wrote; without one, time is taken as proportional to
         parameters); a plan (a :class:`~gpp_deepspeed.planner.plan.Plan` or the path of a JSON file
-        ``gpp plan`` wrote), whose stages must match the pipeline's stage count; or an explicit
+        ``gpp plan`` wrote), whose stages must match the pipeline's stage count (a plan priced as a
+        chain, ``"pipeline": "chain"``, runs as a chain with relays); or an explicit
         ``{layer_name: stage_idx}`` mapping. Every rank computes or loads the same partition.
     cost_db
         The cost database ``partition_method="graphpipe"`` plans with.
@@ -88,16 +91,18 @@ class GraphPipelineModule(PipelineModule):
         graph = build_layer_graph(input_names, [(e.name, e.inputs) for e in entries], output=output)
         if not dist.is_initialized():
             dist.init_distributed(dist_backend=get_accelerator().communication_backend_name())
-        plan = _load_plan(partition_method)
+        plan = _as_plan(partition_method)
         placement = _placement(num_stages, topology, stage_degrees, plan, dist.get_world_size())
         stages = placement.num_stages
         method = plan.stage_of if plan is not None else partition_method
-        partition = derive_partition(graph, _assign(graph, entries, stages, method, cost_db), num_stages=stages)
+        partition = derive_partition(graph, _assign(graph, entries, stages, method, cost_db),
+                                     num_stages=stages, relay=_runs_as_chain(partition_method))
         by_name = {e.name: e for e in entries}
         # Plain attributes may be set before nn.Module.__init__; the parent's __init__ needs them.
         self.graph: LayerGraph = graph
         self.partition: Partition = partition
         self._entries: list[LayerEntry] = [by_name[n] for n in partition.layer_order]
+        self._list_index = {e.name: i for i, e in enumerate(entries)}   # DeepSpeed's layer_XX numbering
         # Set by the engine before each forward: how many tensors each in-port carries (-1: one
         # tensor, k: a tuple of k), learned from the layouts of the received edges.
         self.in_arity: list[int] | None = None
@@ -117,6 +122,11 @@ class GraphPipelineModule(PipelineModule):
                              checkpointable_layers=checkpointable_layers, dynamic_shape=dynamic_shape)
         self.stage_spec: StageSpec = partition.stages[self.stage_id]
         self._local_entries = self._entries[self._local_start:self._local_stop]
+        if activation_checkpoint_interval == 0 and _recomputes(plan, self.stage_spec.layers):
+            # The plan chose recomputation for this stage (PipeDream-2BW's planner): its layers
+            # run as one checkpointed chunk here, and every other stage keeps its activations.
+            self.activation_checkpoint_interval = len(self._local_entries)
+            self._precompute_checkpointable_values()
         self.glue_placeholder: nn.Parameter | None = None
         if not any(p.requires_grad for p in self.parameters()):
             # A glue-only stage (an Add of skips, a concat): torch and DeepSpeed optimizers refuse
@@ -258,6 +268,21 @@ class GraphPipelineModule(PipelineModule):
 
     # -- naming ---------------------------------------------------------------------------------
 
+    def ckpt_layer_path(self, ckpt_dir, local_layer_idx):
+        """Layer files are keyed by layer name (:mod:`gpp_deepspeed.checkpoint`), not by the
+        partition-dependent index DeepSpeed uses, so checkpoints move between layouts."""
+        return layer_model_file(ckpt_dir, self._local_entries[local_layer_idx].name,
+                                self._grid._topo.get_rank_repr(rank=self.global_rank))
+
+    def ckpt_layer_path_list(self, ckpt_dir, local_layer_idx):
+        name = self._local_entries[local_layer_idx].name
+        files = layer_model_files(ckpt_dir, name, index=self._list_index[name])
+        if not files:
+            raise GPPError(f'checkpoint {ckpt_dir} has no file for layer "{name}" (looked for '
+                           f"{os.path.basename(layer_model_file(ckpt_dir, name))} and DeepSpeed's "
+                           f"layer_{self._list_index[name]:02d}-*model_states.pt)")
+        return files
+
     def local_layer_names(self) -> tuple[str, ...]:
         return self.stage_spec.layers
 
@@ -274,23 +299,15 @@ class GraphPipelineModule(PipelineModule):
         return out
 
 
-def _load_plan(method: Any) -> Plan | None:
-    """The plan ``partition_method`` names (a Plan or a JSON path), or None."""
-    if isinstance(method, Plan):
-        return method
-    if isinstance(method, os.PathLike) or isinstance(method, str) and method.endswith(".json"):
-        path = Path(method)
-        if not path.is_file():
-            raise PartitionError(f'partition_method names plan file "{method}", which does not exist')
-        return Plan.load(path)
-    return None
-
-
 def _placement(num_stages: int | None, topology, stage_degrees, plan: Plan | None, world_size: int) -> Placement:
     """Which ranks run which stage: from ``stage_degrees``, the plan's devices per stage, DeepSpeed's
     ``topology`` (one rank per stage) or ``num_stages`` (one rank per stage), checked against the
     world size before any communication."""
     local_size = int(os.environ.get("LOCAL_SIZE", world_size))
+    if plan is not None and plan.placement:
+        # A topology-aware plan was mapped to devices assuming stage blocks in stage order
+        # (planner.topology.rank_order); the launcher permutes ranks, so keep that order.
+        local_size = world_size
     if topology is not None:
         if set(topology.get_axis_names()) - {"pipe", "data"}:
             raise PartitionError(f"the topology has axes {topology.get_axis_names()}; a GraphPipelineModule supports "
@@ -352,6 +369,31 @@ def _assign(graph: LayerGraph, entries: list[LayerEntry], num_stages: int, metho
     if name == "sequential":
         return sequential_partition(graph, num_stages, weights=weights)
     return balanced_partition(graph, num_stages, weights=weights, slack=BRANCH_SLACK)
+
+
+def _as_plan(method: Any) -> Plan | None:
+    """The plan ``partition_method`` names (a Plan or the path of its JSON file), else None."""
+    if isinstance(method, Plan):
+        return method
+    if isinstance(method, os.PathLike) or isinstance(method, str) and method.endswith(".json"):
+        path = Path(method)
+        if not path.is_file():
+            raise PartitionError(f'partition_method names plan file "{method}", which does not exist')
+        return Plan.load(path)
+    return None
+
+
+def _recomputes(plan: Plan | None, layers: Sequence[str]) -> bool:
+    return plan is not None and any(s.recompute and set(s.layers) == set(layers) for s in plan.stages)
+
+
+def _runs_as_chain(method: Any) -> bool:
+    """Whether the partition is a chain that relays skip tensors: ``"sequential"`` (DeepSpeed's cut)
+    and plans priced as chains (``"pipeline": "chain"``: the PipeDream, Piper and DeepSpeed baselines)."""
+    if isinstance(method, str) and method.lower() == "sequential":
+        return True
+    plan = _as_plan(method)
+    return plan is not None and plan.pipeline == "chain"
 
 
 def _cost_db(graph: LayerGraph, entries: list[LayerEntry], cost_db: Any) -> CostDB:

@@ -28,7 +28,7 @@ import torch
 from ..errors import GPPConfigError
 from ..graph.placement import Placement, reshard
 
-__all__ = ["EdgePeer", "edge_peers", "cut_rows", "join_rows", "grad_scale"]
+__all__ = ["EdgePeer", "edge_peers", "cut_rows", "join_rows", "grad_scale", "warm_up_pairs"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,3 +94,21 @@ def join_rows(pieces: list[list[torch.Tensor]]) -> list[torch.Tensor]:
 def grad_scale(placement: Placement, *, src: int, dst: int) -> float:
     """The factor applied to gradients arriving at stage ``src`` from stage ``dst``."""
     return placement.degrees[src] / placement.degrees[dst]
+
+
+def warm_up_pairs(placement: Placement, stage_graph, *, replica: int) -> list[tuple[int, int, int, int]]:
+    """Every ``(src_stage, dst_stage, src_rank, dst_rank)`` that exchanges rows on a stage edge of
+    ``replica``, sorted: the same list on every rank of the replica (the transport warms each pair
+    up in this order).
+
+    >>> from gpp_deepspeed.graph.stages import StageGraph
+    >>> warm_up_pairs(Placement.build((2, 1), world_size=3), StageGraph.chain(2), replica=0)
+    [(0, 1, 0, 2), (0, 1, 1, 2)]
+    """
+    pairs = set()
+    for e in stage_graph.edges:
+        producers = placement.ranks(e.src, replica)
+        for i, rank in enumerate(producers):
+            for peer in edge_peers(placement, src=e.src, dst=e.dst, replica=replica, idx=i, side="src"):
+                pairs.add((e.src, e.dst, rank, peer.rank))
+    return sorted(pairs)

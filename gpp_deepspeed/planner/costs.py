@@ -221,6 +221,13 @@ class StageCost:
     stash_bytes: float    # activations stashed per in-flight micro-batch per device
     bwd_input_s: float = 0.0   # split backward: input gradients plus the gradient transfers (I)
     bwd_weight_s: float = 0.0  # split backward: weight gradients (W)
+    working_bytes: float = 0.0  # recomputed stage: one micro-batch's activations during its backward
+
+    def memory(self, in_flight: int) -> float:
+        """Peak bytes per device with ``in_flight`` micro-batches stashed (GraphPipe Sec. 3, Eq. 2;
+        a recomputed stage stashes only its inputs and rebuilds one micro-batch's activations
+        at a time, PipeDream-2BW Sec. 3.3)."""
+        return self.weight_bytes + in_flight * self.stash_bytes + self.working_bytes
 
 
 @dataclass
@@ -279,6 +286,9 @@ class StageCostModel:
 
     @staticmethod
     def _members(mask: int) -> list[int]:
+        low = mask & -mask
+        if mask and not mask & (mask + low):   # one run of ones: a range of layers, the usual stage
+            return list(range(low.bit_length() - 1, mask.bit_length()))
         out = []
         while mask:
             low = mask & -mask
@@ -292,6 +302,16 @@ class StageCostModel:
         hit = self._cache.get(key)
         if hit is None:
             hit = self._cache[key] = [c.times(shard) for c in self.db.layers]
+        return hit
+
+    def _layer_rows(self, shard: float) -> list[tuple]:
+        """Per layer on a shard: forward, backward, its two split halves, parameter and stash
+        bytes (cached: the searches price many stages at few shard sizes)."""
+        key = ("rows", shard)
+        hit = self._cache.get(key)
+        if hit is None:
+            hit = self._cache[key] = [(*t, *c.split_backward_times(shard), c.param_bytes, c.stash_bytes)
+                                      for t, c in zip(self.layer_times(shard), self.db.layers)]
         return hit
 
     def boundary_bytes(self, mask: int) -> tuple[float, float]:
@@ -329,15 +349,18 @@ class StageCostModel:
         return [(cuts[k - 1] if k > 0 else 0.0, cuts[k] if k < len(cuts) else 0.0) for k in range(len(masks))]
 
     def stage(self, mask: int, b: int, n: int, *, boundary: tuple[float, float] | None = None,
-              extra_messages: int = 0) -> StageCost:
+              recompute: bool = False, extra_messages: int = 0) -> StageCost:
         """Price layer set ``mask`` as one stage with micro-batch ``b`` on ``n`` devices.
 
         ``boundary`` overrides the bytes per sample entering and leaving the stage (a chain
-        pipeline relays skip tensors, see :meth:`chain_boundaries`). ``extra_messages`` is the
-        number of additional messages a rank of the stage exchanges per micro-batch and direction
-        because its neighbours have other degrees (:func:`extra_reshard_messages`).
+        pipeline relays skip tensors, see :meth:`chain_boundaries`). ``recompute``: the stage
+        checkpoints its activations, PipeDream-2BW's per-stage choice (arXiv 2006.09503, Sec. 3.3):
+        the backward runs the forward again first, and a micro-batch in flight stashes only the
+        stage's inputs. ``extra_messages`` is the number of additional messages a rank of the stage
+        exchanges per micro-batch and direction because its neighbours have other degrees
+        (:func:`extra_reshard_messages`).
         """
-        key = (mask, b, n, boundary, extra_messages)
+        key = (mask, b, n, boundary, recompute, extra_messages)
         hit = self._cache.get(key)
         if hit is not None:
             return hit
@@ -346,16 +369,15 @@ class StageCostModel:
         shard = b / n
         fwd = bwd = grad_in = grad_w = 0.0
         params = stash = 0.0
-        times = self.layer_times(shard)
+        rows = self._layer_rows(shard)
         for i in self._members(mask):
-            f, bw = times[i]
-            gi, gw = layers[i].split_backward_times(shard)
+            f, bw, gi, gw, p, st = rows[i]
             fwd += f
             bwd += bw
             grad_in += gi
             grad_w += gw
-            params += layers[i].param_bytes
-            stash += layers[i].stash_bytes
+            params += p
+            stash += st
         in_b, out_b = self.boundary_bytes(mask) if boundary is None else boundary
         # Activations arrive before the forward and leave after it; gradients mirror them
         # (with a split backward, around I: W talks to no one). Resharding adds latencies only.
@@ -367,24 +389,41 @@ class StageCostModel:
         if n > 1 and params > 0:
             ring = hw.link(n)
             allreduce = 2 * (n - 1) * ring.alpha_s + 2 * (n - 1) / n * params * ring.beta_s_per_byte
+        working = 0.0
+        if recompute:
+            again = sum(rows[i][0] for i in self._members(mask))
+            bwd += again
+            grad_in += again
+            working, stash = stash, in_b
         cost = StageCost(fwd_s=fwd, bwd_s=bwd, allreduce_s=allreduce,
                          weight_bytes=params * (1 + hw.optimizer_factor), stash_bytes=stash * shard,
-                         bwd_input_s=grad_in, bwd_weight_s=grad_w)
+                         bwd_input_s=grad_in, bwd_weight_s=grad_w, working_bytes=working * shard)
         self._cache[key] = cost
         return cost
 
-    def time_per_sample(self, mask: int, b: int, n: int, *, boundary: tuple[float, float] | None = None) -> float:
+    def time_per_sample(self, mask: int, b: int, n: int, *, boundary: tuple[float, float] | None = None,
+                        recompute: bool = False) -> float:
         """The stage's seconds per sample: GraphPipe's TPS (Sec. 5, Eq. 1)."""
-        c = self.stage(mask, b, n, boundary=boundary)
+        c = self.stage(mask, b, n, boundary=boundary, recompute=recompute)
         return (c.fwd_s + c.bwd_s + c.allreduce_s * b / self.mini_batch) / b
 
-    def memory(self, mask: int, b: int, n: int, in_flight: int) -> float:
+    def memory(self, mask: int, b: int, n: int, in_flight: int, *, recompute: bool = False) -> float:
         """Peak bytes per device with ``in_flight`` micro-batches stashed (GraphPipe Sec. 3, Eq. 2)."""
-        c = self.stage(mask, b, n)
-        return c.weight_bytes + in_flight * c.stash_bytes
+        return self.stage(mask, b, n, recompute=recompute).memory(in_flight)
 
-    def fits(self, mask: int, b: int, n: int, in_flight: int) -> bool:
-        return self.memory(mask, b, n, in_flight) <= self.db.hardware.memory_bytes
+    def fits(self, mask: int, b: int, n: int, in_flight: int, *, recompute: bool = False) -> bool:
+        return self.memory(mask, b, n, in_flight, recompute=recompute) <= self.db.hardware.memory_bytes
+
+    def time_per_sample_inference(self, mask: int, b: int, n: int) -> float:
+        """A forward-only stage's seconds per sample (EdgePipe's objective, arXiv 2110.14895):
+        its forward with the activations in and out; no backward, no all-reduce."""
+        return self.stage(mask, b, n).fwd_s / b
+
+    def inference_memory(self, mask: int, b: int, n: int) -> float:
+        """Bytes per device of a forward-only stage: the parameters (no gradients, no optimizer
+        state) and one micro-batch's activations."""
+        c = self.stage(mask, b, n)
+        return c.weight_bytes / (1 + self.db.hardware.optimizer_factor) + c.stash_bytes
 
 
 def micro_batch_sizes(mini_batch: int, candidates: Sequence[int] | None = None) -> list[int]:

@@ -27,10 +27,13 @@ __all__ = ["PlanStage", "Prediction", "Plan", "SearchResult"]
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class PlanStage:
-    """One stage: its layers and how many devices run it (data-parallel degree)."""
+    """One stage: its layers, how many devices run it (data-parallel degree), and whether it
+    recomputes its activations in the backward (activation checkpointing on this stage only)."""
 
     layers: tuple[str, ...]
     devices: int = 1
+    recompute: bool = False
+    device_class: str | None = None   # a heterogeneous cluster's class its replicas belong to
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -79,6 +82,8 @@ class Plan:
     stage_edges: tuple[tuple[int, int], ...] = ()
     predicted: Prediction | None = None
     notes: dict = field(default_factory=dict)
+    # device ids per stage on a topology (planner/topology.py); () means contiguous rank order
+    placement: tuple[tuple[int, ...], ...] = ()
 
     @property
     def num_stages(self) -> int:
@@ -122,9 +127,12 @@ class Plan:
     def from_json(cls, text: str) -> "Plan":
         d = json.loads(text)
         try:
-            stages = tuple(PlanStage(layers=tuple(s["layers"]), devices=s["devices"]) for s in d.pop("stages"))
+            stages = tuple(PlanStage(layers=tuple(s["layers"]), devices=s["devices"],
+                                     recompute=s.get("recompute", False), device_class=s.get("device_class"))
+                           for s in d.pop("stages"))
             pred = d.pop("predicted", None)
             d["stage_edges"] = tuple(tuple(e) for e in d.get("stage_edges", ()))
+            d["placement"] = tuple(tuple(p) for p in d.get("placement", ()))
             if pred is not None:
                 pred = Prediction(**{k: tuple(v) if isinstance(v, list) else v for k, v in pred.items()})
             return cls(**d, stages=stages, predicted=pred)
@@ -143,7 +151,8 @@ class Plan:
                  f"micro-batch {self.micro_batch} of mini-batch {self.mini_batch}, schedule {self.schedule}"]
         for i, s in enumerate(self.stages):
             shown = list(s.layers) if len(s.layers) <= 6 else [*s.layers[:3], "...", *s.layers[-2:]]
-            lines.append(f"  stage {i} x{s.devices}: {len(s.layers)} layers {shown}")
+            lines.append(f"  stage {i} x{s.devices}" + (f" {s.device_class}" if s.device_class else "")
+                         + f": {len(s.layers)} layers {shown}" + (" (recompute)" if s.recompute else ""))
         if self.predicted is not None:
             p = self.predicted
             lines.append(f"  predicted: {p.iteration_time_s * 1e3:.2f} ms/iteration, {p.samples_per_s:.1f} samples/s, "

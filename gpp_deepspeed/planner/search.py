@@ -50,6 +50,7 @@ import networkx as nx
 
 from ..errors import GPPConfigError, InfeasiblePlanError
 from .costs import CommFit, CostDB, Hardware, LayerCost, StageCostModel, micro_batch_sizes
+from .inflight import stage_in_flight
 from .plan import Plan, PlanStage, SearchResult
 from .simulate import predict
 from .sp import Leaf, Series, sp_tree
@@ -151,7 +152,7 @@ class _DP:
 
     def __init__(self, cm: StageCostModel, nodes: list[_Node], b: int, tmax: float, stage_devices: Sequence[int],
                  work: Callable[[int], float], num_devices: int, infeasible: dict | None = None,
-                 priced: dict | None = None):
+                 priced: dict | None = None, recompute: bool = False):
         self.cm, self.nodes, self.b, self.tmax = cm, nodes, b, tmax * (1 + 1e-12)
         self.stage_devices = tuple(sorted(stage_devices))
         self.max_stage = self.stage_devices[-1]
@@ -166,6 +167,7 @@ class _DP:
         # (mask, devices) -> (TPS, weight bytes, stash bytes), shared by the bisection's DP runs
         self.priced = {} if priced is None else priced
         self.memory = cm.db.hardware.memory_bytes
+        self.recompute = recompute
         self._min_devices: dict[int, int] = {}
         self._cum: dict[int, list[float]] = {}
         self._tables: dict = {}
@@ -202,13 +204,23 @@ class _DP:
         return node.size * self.max_stage
 
     def stage_ok(self, mask: int, n: int, k: int) -> bool:
-        priced = self.priced.get((mask, n))
+        """Layer set ``mask`` on ``n`` devices meets ``tmax`` and fits with ``k`` in flight, as it
+        is or, where the search may recompute, with its activations recomputed."""
+        tps, cost = self._priced(mask, n, False)
+        if tps <= self.tmax and cost.memory(k) <= self.memory:
+            return True
+        if not self.recompute:
+            return False
+        tps, cost = self._priced(mask, n, True)
+        return tps <= self.tmax and cost.memory(k) <= self.memory
+
+    def _priced(self, mask: int, n: int, recompute: bool):
+        key = (mask, n, recompute)
+        priced = self.priced.get(key)
         if priced is None:
-            c = self.cm.stage(mask, self.b, n)
-            priced = self.priced[(mask, n)] = (self.cm.time_per_sample(mask, self.b, n), c.weight_bytes, c.stash_bytes)
-        tps, weight, stash = priced
-        # the same sum as StageCostModel.memory, so the test is bit for bit StageCostModel.fits
-        return tps <= self.tmax and weight + k * stash <= self.memory
+            priced = self.priced[key] = (self.cm.time_per_sample(mask, self.b, n, recompute=recompute),
+                                         self.cm.stage(mask, self.b, n, recompute=recompute))
+        return priced
 
     def stage_bits(self, mask: int, k: int) -> int:
         """Device counts (bit ``n``) on which layer set ``mask`` is one stage meeting ``tmax``
@@ -558,7 +570,7 @@ def _work_fn(cm: StageCostModel, shard: float) -> Callable[[int], float]:
 
 def bottleneck_search(cm: StageCostModel, tree, *, num_devices: int, micro_batch: int,
                       stage_devices: Sequence[int], rel_tol: float = _REL_TOL, floor: float = 0.0,
-                      limit: float = math.inf):
+                      limit: float = math.inf, recompute: bool = False):
     """Binary search on ``tmax`` (Alg. 1, lines 1-9): the least feasible bottleneck time per
     sample within ``rel_tol``, its stages, and the DP states visited; ``(None, None, states)``
     when no ``tmax`` is feasible (memory or device counts). ``floor`` is a known lower bound on
@@ -573,13 +585,16 @@ def bottleneck_search(cm: StageCostModel, tree, *, num_devices: int, micro_batch
 
     def attempt(tmax: float):
         nonlocal states
-        dp = _DP(cm, nodes, micro_batch, tmax, stage_devices, work, num_devices, infeasible, priced)
+        dp = _DP(cm, nodes, micro_batch, tmax, stage_devices, work, num_devices, infeasible, priced, recompute)
         r = dp.solve(len(nodes) - 1, num_devices, 0)
         states += dp.states
         return dp.stages(len(nodes) - 1, num_devices, 0) if r is not None else None
 
     def bottleneck(stages) -> float:
         # The plan found at tmax usually has a lower bottleneck than tmax: bisect from there.
+        # (With recomputation a stage's time depends on its in-flight count: stay at tmax.)
+        if recompute:
+            return math.inf
         return max(cm.time_per_sample(mask, micro_batch, n) for mask, n in stages)
 
     # A layer that fits on no stage, even alone with one micro-batch in flight, rules out every plan.
@@ -625,13 +640,15 @@ def bottleneck_search(cm: StageCostModel, tree, *, num_devices: int, micro_batch
 
 
 def graphpipe_search(db: CostDB, *, num_devices: int, mini_batch: int, micro_batches: Sequence[int] | None = None,
-                     space: str = "full", rel_tol: float = _REL_TOL,
+                     space: str = "full", rel_tol: float = _REL_TOL, recompute: bool = False,
                      progress: Callable[[str], None] | None = None) -> SearchResult:
     """GraphPipe's plan for ``db`` on ``num_devices`` devices: the best predicted throughput over
     the micro-batch sweep of the least-bottleneck stage graphs.
 
     ``space="full"`` lets every stage have its own data-parallel degree (a power of two); the
     ``"runtime"`` space gives every stage the same degree, as the engine runs today.
+    ``recompute=True`` lets a stage that would not fit recompute its activations in the backward
+    (PipeDream-2BW's per-stage choice); the plan marks those stages.
     """
     if space not in SPACES:
         raise GPPConfigError(f'search space must be one of {SPACES}, got "{space}"')
@@ -668,7 +685,7 @@ def graphpipe_search(db: CostDB, *, num_devices: int, mini_batch: int, micro_bat
             # at least B * TPS: a bottleneck above best_time / B cannot beat the best plan so far.
             tps, stages, visited = bottleneck_search(cm, tree, num_devices=num_devices, micro_batch=b,
                                                      stage_devices=stage_devices, rel_tol=rel_tol, floor=floor,
-                                                     limit=best_time / mini_batch)
+                                                     limit=best_time / mini_batch, recompute=recompute)
             states += visited
             if d is None:
                 full_tps = tps
@@ -679,7 +696,7 @@ def graphpipe_search(db: CostDB, *, num_devices: int, mini_batch: int, micro_bat
             if stages is None:
                 continue
             t0 = time.perf_counter()
-            plan = predict(_plan(db, cm, stages, b, mini_batch, tps, added, space), db)
+            plan = predict(_plan(db, cm, stages, b, mini_batch, tps, added, space, recompute), db)
             predict_s += time.perf_counter() - t0
             if plan.predicted.fits_memory:
                 candidates.append(plan)
@@ -694,7 +711,7 @@ def graphpipe_search(db: CostDB, *, num_devices: int, mini_batch: int, micro_bat
 
 
 def _plan(db: CostDB, cm: StageCostModel, stages: list[tuple[int, int]], b: int, mini_batch: int, tps: float,
-          added: tuple, space: str) -> Plan:
+          added: tuple, space: str, recompute: bool = False) -> Plan:
     """Stages as a :class:`Plan`, numbered in a topological order of the stage graph."""
     stage_of = {}
     for s, (mask, _) in enumerate(stages):
@@ -708,7 +725,12 @@ def _plan(db: CostDB, cm: StageCostModel, stages: list[tuple[int, int]], b: int,
             if src in stage_of and stage_of[src] != stage_of[c.name]:
                 g.add_edge(stage_of[src], stage_of[c.name])
     order = list(nx.lexicographical_topological_sort(g, key=lambda s: min(cm.index[n] for n in cm.names_of(stages[s][0]))))
-    plan_stages = tuple(PlanStage(layers=cm.names_of(stages[s][0]), devices=stages[s][1]) for s in order)
+    # Under 1F1B a stage keeps its depth to the sink in flight (Sec. 6); it recomputes exactly
+    # when it would not fit otherwise, which is the choice the DP's feasibility test made.
+    depth = stage_in_flight({s: list(g.successors(s)) for s in g}, {s: 1 for s in g})
+    plan_stages = tuple(PlanStage(layers=cm.names_of(stages[s][0]), devices=stages[s][1],
+                                  recompute=recompute and not cm.fits(stages[s][0], b, stages[s][1], depth[s]))
+                        for s in order)
     notes = {"bottleneck_tps_s": tps, "space": space,
              "sp_added_edges": [list(e) for e in added]}
     return Plan(model=db.model, method="graphpipe", source=db.source, micro_batch=b, mini_batch=mini_batch,

@@ -7,7 +7,9 @@ shared stage cost model: ``F`` and ``B`` take the stage's forward and backward t
 plus the transfers of its edges), ``I`` and ``W`` (the zero-bubble schedules' split backward)
 the input-gradient part with the transfers and the weight-gradient part, ``REDUCE_GRAD`` the
 gradient all-reduce of its data-parallel group. Peak in-flight micro-batches per stage are counted on the same timeline, so the memory a
-plan reports is what its schedule stashes, not a formula beside it.
+plan reports is what its schedule stashes, not a formula beside it. An asynchronous schedule
+(``pipedream``, ``2bw``, ``pipeoptim``) is priced in steady state, the batch the engine runs once
+the pipeline is full (no warm-up, no flush), with its stashed weight versions in memory.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from dataclasses import dataclass, replace
 
 from ..errors import PartitionError
 from ..graph.stages import StageGraph
+from ..schedule.asynchronous import async_segment, is_async, steady_batch_idx, validate_async
 from ..schedule.generators import build_schedule
 from ..schedule.ir import Action, ActionKind as K, Schedule
 from ..schedule.validate import Timeline, simulate
@@ -36,9 +39,12 @@ class SimulatedPlan:
     prediction: Prediction
 
 
-def simulate_plan(plan: Plan, db: CostDB, *, schedule: str | None = None) -> SimulatedPlan:
+def simulate_plan(plan: Plan, db: CostDB, *, schedule: str | None = None, cluster=None,
+                  train: bool = True, stage_costs: tuple[StageCost, ...] | None = None) -> SimulatedPlan:
     """Simulate one iteration (one mini-batch) of ``plan`` priced by ``db``, under ``schedule``
-    (default: the plan's own)."""
+    (default: the plan's own). With a :class:`~gpp_deepspeed.planner.hetero.Cluster`, each stage
+    is priced for its ``device_class``; ``train=False`` runs forwards only (inference);
+    ``stage_costs`` replaces the cost model's prices (a placement on a topology prices its links)."""
     schedule = schedule or plan.schedule
     names = set(db.by_name)
     planned = [n for s in plan.stages for n in s.layers]
@@ -54,11 +60,18 @@ def simulate_plan(plan: Plan, db: CostDB, *, schedule: str | None = None) -> Sim
         stage_graph = StageGraph.chain(plan.num_stages)
         bounds = model.chain_boundaries(masks)
     b = plan.micro_batch
-    degrees = [s.devices for s in plan.stages]
-    extra = extra_reshard_messages(((e.src, e.dst) for e in stage_graph.edges), degrees)
-    costs = tuple(model.stage(m, b, s.devices, boundary=bd, extra_messages=x)
-                  for m, s, bd, x in zip(masks, plan.stages, bounds, extra))
-    lists = build_schedule(stage_graph, plan.num_microbatches, name=schedule)
+    models = [model if cluster is None else cluster.stage_model(db, s.device_class, plan.mini_batch, plan.num_devices)
+              for s in plan.stages]
+    # Resharding between stages of different degrees: extra messages, one link latency each.
+    extra = extra_reshard_messages(((e.src, e.dst) for e in stage_graph.edges), [s.devices for s in plan.stages])
+    costs = tuple(stage_costs) if stage_costs is not None else tuple(
+        mdl.stage(m, b, s.devices, boundary=bd, recompute=s.recompute, extra_messages=x)
+        for mdl, m, s, bd, x in zip(models, masks, plan.stages, bounds, extra))
+    versions = [0] * plan.num_stages
+    if train and is_async(schedule):
+        lists, versions, in_flight = _steady_async(stage_graph, plan.num_microbatches, schedule)
+    else:
+        lists = build_schedule(stage_graph, plan.num_microbatches, name=schedule, train=train)
 
     def duration(a: Action) -> float:
         c = costs[a.stage_idx]
@@ -75,26 +88,47 @@ def simulate_plan(plan: Plan, db: CostDB, *, schedule: str | None = None) -> Sim
         return 0.0
 
     timeline = simulate(lists, duration=duration)
-    in_flight = tuple(peak_in_flight(lists[s]) for s in range(plan.num_stages))
-    mem = tuple(c.weight_bytes + k * c.stash_bytes for c, k in zip(costs, in_flight))
+    if not (train and is_async(schedule)):
+        in_flight = tuple(peak_in_flight(lists[s]) for s in range(plan.num_stages))
+    if train:
+        # Each stashed weight version is a copy of the stage's parameters (not of their gradients
+        # or optimizer state, which stay with the live weights).
+        mem = tuple(c.memory(k) + v * c.weight_bytes / (1 + mdl.db.hardware.optimizer_factor)
+                    for c, k, v, mdl in zip(costs, in_flight, versions, models))
+    else:
+        mem = tuple(mdl.inference_memory(m, b, s.devices) for mdl, m, s in zip(models, masks, plan.stages))
+    limits = [mdl.db.hardware.memory_bytes for mdl in models]
     span = timeline.makespan
     busy = tuple(timeline.busy(s) for s in range(plan.num_stages))
     device_busy = sum(t * s.devices for t, s in zip(busy, plan.stages))
-    tps = max((c.fwd_s + c.bwd_s + c.allreduce_s * b / plan.mini_batch) / b for c in costs)
+    tps = max(mdl.time_per_sample(m, b, s.devices, boundary=bd) if train else mdl.time_per_sample_inference(m, b, s.devices)
+              for mdl, m, s, bd in zip(models, masks, plan.stages, bounds))
     prediction = Prediction(
         iteration_time_s=span, samples_per_s=plan.mini_batch / span if span > 0 else float("inf"),
         bottleneck_tps_s=tps, peak_mem_bytes=max(mem), stage_mem_bytes=mem, stage_in_flight=in_flight,
         stage_busy_s=busy, bubble_fraction=1 - device_busy / (span * plan.num_devices) if span > 0 else 0.0,
-        fits_memory=max(mem) <= db.hardware.memory_bytes)
+        fits_memory=all(x <= limit for x, limit in zip(mem, limits)))
     return SimulatedPlan(lists, costs, timeline, prediction)
 
 
-def predict(plan: Plan, db: CostDB, *, schedule: str | None = None) -> Plan:
+def _steady_async(stage_graph: StageGraph, num_microbatches: int, name: str):
+    """An asynchronous schedule's steady-state batch (the pipeline full before and after it, no
+    flush: what every batch but the first costs), and per stage its peak stashed weight versions
+    and in-flight micro-batches over the whole program."""
+    loading = {s for s in range(stage_graph.num_stages) if not stage_graph.preds(s)} | {stage_graph.output_stage}
+    report = validate_async(stage_graph, num_microbatches, name=name, loading_stages=loading)
+    lists = async_segment(stage_graph, num_microbatches, steady_batch_idx(stage_graph, num_microbatches), name=name,
+                          loading_stages=loading)
+    n = stage_graph.num_stages
+    return lists, [report.peak_versions[s] for s in range(n)], tuple(report.peak_in_flight[s] for s in range(n))
+
+
+def predict(plan: Plan, db: CostDB, *, schedule: str | None = None, cluster=None, train: bool = True) -> Plan:
     """``plan`` with its :class:`Prediction` filled in, priced under ``schedule`` (default: the
-    plan's own), which the returned plan carries."""
-    sim = simulate_plan(plan, db, schedule=schedule)
-    edges = tuple(sorted({(a.stage_idx, a.peer) for actions in sim.schedule.values() for a in actions
-                          if a.kind is K.SEND_F}))
+    plan's own), which the returned plan carries (``cluster``, ``train``: as :func:`simulate_plan`)."""
+    sim = simulate_plan(plan, db, schedule=schedule, cluster=cluster, train=train)
+    edges = tuple(sorted({(op.stage_idx, op.peer) for actions in sim.schedule.values() for a in actions
+                          for op in a.transfers if op.kind is K.SEND_F}))
     return replace(plan, schedule=schedule or plan.schedule).with_prediction(sim.prediction, edges)
 
 

@@ -1,7 +1,8 @@
 """Schedule generators: pure functions from a stage graph to a :data:`Schedule`.
 
 A generator decides the order of compute (``F`` and ``B`` per micro-batch) on every stage; the
-lowering passes then add data loading, the point-to-point transfers of every stage edge, and the
+lowering passes then add data loading, the point-to-point transfers of every stage edge, group the
+transfers that must progress together, place the release points (:mod:`.lowering`) and add the
 end-of-batch reductions. Each pass is a small pure function on action lists.
 
 Registered generators (:data:`SCHEDULES`):
@@ -25,6 +26,7 @@ from typing import Callable
 from ..errors import GPPConfigError
 from ..graph.stages import StageGraph
 from .ir import Action, ActionKind as K, Schedule
+from .lowering import add_release, group_for_rendezvous
 from .zero_bubble import zb1, zb2
 
 __all__ = ["SCHEDULES", "get_schedule", "one_f_one_b", "gpipe", "forward_only", "warmup_forwards",
@@ -131,9 +133,12 @@ def add_epilogue(schedule: Schedule, *, train: bool) -> Schedule:
     return {s: actions + [Action(s, k) for k in tail] for s, actions in schedule.items()}
 
 
-def lower(compute: Schedule, stage_graph: StageGraph, *, loading_stages: set[int], train: bool) -> Schedule:
-    """Apply every lowering pass to a compute-only schedule."""
-    return add_epilogue(add_send_recv(add_load(compute, loading_stages=loading_stages), stage_graph), train=train)
+def lower(compute: Schedule, stage_graph: StageGraph, *, loading_stages: set[int], train: bool,
+          duration: Callable[[Action], float] | None = None) -> Schedule:
+    """Apply every lowering pass to a compute-only schedule (``duration``: the compute times it was
+    made for, which order the transfers when they must be reordered, see ``group_for_rendezvous``)."""
+    transfers = add_send_recv(add_load(compute, loading_stages=loading_stages), stage_graph)
+    return add_epilogue(add_release(group_for_rendezvous(transfers, duration=duration)), train=train)
 
 
 def build_schedule(stage_graph: StageGraph, num_microbatches: int, *, name: str = "1f1b", train: bool = True,

@@ -14,8 +14,10 @@ schedule
 Representative forms::
 
     0LOAD0  0F0  0SEND_F0@2  2RECV_F0@0  2F0  2B0  2SEND_B0@0  0RECV_B0@2  0B0
+    (1SEND_F1@2;1RECV_B0@2)P2P  0RELEASE_OUT0  0RELEASE_IN0
     2I0  2SEND_B0@0  2W0          (split backward, as torch writes it: input gradient, then weight gradient)
     0WAIT_SENDS  0REDUCE_TIED  0REDUCE_GRAD  0STEP
+    0STASH4  0PREDICT4  0UPDATE4          (weight versions of the asynchronous schedules)
 """
 
 from __future__ import annotations
@@ -41,10 +43,18 @@ class ActionKind(str, Enum):
     RECV_F = "RECV_F"            # receive the activations of a micro-batch from ``peer``
     SEND_B = "SEND_B"            # send the gradients of received activations back to ``peer``
     RECV_B = "RECV_B"            # receive the gradients of sent activations from ``peer``
+    P2P = "P2P"                  # transfers posted together and completed together (``ops``)
+    RELEASE_IN = "RELEASE_IN"    # free a micro-batch's loaded and received tensors (after their last use)
+    RELEASE_OUT = "RELEASE_OUT"  # free a micro-batch's outputs, output gradients, labels and loss
     WAIT_SENDS = "WAIT_SENDS"    # wait until every asynchronous send has completed
     REDUCE_TIED = "REDUCE_TIED"  # all-reduce gradients of tied layers across the stages sharing them
     REDUCE_GRAD = "REDUCE_GRAD"  # all-reduce gradients across data-parallel replicas of the stage
     STEP = "STEP"                # optimizer step
+    # Weight versions of the asynchronous schedules (schedule/asynchronous.py); their micro-batch
+    # index names a weight version: the micro-batch whose forward first runs on it.
+    STASH = "STASH"              # copy the stage's current weights into version mb_idx
+    PREDICT = "PREDICT"          # version mb_idx := the weights predicted for its backward (PipeOptim)
+    UPDATE = "UPDATE"            # optimizer step with version mb_idx's gradient, then free the version
 
     @property
     def has_mb(self) -> bool:
@@ -54,14 +64,21 @@ class ActionKind(str, Enum):
     def has_peer(self) -> bool:
         return self in _PEER_KINDS
 
+    @property
+    def is_transfer(self) -> bool:
+        """A point-to-point transfer, alone or grouped."""
+        return self in _PEER_KINDS or self is ActionKind.P2P
+
 
 _MB_KINDS = frozenset({ActionKind.LOAD, ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT,
-                       ActionKind.BACKWARD_WEIGHT, ActionKind.SEND_F,
-                       ActionKind.RECV_F, ActionKind.SEND_B, ActionKind.RECV_B})
+                       ActionKind.BACKWARD_WEIGHT, ActionKind.SEND_F, ActionKind.RECV_F, ActionKind.SEND_B,
+                       ActionKind.RECV_B, ActionKind.RELEASE_IN, ActionKind.RELEASE_OUT,
+                       ActionKind.STASH, ActionKind.PREDICT, ActionKind.UPDATE})
 _PEER_KINDS = frozenset({ActionKind.SEND_F, ActionKind.RECV_F, ActionKind.SEND_B, ActionKind.RECV_B})
 # Longest kinds first so that "SEND_F" is not read as "S" + ...
 _KIND_ALTERNATIVES = "|".join(sorted((re.escape(k.value) for k in ActionKind), key=len, reverse=True))
 _ACTION_RE = re.compile(rf"^(\d+)({_KIND_ALTERNATIVES})(\d*)(?:@(\d+))?$")
+_GROUP_RE = re.compile(r"^\(([^()]*)\)P2P$")
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,14 +90,51 @@ class Action:
     '1SEND_F0@3'
     >>> Action.parse(str(a)) == a
     True
+    >>> g = Action.group([a, Action(1, ActionKind.RECV_B, 0, peer=3)])
+    >>> str(g), Action.parse(str(g)) == g
+    ('(1SEND_F0@3;1RECV_B0@3)P2P', True)
     """
 
     stage_idx: int
     kind: ActionKind
     mb_idx: int | None = None
     peer: int | None = None
+    ops: tuple["Action", ...] = ()
+
+    @classmethod
+    def group(cls, ops) -> "Action":
+        """The grouped transfer of ``ops`` (transfers of one stage), posted and completed together."""
+        ops = tuple(ops)
+        return cls(ops[0].stage_idx if ops else 0, ActionKind.P2P, ops=ops)
+
+    @property
+    def transfers(self) -> tuple["Action", ...]:
+        """The single transfers this action performs: its ``ops`` when grouped, itself when a
+        transfer, else none."""
+        if self.kind is ActionKind.P2P:
+            return self.ops
+        return (self, ) if self.kind.has_peer else ()
+
+    @property
+    def mb_idxs(self) -> tuple[int, ...]:
+        """The micro-batches this action touches."""
+        if self.kind is ActionKind.P2P:
+            return tuple(dict.fromkeys(op.mb_idx for op in self.ops))
+        return () if self.mb_idx is None else (self.mb_idx, )
 
     def __post_init__(self):
+        if self.kind is ActionKind.P2P:
+            if len(self.ops) < 2:
+                raise ScheduleError(f"a grouped transfer needs at least two transfers, got {list(self.ops)}")
+            bad = [op for op in self.ops if not op.kind.has_peer or op.stage_idx != self.stage_idx]
+            if bad:
+                raise ScheduleError(f"a grouped transfer of stage {self.stage_idx} holds {bad}: only transfers of "
+                                    "that stage can be grouped")
+            if self.mb_idx is not None or self.peer is not None:
+                raise ScheduleError("a grouped transfer has no micro-batch or peer of its own")
+            return
+        if self.ops:
+            raise ScheduleError(f"only P2P actions hold sub-actions, not {self.kind.name}")
         if self.kind.has_mb != (self.mb_idx is not None):
             raise ScheduleError(f"{self.kind.name} {'needs' if self.kind.has_mb else 'takes no'} micro-batch index")
         if self.peer is not None and self.peer < 0:
@@ -89,6 +143,8 @@ class Action:
             raise ScheduleError(f"{self.kind.name} {'needs' if self.kind.has_peer else 'takes no'} peer stage")
 
     def __str__(self) -> str:
+        if self.kind is ActionKind.P2P:
+            return "(" + ";".join(str(op) for op in self.ops) + ")P2P"
         text = f"{self.stage_idx}{self.kind.value}"
         if self.mb_idx is not None:
             text += str(self.mb_idx)
@@ -107,6 +163,9 @@ class Action:
         >>> Action.parse("1SEND_F1"), Action.parse("1RECV_B0")
         (1SEND_F1@2, 1RECV_B0@2)
         """
+        group = _GROUP_RE.match(text.strip())
+        if group:
+            return cls.group(cls.parse(op) for op in group.group(1).split(";"))
         m = _ACTION_RE.match(text.strip())
         if not m:
             raise ScheduleError(f'cannot parse action "{text}"')

@@ -1,12 +1,19 @@
 """Checking and simulating a :data:`Schedule` without starting any process.
 
-The simulator executes every stage's action list with the engine's communication semantics:
-sends are asynchronous (they never block the sender), a receive blocks until the matching send
-was posted (messages on one channel, ``src -> dst`` per direction, match in order), and
-``WAIT_SENDS`` blocks until every send of the stage has been received. If no stage can move and
-some have actions left, the schedule deadlocks, and :func:`validate_schedule` says where.
-The same simulator gives the makespan and per-stage busy time of a schedule under given
-action durations.
+The simulator executes every stage's action list under one of two communication semantics
+(messages on one channel, ``src -> dst`` per direction, match in order):
+
+``async`` (gloo)
+    sends never block the sender, a receive blocks until the matching send was posted, and
+    ``WAIT_SENDS`` blocks until every send of the stage has been received;
+``rendezvous`` (NCCL, large messages)
+    a send completes only when its matching receive is posted, so both ends block; a grouped
+    ``P2P`` action posts all its transfers at once and completes when each has.
+
+If no stage can move and some have actions left, the schedule deadlocks, and the error says
+where. :func:`validate_schedule` checks the structure (including buffer slots and release points)
+and runs the rendezvous mode, which implies the async one. The same simulator gives the makespan
+and per-stage busy time of a schedule under given action durations.
 """
 
 from __future__ import annotations
@@ -56,17 +63,57 @@ def _channel(a: Action) -> tuple[int, int, str]:
     return (a.peer, a.stage_idx, "B")
 
 
-def simulate(schedule: Schedule, *, duration: Callable[[Action], float] = default_duration,
-             latency: float = 0.0) -> Timeline:
-    """Run every stage's list with asynchronous sends and blocking receives.
+_SENDS = frozenset({K.SEND_F, K.SEND_B})
+MODES = ("async", "rendezvous")
 
-    Raises :class:`ScheduleError` on deadlock (naming the action each stuck stage waits on) and
-    when the n-th message of a channel carries another micro-batch than its n-th receive expects.
+
+class _Channels:
+    """Posted sends and receives per channel; the n-th send of a channel matches its n-th receive."""
+
+    def __init__(self, latency: float):
+        self.latency = latency
+        self.posted: dict[tuple, list[list[tuple[int, float]]]] = {}   # channel -> [sends, receives]
+
+    def post(self, op: Action, time: float) -> tuple[tuple, int]:
+        ch = _channel(op)
+        side = self.posted.setdefault(ch, [[], []])[0 if op.kind in _SENDS else 1]
+        side.append((op.mb_idx, time))
+        return ch, len(side) - 1
+
+    def match_time(self, ch: tuple, n: int) -> float | None:
+        """When message ``n`` of ``ch`` is through (both ends posted), or None if one end is missing."""
+        sends, recvs = self.posted.get(ch, [[], []])
+        if n >= len(sends) or n >= len(recvs):
+            return None
+        (sent_mb, sent_at), (recv_mb, recv_at) = sends[n], recvs[n]
+        if sent_mb != recv_mb:
+            raise ScheduleError(f"message {n} on channel {ch[0]}->{ch[1]} ({ch[2]}) carries micro-batch {sent_mb} "
+                                f"but its receive expects micro-batch {recv_mb}")
+        return max(sent_at + self.latency, recv_at)
+
+
+def simulate(schedule: Schedule, *, duration: Callable[[Action], float] = default_duration,
+             latency: float = 0.0, mode: str = "async") -> Timeline:
+    """Run every stage's list and time it.
+
+    ``mode="async"`` is gloo's behaviour, what the engine relies on at least: a send never blocks
+    its stage, a receive (or a grouped transfer holding receives) blocks until the matching sends
+    were posted, ``WAIT_SENDS`` until every send of the stage was received. ``mode="rendezvous"``
+    is NCCL's for large messages: a send completes only when its receive is posted too, so every
+    transfer blocks until its other end is posted; a grouped ``P2P`` action posts all its
+    transfers at once and completes when each of them has. A schedule that completes in rendezvous
+    mode completes in async mode.
+
+    Raises :class:`ScheduleError` on deadlock (naming the action each stuck stage waits on and
+    the transfers nobody posted the other end of) and when the n-th message of a channel carries
+    another micro-batch than its n-th receive expects.
     """
+    if mode not in MODES:
+        raise ScheduleError(f'unknown simulation mode "{mode}"; valid: {list(MODES)}')
+    channels = _Channels(latency)
     pc = {s: 0 for s in schedule}
     clock = {s: 0.0 for s in schedule}
-    sent: dict[tuple, list[tuple[int, float]]] = {}       # channel -> [(mb, post time)]
-    received: dict[tuple, list[float]] = {}                # channel -> [receive time]
+    posted: dict[int, list[tuple[Action, tuple, int]]] = {}      # stage -> its current action's posted ops
     my_sends: dict[int, list[tuple[tuple, int]]] = {s: [] for s in schedule}
     timeline = Timeline({s: [] for s in schedule})
     progress = True
@@ -76,26 +123,21 @@ def simulate(schedule: Schedule, *, duration: Callable[[Action], float] = defaul
             while pc[s] < len(actions):
                 a = actions[pc[s]]
                 start = clock[s]
-                if a.kind in (K.SEND_F, K.SEND_B):
-                    ch = _channel(a)
-                    my_sends[s].append((ch, len(sent.setdefault(ch, []))))
-                    sent[ch].append((a.mb_idx, start))
-                elif a.kind in (K.RECV_F, K.RECV_B):
-                    ch = _channel(a)
-                    n = len(received.setdefault(ch, []))
-                    if n >= len(sent.get(ch, [])):
+                if a.kind.is_transfer:
+                    if s not in posted:
+                        posted[s] = [(op, *channels.post(op, start)) for op in a.transfers]
+                        my_sends[s] += [(ch, n) for op, ch, n in posted[s] if op.kind in _SENDS]
+                    waits = [(ch, n) for op, ch, n in posted[s] if mode == "rendezvous" or op.kind not in _SENDS]
+                    times = [channels.match_time(ch, n) for ch, n in waits]
+                    if None in times:
                         break
-                    mb, posted = sent[ch][n]
-                    if mb != a.mb_idx:
-                        raise ScheduleError(f"{a} receives micro-batch {a.mb_idx} but message {n} on channel "
-                                            f"{ch[0]}->{ch[1]} ({ch[2]}) carries micro-batch {mb}")
-                    start = max(start, posted + latency)
-                    received[ch].append(start)
+                    start = max([start] + times)
+                    del posted[s]
                 elif a.kind is K.WAIT_SENDS:
-                    pending = [(ch, n) for ch, n in my_sends[s] if n >= len(received.get(ch, []))]
-                    if pending:
+                    times = [channels.match_time(ch, n) for ch, n in my_sends[s]]
+                    if None in times:
                         break
-                    start = max([start] + [received[ch][n] for ch, n in my_sends[s]])
+                    start = max([start] + times)
                 end = start + duration(a)
                 timeline.spans[s].append((a, start, end))
                 clock[s] = end
@@ -103,33 +145,67 @@ def simulate(schedule: Schedule, *, duration: Callable[[Action], float] = defaul
                 progress = True
     stuck = {s: schedule[s][pc[s]] for s in schedule if pc[s] < len(schedule[s])}
     if stuck:
-        waits = ", ".join(f"stage {s} at {a} (slot {pc[s]})" for s, a in sorted(stuck.items()))
-        raise ScheduleError(f"schedule deadlocks: {waits}")
+        raise ScheduleError(_deadlock_message(stuck, pc, posted, channels, mode))
     return timeline
 
 
+def _deadlock_message(stuck, pc, posted, channels: _Channels, mode: str) -> str:
+    waits = []
+    for s, a in sorted(stuck.items()):
+        missing = [op for op, ch, n in posted.get(s, ()) if channels.match_time(ch, n) is None
+                   and (mode == "rendezvous" or op.kind not in _SENDS)]
+        other = "; ".join(f"{op} waits for stage {op.peer} to post its "
+                          f"{'receive' if op.kind in _SENDS else 'send'}" for op in missing)
+        waits.append(f"stage {s} at {a} (slot {pc[s]})" + (f" [{other}]" if other else ""))
+    text = "schedule deadlocks"
+    if mode == "rendezvous":
+        text += (" under rendezvous semantics (a send completes only when its receive is posted, as NCCL "
+                 "sends of large messages do)")
+    text += ": " + ", ".join(waits)
+    if mode == "rendezvous":
+        text += ("; post transfers that must progress together as one grouped P2P action (batch_isend_irecv), "
+                 "or order them so that one side receives first")
+    return text
+
+
 def validate_schedule(schedule: Schedule, stage_graph: StageGraph, num_microbatches: int, *, train: bool,
-                      num_buffers: dict[int, int] | None = None) -> Timeline:
-    """Check a schedule's structure and run it through :func:`simulate`.
+                      num_buffers: dict[int, int] | None = None, slots: dict[int, dict[int, int]] | None = None,
+                      mode: str = "rendezvous") -> Timeline:
+    """Check a schedule's structure and run it through :func:`simulate` (rendezvous mode by default).
 
     Checks, per stage: every micro-batch has one forward (and, when training, one backward after
-    its forward: a ``B``, or an ``I`` followed by a ``W``); every forward is preceded by a receive from each predecessor and followed by a
-    send to each successor (mirrored for backwards); communication only uses stage edges; and, if
-    ``num_buffers`` is given, no two micro-batches that share a buffer (``mb % num_buffers``) are in
-    flight at once. Returns the simulated timeline.
+    its forward: a ``B``, or an ``I`` followed by a ``W``); every forward is preceded by a receive
+    from each predecessor and followed by a send to each successor (mirrored for backwards);
+    communication only uses stage edges; release points, where present, come once per micro-batch
+    and after every use of what they free; and no two micro-batches that share a buffer slot are
+    live at once. Slots are ``slots[stage][mb]`` (what
+    :func:`~gpp_deepspeed.schedule.lowering.assign_buffers` returns) or ``mb % num_buffers[stage]``.
+    Returns the simulated timeline.
     """
     if sorted(schedule) != list(range(stage_graph.num_stages)):
         raise ScheduleError(f"schedule has stages {sorted(schedule)}, expected 0..{stage_graph.num_stages - 1}")
     for s, actions in schedule.items():
-        _check_stage(s, actions, stage_graph, num_microbatches, train, (num_buffers or {}).get(s))
-    return simulate(schedule)
+        slot_of = (slots or {}).get(s)
+        if slot_of is None and num_buffers and s in num_buffers:
+            slot_of = {j: j % num_buffers[s] for j in range(num_microbatches)}
+        _check_stage(s, actions, stage_graph, num_microbatches, train)
+        _check_releases(s, actions)
+        if slot_of is not None:
+            _check_buffers(s, actions, slot_of)
+    return simulate(schedule, mode=mode)
 
 
-def _check_stage(s: int, actions: list[Action], graph: StageGraph, num_mb: int, train: bool,
-                 num_buffers: int | None) -> None:
+def _flat(actions: list[Action]):
+    """(slot, action) for every action, with a grouped transfer's ops at its slot."""
+    for i, a in enumerate(actions):
+        for op in (a.ops if a.kind is K.P2P else (a, )):
+            yield i, op
+
+
+def _check_stage(s: int, actions: list[Action], graph: StageGraph, num_mb: int, train: bool) -> None:
     preds, succs = set(graph.preds(s)), set(graph.succs(s))
     where: dict[tuple, int] = {}
-    for i, a in enumerate(actions):
+    for i, a in _flat(actions):
         if a.stage_idx != s:
             raise ScheduleError(f"stage {s} slot {i} holds {a}, an action of stage {a.stage_idx}")
         if a.kind in (K.SEND_F, K.RECV_B) and a.peer not in succs:
@@ -166,11 +242,9 @@ def _check_stage(s: int, actions: list[Action], graph: StageGraph, num_mb: int, 
             for p in preds:
                 if where.get((K.SEND_B, j, p), -1) < b:
                     raise ScheduleError(f"stage {s} does not send the gradient of micro-batch {j} to stage {p}")
-    extra = sorted({a.mb_idx for a in actions if a.mb_idx is not None and not 0 <= a.mb_idx < num_mb})
+    extra = sorted({a.mb_idx for _, a in _flat(actions) if a.mb_idx is not None and not 0 <= a.mb_idx < num_mb})
     if extra:
         raise ScheduleError(f"stage {s} refers to micro-batches {extra} outside 0..{num_mb - 1}")
-    if num_buffers:
-        _check_buffers(s, actions, num_buffers)
 
 
 def _check_backward_kinds(s: int, j: int, where: dict[tuple, int]) -> None:
@@ -186,15 +260,38 @@ def _check_backward_kinds(s: int, j: int, where: dict[tuple, int]) -> None:
                             "the weight gradient needs the output gradients that the input-gradient pass received")
 
 
-def _check_buffers(s: int, actions: list[Action], num_buffers: int) -> None:
+# What each release frees, and so which actions must not follow it (see lowering.add_release).
+_FREED_BY = {K.RELEASE_IN: frozenset({K.LOAD, K.RECV_F, K.FORWARD, K.BACKWARD, K.BACKWARD_INPUT, K.SEND_B}),
+             K.RELEASE_OUT: frozenset({K.LOAD, K.FORWARD, K.BACKWARD, K.BACKWARD_INPUT, K.BACKWARD_WEIGHT,
+                                       K.SEND_F, K.RECV_B})}
+
+
+def _check_releases(s: int, actions: list[Action]) -> None:
+    released: dict[tuple, int] = {}
+    for i, a in _flat(actions):
+        if a.kind in _FREED_BY:
+            if (a.kind, a.mb_idx) in released:
+                raise ScheduleError(f"stage {s} runs {a} twice (slots {released[(a.kind, a.mb_idx)]} and {i})")
+            released[(a.kind, a.mb_idx)] = i
+            continue
+        for kind, reads in _FREED_BY.items():
+            if a.kind in reads and (kind, a.mb_idx) in released:
+                raise ScheduleError(f"stage {s} slot {i}: {a} uses what {Action(s, kind, a.mb_idx)} freed at slot "
+                                    f"{released[(kind, a.mb_idx)]}")
+
+
+def _check_buffers(s: int, actions: list[Action], slot_of: dict[int, int]) -> None:
     first: dict[int, int] = {}
     last: dict[int, int] = {}
     for i, a in enumerate(actions):
-        if a.mb_idx is not None:
-            first.setdefault(a.mb_idx, i)
-            last[a.mb_idx] = i
+        for j in a.mb_idxs:
+            first.setdefault(j, i)
+            last[j] = i
+    missing = sorted(set(first) - set(slot_of))
+    if missing:
+        raise ScheduleError(f"stage {s}: micro-batches {missing} have no buffer slot")
     for j in first:
         for k in first:
-            if j < k and j % num_buffers == k % num_buffers and first[k] <= last[j]:
-                raise ScheduleError(f"stage {s}: micro-batches {j} and {k} share buffer {j % num_buffers} "
+            if j < k and slot_of[j] == slot_of[k] and first[k] <= last[j] and first[j] <= last[k]:
+                raise ScheduleError(f"stage {s}: micro-batches {j} and {k} share buffer {slot_of[j]} "
                                     f"while both are in flight; use more buffers")

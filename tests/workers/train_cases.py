@@ -112,7 +112,10 @@ def run_case(case, out, rank, world_size):
         case = {**case, "trace_dir": str(out / f"trace_{case['id']}")}
     mc, module, engine = build(case, world_size)
     result = {"stage": engine.stage_id, "dp": replica(engine), "shard": getattr(engine.grid, "stage_idx", 0),
-              "schedule": getattr(engine, "gpp_config", None) and engine.gpp_config.schedule}
+              "schedule": getattr(engine, "gpp_config", None) and engine.gpp_config.schedule,
+              "ckpt_interval": module.activation_checkpoint_interval}
+    if hasattr(engine, "stage_graph"):
+        result["depth"] = engine.stage_graph.depth(engine.stage_id)
     if case.get("checkpoint"):
         ckpt = str(out / f"ckpt_{case['id']}")
         train(engine, mc, case, range(2))

@@ -1,0 +1,136 @@
+"""The asynchronous schedules as data: their action lists, the validator's weight-version rules and
+the per-batch closure of messages (no process started)."""
+
+import pytest
+
+from gpp_deepspeed.config import parse_graph_pipeline_config
+from gpp_deepspeed.errors import GPPConfigError, ScheduleError
+from gpp_deepspeed.graph.stages import StageEdge, StageGraph
+from gpp_deepspeed.schedule import (ASYNC_SCHEDULES, Action, ActionKind as K, async_segment, simulate,
+                                    steady_batch_idx, validate_async)
+from gpp_deepspeed.schedule.asynchronous import _check_versions, prediction_steps
+
+CHAIN = StageGraph.chain(3)
+# Stage 0 feeds stage 1 and, over a skip, stage 2, which merges both (a fan-in).
+SKIP = StageGraph(num_stages=3, edges=(StageEdge(0, 1, ()), StageEdge(0, 2, ()), StageEdge(1, 2, ())), output_stage=2)
+DIAMOND = StageGraph(num_stages=4, edges=(StageEdge(0, 1, ()), StageEdge(0, 2, ()), StageEdge(1, 3, ()),
+                                          StageEdge(2, 3, ())), output_stage=3)
+LONG_SKIP = StageGraph(num_stages=4, edges=(StageEdge(0, 1, ()), StageEdge(1, 2, ()), StageEdge(2, 3, ()),
+                                            StageEdge(0, 3, ())), output_stage=3)
+GRAPHS = {"chain": CHAIN, "skip": SKIP, "diamond": DIAMOND, "long_skip": LONG_SKIP}
+
+
+def _loading(g):
+    return {0, g.output_stage}
+
+
+def _lists(g, m, k, name, flush=False):
+    return async_segment(g, m, k, name=name, loading_stages=_loading(g), flush=flush)
+
+
+@pytest.mark.parametrize("graph", GRAPHS)
+@pytest.mark.parametrize("name", ASYNC_SCHEDULES)
+def test_async_schedule_validates_for_any_batch_count_and_micro_batches(graph, name):
+    g = GRAPHS[graph]
+    for m in range(1, 6):
+        for n in (1, 2, 4):
+            try:
+                report = validate_async(g, m, name=name, loading_stages=_loading(g), num_batches=n)
+            except GPPConfigError:
+                assert name == "2bw" and m < max(g.depth(s) for s in range(g.num_stages)) - 1
+                continue
+            if name == "2bw":
+                assert max(report.peak_versions.values()) <= 2
+            else:  # one stashed version per micro-batch in flight
+                assert report.peak_versions == {s: min(g.depth(s), n * m) for s in range(g.num_stages)}
+            assert report.peak_in_flight == {s: min(g.depth(s), n * m) for s in range(g.num_stages)}
+
+
+def test_pipedream_steady_batch_of_a_two_stage_chain_is_1f1b_without_flush():
+    lists = _lists(StageGraph.chain(2), 2, 1, "pipedream")
+    assert " ".join(map(str, lists[0])) == (
+        "0STASH2 0LOAD2 0F2 (0SEND_F2@1;0RECV_B1@1)P2P 0B1 0RELEASE_OUT1 0RELEASE_IN1 0UPDATE1 "
+        "0STASH3 0LOAD3 0F3 (0SEND_F3@1;0RECV_B2@1)P2P 0B2 0RELEASE_OUT2 0RELEASE_IN2 0UPDATE2 0WAIT_SENDS")
+    # Stage 1 ran B1 in batch 0 but stage 0 receives it in batch 1: the send opens batch 1.
+    assert " ".join(map(str, lists[1])) == (
+        "1SEND_B1@0 1RELEASE_IN1 1STASH2 1LOAD2 1RECV_F2@0 1F2 1B2 1RELEASE_OUT2 1SEND_B2@0 1RELEASE_IN2 "
+        "1UPDATE2 1STASH3 1LOAD3 1RECV_F3@0 1F3 1B3 1RELEASE_OUT3 1UPDATE3 1WAIT_SENDS")
+
+
+def test_a_gradient_is_sent_in_the_batch_where_its_receiver_runs_the_backward():
+    # Stage 2 (lag 0) runs B0 and B1 in batch 0; stage 1 (lag 1) runs B1, and stage 0 (lag 2) B0 and
+    # B1, in batch 1: those sends open batch 1.
+    b0, b1 = _lists(SKIP, 2, 0, "pipedream"), _lists(SKIP, 2, 1, "pipedream")
+    sends = lambda seg: {op for a in seg[2] for op in a.transfers if op.kind is K.SEND_B}  # noqa: E731
+    assert sends(b0) == {Action(2, K.SEND_B, 0, peer=1)}
+    assert {Action(2, K.SEND_B, 0, peer=0), Action(2, K.SEND_B, 1, peer=0), Action(2, K.SEND_B, 1, peer=1)} <= sends(b1)
+    for seg in (b0, b1, _lists(SKIP, 2, 2, "pipedream", flush=True)):
+        simulate(seg, mode="rendezvous")  # each batch closes, even when a send waits for its receive
+
+
+def test_steady_batches_repeat_shifted_by_the_batch_size():
+    k = steady_batch_idx(LONG_SKIP, 2)
+    a, b = _lists(LONG_SKIP, 2, k, "2bw"), _lists(LONG_SKIP, 2, k + 1, "2bw")
+    def moved(x):
+        if x.kind is K.P2P:
+            return Action.group(moved(op) for op in x.ops)
+        return Action(x.stage_idx, x.kind, None if x.mb_idx is None else x.mb_idx + 2, x.peer)
+    shift = {s: [moved(x) for x in a[s]] for s in a}
+    assert shift == b
+
+
+def test_2bw_runs_a_batch_on_the_version_before_the_latest():
+    # Output stage (lag 0): the update after batch 0 waits until batch 1's version (W(0)) is stashed.
+    lists = _lists(CHAIN, 3, 1, "2bw")
+    head = [a for a in lists[2] if a.kind in (K.STASH, K.UPDATE, K.FORWARD)][:3]
+    assert head == [Action(2, K.STASH, 3), Action(2, K.UPDATE, 0), Action(2, K.FORWARD, 3)]
+
+
+def test_2bw_needs_as_many_micro_batches_as_the_deepest_lag():
+    with pytest.raises(GPPConfigError, match="gradient_accumulation_steps >= 3"):
+        validate_async(LONG_SKIP, 2, name="2bw", loading_stages={0, 3})
+
+
+def test_validator_rejects_an_update_before_the_backward_of_its_version():
+    program = [Action.parse(x) for x in "0STASH0 0F0 0UPDATE0 0B0".split()]
+    with pytest.raises(ScheduleError, match="before the backwards of micro-batches"):
+        _check_versions(0, program)
+
+
+def test_validator_rejects_a_forward_on_no_version_and_a_version_never_updated():
+    with pytest.raises(ScheduleError, match="on no live weight version"):
+        _check_versions(0, [Action.parse("0F0")])
+    with pytest.raises(ScheduleError, match="never updates weight versions"):
+        _check_versions(0, [Action.parse(x) for x in "0STASH0 0F0 0B0".split()])
+
+
+def test_dropping_a_deferred_send_is_a_deadlock_the_simulator_names():
+    lists = _lists(SKIP, 2, 1, "pipedream")
+    gone = Action(2, K.SEND_B, 0, peer=0)
+
+    def drop(a):
+        if a.kind is not K.P2P:
+            return a
+        ops = [op for op in a.ops if op != gone]
+        return ops[0] if len(ops) == 1 else Action.group(ops)
+    lists[2] = [drop(a) for a in lists[2] if a != gone]
+    assert all(gone not in a.transfers for a in lists[2])
+    with pytest.raises(ScheduleError, match="deadlock|carries micro-batch"):
+        simulate(lists)
+
+
+def test_pipeoptim_predicts_over_the_updates_between_forward_and_backward():
+    program = [a for k in range(3) for a in _lists(CHAIN, 2, k, "pipeoptim")[0]]
+    program += _lists(CHAIN, 2, 3, "pipeoptim", flush=True)[0]
+    assert prediction_steps(program) == {0: 0, 1: 1, 2: 2, 3: 2, 4: 2, 5: 2}
+
+
+def test_weight_actions_round_trip_through_their_string_form():
+    for name in ASYNC_SCHEDULES:
+        for actions in _lists(SKIP, 3, 1, name).values():
+            assert [Action.parse(str(a)) for a in actions] == actions
+
+
+def test_config_accepts_the_asynchronous_schedules():
+    for name in ASYNC_SCHEDULES:
+        assert parse_graph_pipeline_config({"graph_pipeline": {"schedule": name}}).schedule == name
