@@ -174,7 +174,7 @@ def markdown(data: dict, before: dict | None) -> str:
     head = "| model | granularity | devices | search (s) | states | samples/s |"
     sep = "|---|---|---|---|---|---|"
     if prev:
-        head += f" before: search (s) | before: samples/s |"
+        head += " before (c25a8f0): search (s) | before: samples/s |"
         sep += "---|---|"
     lines += [head, sep]
     for r in data["paper"]:
@@ -218,7 +218,9 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "search_speed.json")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--parts", default="paper,cluster,scaling")
-    parser.add_argument("--before", type=Path, help="a JSON written by --root on an older checkout, to compare")
+    parser.add_argument("--before", type=Path, default=ROOT / "benchmarks" / "results" / "search_speed_before.json",
+                        help="a JSON written by --root on an older checkout, to compare (default: the paper-model "
+                        "times of commit c25a8f0, before the search was sped up, measured on this machine)")
     args = parser.parse_args()
     models, baselines, graphpipe_search = _load(args.root)
     log = lambda m: print(m, flush=True)  # noqa: E731
@@ -233,7 +235,7 @@ def main() -> None:
     args.out.write_text(json.dumps(data, indent=1))
     if args.root != ROOT or set(parts) != {"paper", "cluster", "scaling"}:
         return
-    before = json.loads(args.before.read_text()) if args.before else None
+    before = json.loads(args.before.read_text()) if args.before and args.before.exists() else None
     if before is not None:
         data["before"] = before
         args.out.write_text(json.dumps(data, indent=1))
