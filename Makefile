@@ -27,6 +27,7 @@ bench: setup
 	$(PY) benchmarks/plan_compare.py
 	$(PY) benchmarks/branch_scaling.py
 	$(PY) benchmarks/schedules.py
+	$(PY) benchmarks/async_convergence.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info
