@@ -16,7 +16,7 @@ Topologies (every stage one layer; ``T_F = T_I = T_W``, the zero-bubble paper's 
 * ``dag8``: branches of four and two stages into a trunk of two (pipeline depth 6);
 * ``dag16``: branches of five, five and three stages into a trunk of three (pipeline depth 8).
 
-M = 16 micro-batches everywhere. For every topology one launch builds the three engines (same
+M = 2 x the pipeline depth micro-batches. For every topology one launch builds the three engines (same
 ranks, same data) and trains them in turn, one step each, round after round, so that the load of
 a shared machine falls on all three alike; it records the median step time over the rounds after
 the first, the makespan the schedule simulator predicts for the
@@ -44,8 +44,9 @@ T_F = T_I = T_W = 0.025
 DIM, MBS = 16, 2
 SCHEDULES = ("1f1b", "zb1", "zb2", "pipedream", "2bw", "pipeoptim")
 ASYNC = ("pipedream", "2bw", "pipeoptim")
-# name -> (stages of each branch, trunk stages, micro-batches); a chain is one branch into a one-stage trunk
-TOPOLOGIES = {"chain8": ((7, ), 1, 16), "dag8": ((4, 2), 2, 16), "chain16": ((15, ), 1, 16), "dag16": ((5, 5, 3), 3, 16)}
+# name -> (stages of each branch, trunk stages, micro-batches); a chain is one branch into a one-stage
+# trunk. M = 2 x the pipeline depth everywhere (a common rule of thumb: the bubble is then a minor part).
+TOPOLOGIES = {"chain8": ((7, ), 1, 16), "dag8": ((4, 2), 2, 12), "chain16": ((15, ), 1, 32), "dag16": ((5, 5, 3), 3, 16)}
 
 
 def model_layers(branch_stages: tuple[int, ...], trunk: int):

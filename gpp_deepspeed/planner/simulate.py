@@ -40,10 +40,11 @@ class SimulatedPlan:
 
 
 def simulate_plan(plan: Plan, db: CostDB, *, schedule: str | None = None, cluster=None,
-                  train: bool = True) -> SimulatedPlan:
+                  train: bool = True, stage_costs: tuple[StageCost, ...] | None = None) -> SimulatedPlan:
     """Simulate one iteration (one mini-batch) of ``plan`` priced by ``db``, under ``schedule``
     (default: the plan's own). With a :class:`~gpp_deepspeed.planner.hetero.Cluster`, each stage
-    is priced for its ``device_class``; ``train=False`` runs forwards only (inference)."""
+    is priced for its ``device_class``; ``train=False`` runs forwards only (inference);
+    ``stage_costs`` replaces the cost model's prices (a placement on a topology prices its links)."""
     schedule = schedule or plan.schedule
     names = set(db.by_name)
     planned = [n for s in plan.stages for n in s.layers]
@@ -61,8 +62,9 @@ def simulate_plan(plan: Plan, db: CostDB, *, schedule: str | None = None, cluste
     b = plan.micro_batch
     models = [model if cluster is None else cluster.stage_model(db, s.device_class, plan.mini_batch, plan.num_devices)
               for s in plan.stages]
-    costs = tuple(mdl.stage(m, b, s.devices, boundary=bd, recompute=s.recompute)
-                  for mdl, m, s, bd in zip(models, masks, plan.stages, bounds))
+    costs = tuple(stage_costs) if stage_costs is not None else tuple(
+        mdl.stage(m, b, s.devices, boundary=bd, recompute=s.recompute)
+        for mdl, m, s, bd in zip(models, masks, plan.stages, bounds))
     versions = [0] * plan.num_stages
     if train and is_async(schedule):
         lists, versions, in_flight = _steady_async(stage_graph, plan.num_microbatches, schedule)
