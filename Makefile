@@ -28,6 +28,7 @@ bench: setup
 	$(PY) benchmarks/branch_scaling.py
 	$(PY) benchmarks/search_speed.py
 	$(PY) benchmarks/schedules.py
+	$(PY) benchmarks/async_convergence.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info
