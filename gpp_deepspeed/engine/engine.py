@@ -203,6 +203,11 @@ class GraphPipelineEngine(SplitBackwardMixin, PipelineEngine):
         DeepSpeed's version broadcasts from every output-stage rank as its own source, which
         needs exactly one output rank per pipeline group.
         """
+        if self._async is not None:
+            # Updates are UPDATE actions inside the pipeline, not DeepSpeed's STEP: count the batch
+            # where STEP would have, before train_batch reads global_steps for its log line.
+            self.global_steps += 1
+            self.global_samples += self.train_batch_size()
         losses = torch.zeros(2, dtype=torch.float32, device=self.device)
         if self.is_last_stage():
             loss = self._scale_loss_by_gas(self.total_loss).detach()
@@ -299,14 +304,6 @@ class GraphPipelineEngine(SplitBackwardMixin, PipelineEngine):
 
     def _train_schedule(self):
         return self._graph_pipe_schedule(self.micro_batches, True)
-
-    def _aggregate_total_loss(self):
-        if self._async is not None:
-            # Updates are UPDATE actions inside the pipeline, not DeepSpeed's STEP: count the batch
-            # where STEP would have, before train_batch reads global_steps for its log line.
-            self.global_steps += 1
-            self.global_samples += self.train_batch_size()
-        return super()._aggregate_total_loss()
 
     def flush(self) -> None:
         """Drain an asynchronous pipeline: run the backwards and updates of every micro-batch still
@@ -504,40 +501,6 @@ class GraphPipelineEngine(SplitBackwardMixin, PipelineEngine):
         outputs = self.pipe_buffers["outputs"][buffer_id]
         return flatten([outputs[self._out_index[ref]] for ref in refs])
 
-    def _exec_send_activations_to(self, buffer_id, peer):
-        flat, arity = self._flat_ports(buffer_id, self._out_edges[peer].tensors)
-        for to in self._out_peers[peer]:  # each rank of the peer stage gets its rows
-            piece = cut_rows(flat, to, what=f"edge {self.stage_id} -> {peer}")
-            self.transport.send((self.stage_id, peer), peer, arity, piece, always_layout=self.dynamic_shape,
-                                rank=to.rank)
-        if not torch.is_grad_enabled() and peer == next(reversed(self._out_edges)):
-            self.pipe_buffers["outputs"][buffer_id] = None
-
-    def _exec_recv_activations_from(self, buffer_id, peer):
-        edge = self._in_edges[peer]
-        pieces = []
-        for frm in self._in_peers[peer]:  # this rank's rows, from the ranks of the peer stage that hold them
-            layout = self.transport.recv_layout((peer, self.stage_id), peer, always_layout=self.dynamic_shape,
-                                                rank=frm.rank)
-            pieces.append(self.transport.recv_tensors(peer, layout.specs, rank=frm.rank))
-        tensors = join_rows(pieces)
-        for t in tensors:
-            t.requires_grad = t.is_floating_point() and torch.is_grad_enabled()
-        received = self.pipe_buffers["received"][buffer_id] or {}
-        received.update(zip(edge.tensors, unflatten(tensors, layout.arity)))
-        self.pipe_buffers["received"][buffer_id] = received
-
-    def _exec_send_grads_to(self, buffer_id, peer):
-        received = self.pipe_buffers["received"][buffer_id]
-        flat, _ = flatten([received[ref] for ref in self._in_edges[peer].tensors])
-        # A tensor this stage did not use still gets a (zero) gradient: the producer waits for one.
-        grads = [t.grad if t.grad is not None else torch.zeros_like(t) for t in flat if t.is_floating_point()]
-        for to in self._in_peers[peer]:  # each producer rank gets the gradient of the rows it sent
-            self.transport.send_tensors(peer, cut_rows(grads, to, what=f"edge {peer} -> {self.stage_id}"),
-                                        rank=to.rank)
-        if peer == next(reversed(self._in_edges)):
-            for key in ("inputs", "loaded", "received"):
-                self.pipe_buffers[key][buffer_id] = None
     def _input_grads(self, buffer_id, peer):
         received = self.pipe_buffers["received"][buffer_id]
         flat, _ = flatten([received[ref] for ref in self._in_edges[peer].tensors])
