@@ -89,6 +89,35 @@ def _lm_batches(step: int) -> list:
     return batches
 
 
+class ImageCaptioner(nn.Module):
+    """``transformers.VisionEncoderDecoderModel``: a ViT encoder and a GPT-2 decoder whose every
+    layer cross-attends to the image; returns the caption logits."""
+
+    def __init__(self):
+        super().__init__()
+        from transformers import GPT2Config, ViTConfig, VisionEncoderDecoderConfig, VisionEncoderDecoderModel
+        encoder = ViTConfig(**_tiny(image_size=IMAGE, patch_size=PATCH, hidden_dropout_prob=0.0,
+                                    attention_probs_dropout_prob=0.0))
+        decoder = GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=16, n_layer=2, n_head=2, resid_pdrop=0.0,
+                             embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False, bos_token_id=0, eos_token_id=0,
+                             add_cross_attention=True, is_decoder=True)
+        self.ved = VisionEncoderDecoderModel(config=VisionEncoderDecoderConfig.from_encoder_decoder_configs(
+            encoder, decoder))
+
+    def forward(self, pixel_values, decoder_input_ids):
+        return self.ved(pixel_values=pixel_values, decoder_input_ids=decoder_input_ids).logits
+
+
+def _caption_batches(step: int) -> list:
+    g = torch.Generator().manual_seed(step)
+    batches = []
+    for _ in range(GAS):
+        ids = torch.randint(0, VOCAB, (MBS, SEQ), generator=g)
+        labels = torch.cat([ids[:, 1:], torch.full((MBS, 1), -100)], dim=1)
+        batches.append(((torch.randn(MBS, 3, IMAGE, IMAGE, generator=g), ids), labels))
+    return batches
+
+
 @dataclass
 class Encoded:
     """A layer output that is a dataclass."""
@@ -152,6 +181,10 @@ class HFCase:
         torch.manual_seed(0)
         return self.build()
 
+    def partition_method(self, captured) -> Any:
+        """``partition``, or what it returns for the captured layer names when it is a function."""
+        return self.partition([s.name for s in captured.layers]) if callable(self.partition) else self.partition
+
     def capture(self, module: nn.Module):
         from gpp_deepspeed.capture import capture
         inputs = self.batches(0)[0][0]
@@ -164,12 +197,21 @@ CLIP_LAYERS = ["clip.text_model", "clip.vision_model", "clip.visual_projection",
 GPT2_LAYERS = ["gpt.transformer.wte", "gpt.transformer.wpe", "gpt.transformer.h.0", "gpt.transformer.h.1",
                "gpt.transformer.ln_f", "gpt.lm_head"]
 
+VED_LAYERS = ["ved.encoder", *(f"ved.decoder.transformer.{n}" for n in ("wte", "wpe", "h.0", "h.1", "ln_f")),
+              "ved.decoder.lm_head"]
+# Stage 0: the image encoder; stage 1: caption embeddings and the first decoder layer, in parallel
+# with stage 0; stage 2: the second decoder layer and the head. Both decoder stages read the image.
+VED_STAGES = {"ved_encoder": 0, "ved_decoder_transformer_h_1": 2, "ved_decoder_transformer_ln_f": 2, "getitem_10": 2,
+              "ved_decoder_lm_head": 2}
+
 CASES: dict[str, HFCase] = {
     "clip": HFCase(CLIPLogits, CLIP_LAYERS, 3, _clip_batches, ContrastiveLoss()),
     "structured": HFCase(StructuredTwoTower, None, 3, _structured_batches, nn.CrossEntropyLoss(),
                          partition={"text_1": 0, "image_1": 1, "cat": 2, "head": 2}),
     # The token embedding (stage 0) and the output projection (stage 2) share one weight.
     "gpt2": HFCase(GPT2Logits, GPT2_LAYERS, 3, _lm_batches, NextTokenLoss(), shaped=True),
+    "ved": HFCase(ImageCaptioner, VED_LAYERS, 3, _caption_batches, NextTokenLoss(), shaped=True,
+                  partition=lambda names: {n: VED_STAGES.get(n, 1) for n in names}),
 }
 
 

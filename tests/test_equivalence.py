@@ -56,7 +56,9 @@ FUZZ = {2: [case("fuzz:0", 2, 0, partition="explicit")],
 # Zero-bubble schedules (split backward, I then W): DAG shapes of the golden test, ZeRO-0/1, pipe x data.
 WORLDS = {
     2: golden(2) + [case("chain", 2, 1, schedule="zb2")] + FUZZ[2],
-    3: golden(3) + [case("diamond", 3, 0, schedule="zb1"), case("fanout3", 3, 1, schedule="zb2")] + FUZZ[3],
+    3: golden(3) + [case("diamond", 3, 0, schedule="zb1"), case("fanout3", 3, 1, schedule="zb2"),
+                    case("skip", 3, 0, partition="sequential")]  # a chain: l1 relayed through stage 1
+    + FUZZ[3],
     4: golden(4) + [case(m, 2, z) for m in ("four_branch", "skip") for z in (0, 1)]  # pipe 2 x data 2
     + [case("four_branch", 4, 1, partition="parameters"), case("three_input", 4, 1, partition="sequential"),
        case("skip", 4, 1, clip=0.05), case("four_branch", 4, 0, ckpt_interval=1),
@@ -64,6 +66,7 @@ WORLDS = {
        case("varlen", 4, 1),  # dynamic_shape: activation shapes change every micro-batch
        case("four_branch", 4, 1, partition="graphpipe"),  # GraphPipe's search on every rank
        case("four_branch", 4, 0, partition="golden/plan_four_branch_s4.json"),  # a plan file
+       case("skip", 4, 1, partition="golden/plan_skip_chain_s4.json"),  # a chain plan: l1 relayed twice
        case("four_branch", 4, 1, schedule="zb1"), case("skip", 4, 0, schedule="zb2"),
        case("three_input", 4, 0, schedule="zb2"), case("tied", 4, 1, schedule="zb1"),
        case("four_branch", 2, 0, schedule="zb1"), case("skip", 2, 1, schedule="zb2"),  # pipe 2 x data 2

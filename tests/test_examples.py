@@ -27,6 +27,7 @@ EXAMPLES = [  # (examples/<name>.py with configs/<name>.json, extra arguments)
     ("dlrm", []),
     ("candle_uno", ["--branches", "4"]),
     ("gpt_dropin", []),
+    ("clip", []),  # transformers' CLIPModel, captured
 ]
 
 

@@ -27,7 +27,7 @@ from hf_models import CASES, train_module  # noqa: E402
 
 WORKER = Path(__file__).resolve().parent / "workers" / "hf_cases.py"
 WORLD_SIZE = 3
-TRAINED = ["clip", "structured", "gpt2"]
+TRAINED = ["clip", "structured", "gpt2", "ved"]
 
 
 def _captured_equals_module(name: str):
@@ -65,6 +65,15 @@ def test_hf_capture_clip_towers_send_their_pooled_vector_not_their_output_object
     edges = {(e.src, e.dst): [str(t) for t in e.tensors]
              for e in derive_partition(graph, stage_of, num_stages=3).stage_graph.edges}
     assert edges == {(0, 2): ["clip_vision_model.pooler_output"], (1, 2): ["clip_text_model.pooler_output"]}
+
+
+def test_hf_capture_image_captioner_sends_the_image_encoding_to_every_cross_attending_stage():
+    case = CASES["ved"]
+    captured = case.capture(case.model())
+    graph = build_layer_graph(captured.input_names, [(s.name, s.inputs) for s in captured.layers],
+                              output=captured.output)
+    edges = derive_partition(graph, case.partition_method(captured), num_stages=3).stage_graph.edges
+    assert [(e.src, e.dst) for e in edges if "ved_encoder:0" in map(str, e.tensors)] == [(0, 1), (0, 2)]
 
 
 def test_hf_capture_reads_dict_tuple_and_dataclass_leaves_by_path():

@@ -12,6 +12,9 @@ aggregation and checkpoints are DeepSpeed's. What changes:
   validated (deadlock under NCCL's rendezvous semantics, buffer reuse, release points) before it
   runs; it decides the buffer slot of every micro-batch (:func:`~gpp_deepspeed.schedule.assign_buffers`),
   when buffers are freed (``RELEASE_IN``/``RELEASE_OUT``) and which transfers are posted together.
+* the asynchronous schedules (``pipedream``, ``2bw``, ``pipeoptim``) keep the pipeline full across
+  ``train_batch`` calls: :mod:`.asynchronous` picks each call's segment of the never-draining
+  program, forwards run on weight versions (:mod:`.weights`) and :meth:`flush` drains.
 
 Buffers per micro-batch slot: ``loaded`` (graph inputs read from the batch), ``received``
 (``{TensorRef: value}`` from other stages), ``inputs`` (the flat tuple given to the stage's forward),
@@ -152,6 +155,9 @@ class GraphPipelineEngine(SplitBackwardMixin, PipelineEngine):
     # -- checkpoints (portable across layouts: see portable.py) ------------------------------------
 
     def save_checkpoint(self, save_dir, tag=None, client_state={}, save_latest=True, exclude_frozen_parameters=False):
+        self.flush()  # an asynchronous pipeline's in-flight updates belong to the saved weights
+        if self._async is not None:
+            client_state = {**client_state, **self._async.versions.checkpoint_state()}
         tag = f"global_step{self.global_steps}" if tag is None else tag   # DeepSpeed's default tag
         out = super().save_checkpoint(save_dir, tag=tag, client_state=client_state, save_latest=save_latest,
                                       exclude_frozen_parameters=exclude_frozen_parameters)
@@ -161,7 +167,11 @@ class GraphPipelineEngine(SplitBackwardMixin, PipelineEngine):
     def load_checkpoint(self, load_dir, tag=None, **kwargs):
         """DeepSpeed's ``load_checkpoint``; a checkpoint saved under another layout (partition,
         stage count, data-parallel degree, or a ``GraphModel``) loads layer by layer by name."""
-        return portable.load_checkpoint(self, load_dir, tag, ds_load=super().load_checkpoint, **kwargs)
+        self.flush()
+        path, client_state = portable.load_checkpoint(self, load_dir, tag, ds_load=super().load_checkpoint, **kwargs)
+        if self._async is not None and client_state:
+            self._async.versions.load_checkpoint_state(client_state)
+        return path, client_state
 
     # -- roles ------------------------------------------------------------------------------------
 
@@ -227,10 +237,7 @@ class GraphPipelineEngine(SplitBackwardMixin, PipelineEngine):
             loss = super().train_batch(data_iter)
         if self._async is not None:
             self._async.in_batch = False
-            # Updates are UPDATE actions inside the pipeline, not DeepSpeed's STEP: count the batch here.
             self._async.batches += 1
-            self.global_steps += 1
-            self.global_samples += self.train_batch_size()
         if self.gpp_config.trace_dir is not None:
             self._trace(self.gpp_config.trace_dir)
         every = self.steps_per_print()
@@ -278,6 +285,14 @@ class GraphPipelineEngine(SplitBackwardMixin, PipelineEngine):
     def _train_schedule(self):
         return self._graph_pipe_schedule(self.micro_batches, True)
 
+    def _aggregate_total_loss(self):
+        if self._async is not None:
+            # Updates are UPDATE actions inside the pipeline, not DeepSpeed's STEP: count the batch
+            # where STEP would have, before train_batch reads global_steps for its log line.
+            self.global_steps += 1
+            self.global_samples += self.train_batch_size()
+        return super()._aggregate_total_loss()
+
     def flush(self) -> None:
         """Drain an asynchronous pipeline: run the backwards and updates of every micro-batch still
         in flight, so the weights are final. Called before ``eval_batch`` and ``save_checkpoint``;
@@ -291,13 +306,19 @@ class GraphPipelineEngine(SplitBackwardMixin, PipelineEngine):
         self._async.batches = 0
         self._async.versions.reset()
 
+    def weight_version_memory(self) -> dict | None:
+        """For an asynchronous schedule, this stage's weight versions: the most stashed at once so
+        far, the bytes of one, and their peak bytes (besides the optimizer's live weights)."""
+        if self._async is None:
+            return None
+        versions = self._async.versions
+        one = versions.version_bytes()
+        return {"peak_versions": versions.peak_versions, "version_bytes": one,
+                "peak_bytes": versions.peak_versions * one}
+
     def eval_batch(self, data_iter, *args, **kwargs):
         self.flush()
         return super().eval_batch(data_iter, *args, **kwargs)
-
-    def save_checkpoint(self, save_dir, *args, **kwargs):
-        self.flush()
-        return super().save_checkpoint(save_dir, *args, **kwargs)
 
     def _inference_schedule(self, micro_batches):
         return self._graph_pipe_schedule(micro_batches, False)

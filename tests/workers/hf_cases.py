@@ -20,7 +20,7 @@ def run_case(name: str, out: Path, rank: int, world_size: int) -> None:
     case = CASES[name]
     captured = case.capture(case.model())
     module = GraphPipelineModule(captured.layers, input_names=captured.input_names, output=captured.output,
-                                 num_stages=case.stages, loss_fn=case.loss_fn, partition_method=case.partition)
+                                 num_stages=case.stages, loss_fn=case.loss_fn, partition_method=case.partition_method(captured))
     params = [p for p in module.parameters() if p.requires_grad]
     dp = world_size // case.stages
     config = {"train_micro_batch_size_per_gpu": MBS, "gradient_accumulation_steps": GAS,
