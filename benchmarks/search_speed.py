@@ -138,6 +138,7 @@ def branch_scaling(models, baselines, graphpipe_search, repeats: int, log) -> li
 
 def plot(rows: list[dict], path: Path) -> None:
     import matplotlib
+    import matplotlib.ticker
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
@@ -147,7 +148,10 @@ def plot(rows: list[dict], path: Path) -> None:
         ax.plot(*zip(*pts), style, label=label)
     ax.set(xscale="log", yscale="log", xlabel="branches (CANDLE-Uno, 4 layers each)", ylabel="search time (s)",
            title=f"Search time, {SCALING_DEVICES} A100s, mini-batch {PER_DEVICE * SCALING_DEVICES}")
-    ax.set_xticks(BRANCHES, [str(k) for k in BRANCHES])
+    for a in (ax, ax2):
+        a.set_xscale("log")
+        a.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
+        a.set_xticks(BRANCHES, [str(k) for k in BRANCHES])
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
     piper = sorted({(r["branches"], r["downsets"]) for r in rows if r["method"] == "piper"})
@@ -157,6 +161,7 @@ def plot(rows: list[dict], path: Path) -> None:
     ax2.axhline(40_000, color="grey", ls=":", label="Piper's IDEALS_LIMIT (40,000)")
     ax2.set(xscale="log", yscale="log", xlabel="branches", ylabel="count", title="Search space")
     ax2.set_xticks(BRANCHES, [str(k) for k in BRANCHES])
+    ax2.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
     ax2.grid(True, which="both", alpha=0.3)
     ax2.legend(fontsize=8)
     fig.tight_layout()
@@ -174,7 +179,7 @@ def markdown(data: dict, before: dict | None) -> str:
     head = "| model | granularity | devices | search (s) | states | samples/s |"
     sep = "|---|---|---|---|---|---|"
     if prev:
-        head += f" before: search (s) | before: samples/s |"
+        head += " before (c25a8f0): search (s) | before: samples/s |"
         sep += "---|---|"
     lines += [head, sep]
     for r in data["paper"]:
@@ -218,7 +223,9 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "search_speed.json")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--parts", default="paper,cluster,scaling")
-    parser.add_argument("--before", type=Path, help="a JSON written by --root on an older checkout, to compare")
+    parser.add_argument("--before", type=Path, default=ROOT / "benchmarks" / "results" / "search_speed_before.json",
+                        help="a JSON written by --root on an older checkout, to compare (default: the paper-model "
+                        "times of commit c25a8f0, before the search was sped up, measured on this machine)")
     args = parser.parse_args()
     models, baselines, graphpipe_search = _load(args.root)
     log = lambda m: print(m, flush=True)  # noqa: E731
@@ -233,7 +240,7 @@ def main() -> None:
     args.out.write_text(json.dumps(data, indent=1))
     if args.root != ROOT or set(parts) != {"paper", "cluster", "scaling"}:
         return
-    before = json.loads(args.before.read_text()) if args.before else None
+    before = json.loads(args.before.read_text()) if args.before and args.before.exists() else None
     if before is not None:
         data["before"] = before
         args.out.write_text(json.dumps(data, indent=1))

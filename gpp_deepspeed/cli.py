@@ -212,7 +212,16 @@ def _how_to_run(plan: Plan, path: str | None) -> str:
             + ("" if path else "\n  (write the plan with -o plan.json)"))
     if plan.pipeline == "chain":
         text += "\n  (a chain plan: the engine runs it as a chain, relaying skip tensors through the stages between)"
+    if plan.placement or any(s.device_class for s in plan.stages):
+        text += ("\n  (stage s runs on the s-th block of ranks: launch so that those ranks sit on its devices"
+                 + (f", rank order {list(_rank_order(plan))}" if plan.placement else " of its class")
+                 + "; launch/README.md, 'Placing stages on devices')")
     return text
+
+
+def _rank_order(plan: Plan) -> tuple[int, ...]:
+    from .planner.topology import rank_order
+    return rank_order(plan)
 
 
 def _simulate(args) -> None:

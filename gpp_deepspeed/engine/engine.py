@@ -12,6 +12,9 @@ aggregation and checkpoints are DeepSpeed's. What changes:
   validated (deadlock under NCCL's rendezvous semantics, buffer reuse, release points) before it
   runs; it decides the buffer slot of every micro-batch (:func:`~gpp_deepspeed.schedule.assign_buffers`),
   when buffers are freed (``RELEASE_IN``/``RELEASE_OUT``) and which transfers are posted together.
+* the asynchronous schedules (``pipedream``, ``2bw``, ``pipeoptim``) keep the pipeline full across
+  ``train_batch`` calls: :mod:`.asynchronous` picks each call's segment of the never-draining
+  program, forwards run on weight versions (:mod:`.weights`) and :meth:`flush` drains.
 
 Buffers per micro-batch slot: ``loaded`` (graph inputs read from the batch), ``received``
 (``{TensorRef: value}`` from other stages), ``inputs`` (the flat tuple given to the stage's forward),
@@ -223,10 +226,7 @@ class GraphPipelineEngine(SplitBackwardMixin, PipelineEngine):
         loss = super().train_batch(data_iter)
         if self._async is not None:
             self._async.in_batch = False
-            # Updates are UPDATE actions inside the pipeline, not DeepSpeed's STEP: count the batch here.
             self._async.batches += 1
-            self.global_steps += 1
-            self.global_samples += self.train_batch_size()
         if self.gpp_config.trace_dir is not None:
             self._trace(self.gpp_config.trace_dir)
         every = self.steps_per_print()
@@ -252,6 +252,14 @@ class GraphPipelineEngine(SplitBackwardMixin, PipelineEngine):
 
     def _train_schedule(self):
         return self._graph_pipe_schedule(self.micro_batches, True)
+
+    def _aggregate_total_loss(self):
+        if self._async is not None:
+            # Updates are UPDATE actions inside the pipeline, not DeepSpeed's STEP: count the batch
+            # where STEP would have, before train_batch reads global_steps for its log line.
+            self.global_steps += 1
+            self.global_samples += self.train_batch_size()
+        return super()._aggregate_total_loss()
 
     def flush(self) -> None:
         """Drain an asynchronous pipeline: run the backwards and updates of every micro-batch still

@@ -29,7 +29,9 @@ latest ``STASH``/``PREDICT`` before it; a backward on its forward's version.
 Messages never cross a ``train_batch`` boundary (``DeepSpeed`` aggregates the loss over the
 pipeline between batches, a collective that a pending rendezvous send could block): a gradient
 whose receiver runs its backward in a later batch than the sender is sent at the start of the
-receiver's batch (:func:`defer_sends`).
+receiver's batch (:func:`defer_sends`). That loss aggregation also makes the stages meet once per
+batch, so a steady batch (the pipeline full before and after it, :func:`steady_batch_idx`) costs
+about ``M * (T_F + T_B) + (D - 1) * T_F``: the forward skew returns at every batch, the drain never.
 """
 
 from __future__ import annotations
