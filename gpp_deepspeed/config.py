@@ -44,7 +44,8 @@ class GraphPipelineConfig(BaseModel):
     --schedules``); otherwise ``"1f1b"``."""
 
     validate_schedule: bool = True
-    """Check every stage's instruction list for deadlock and buffer misuse before running it."""
+    """Check every stage's instruction list for deadlock and buffer misuse before running it; the
+    deadlock check assumes NCCL's semantics (a send completes only when its receive is posted)."""
 
     print_stage_graph: bool = True
     """Print the stage graph (layers per stage, tensors per stage edge) on global rank 0."""

@@ -152,6 +152,9 @@ class GraphPipelineEngine(SplitBackwardMixin, PipelineEngine):
     # -- checkpoints (portable across layouts: see portable.py) ------------------------------------
 
     def save_checkpoint(self, save_dir, tag=None, client_state={}, save_latest=True, exclude_frozen_parameters=False):
+        self.flush()  # an asynchronous pipeline's in-flight updates belong to the saved weights
+        if self._async is not None:
+            client_state = {**client_state, **self._async.versions.checkpoint_state()}
         tag = f"global_step{self.global_steps}" if tag is None else tag   # DeepSpeed's default tag
         out = super().save_checkpoint(save_dir, tag=tag, client_state=client_state, save_latest=save_latest,
                                       exclude_frozen_parameters=exclude_frozen_parameters)
@@ -161,7 +164,11 @@ class GraphPipelineEngine(SplitBackwardMixin, PipelineEngine):
     def load_checkpoint(self, load_dir, tag=None, **kwargs):
         """DeepSpeed's ``load_checkpoint``; a checkpoint saved under another layout (partition,
         stage count, data-parallel degree, or a ``GraphModel``) loads layer by layer by name."""
-        return portable.load_checkpoint(self, load_dir, tag, ds_load=super().load_checkpoint, **kwargs)
+        self.flush()
+        path, client_state = portable.load_checkpoint(self, load_dir, tag, ds_load=super().load_checkpoint, **kwargs)
+        if self._async is not None and client_state:
+            self._async.versions.load_checkpoint_state(client_state)
+        return path, client_state
 
     # -- roles ------------------------------------------------------------------------------------
 
@@ -274,13 +281,19 @@ class GraphPipelineEngine(SplitBackwardMixin, PipelineEngine):
         self._async.batches = 0
         self._async.versions.reset()
 
+    def weight_version_memory(self) -> dict | None:
+        """For an asynchronous schedule, this stage's weight versions: the most stashed at once so
+        far, the bytes of one, and their peak bytes (besides the optimizer's live weights)."""
+        if self._async is None:
+            return None
+        versions = self._async.versions
+        one = versions.version_bytes()
+        return {"peak_versions": versions.peak_versions, "version_bytes": one,
+                "peak_bytes": versions.peak_versions * one}
+
     def eval_batch(self, data_iter, *args, **kwargs):
         self.flush()
         return super().eval_batch(data_iter, *args, **kwargs)
-
-    def save_checkpoint(self, save_dir, *args, **kwargs):
-        self.flush()
-        return super().save_checkpoint(save_dir, *args, **kwargs)
 
     def _inference_schedule(self, micro_batches):
         return self._graph_pipe_schedule(micro_batches, False)
