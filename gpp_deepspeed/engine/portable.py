@@ -25,8 +25,12 @@ __all__ = ["current_layout", "save_extras", "load_checkpoint", "per_layer_optimi
 
 
 def current_layout(engine) -> dict:
+    # The same on every rank: with per-stage degrees each stage has its own data-parallel size.
+    placement = engine.module.placement
+    degrees = placement.degrees
+    data_parallel = placement.replicas if set(degrees) == {1} else [n * placement.replicas for n in degrees]
     return {"stage_of": dict(engine.module.partition.stage_of), "num_stages": engine.num_stages,
-            "data_parallel": engine.dp_world_size}
+            "data_parallel": data_parallel}
 
 
 def per_layer_optimizer(engine) -> torch.optim.Optimizer | None:
