@@ -172,12 +172,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description="1F1B vs zero-bubble schedules, measured and simulated")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--topologies", default=",".join(TOPOLOGIES))
+    parser.add_argument("--table-only", action="store_true", help="rewrite the table from results/schedules.json")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         return worker(args.worker, args.steps, args.out)
 
+    if args.table_only:
+        return write_table(json.loads((ROOT / "benchmarks" / "results" / "schedules.json").read_text()), args.steps)
     sys.path.insert(0, str(ROOT / "tests"))
     from dist import launch
 
@@ -200,31 +203,39 @@ def main() -> None:
 
 
 def write_table(results: dict, steps: int) -> None:
-    rows = ["| topology | ranks | depth | M | schedule | median step (ms) | simulated (ms) | measured / simulated "
-            "| speed-up vs 1f1b, measured | simulated | peak in flight, max over stages | per stage |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    rows = ["| topology | ranks | depth | M | schedule | median step (ms) | best step (ms) | simulated (ms) "
+            "| median / simulated | speed-up vs 1f1b: median | per-round median | simulated "
+            "| peak in flight, max over stages | per stage |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for topology, by_name in results.items():
         branch_stages, trunk, num_mb = TOPOLOGIES[topology]
         base = by_name["1f1b"]
         for name, r in by_name.items():
+            rounds = statistics.median(b / t for b, t in zip(base["times"][1:], r["times"][1:]))
             rows.append(f"| `{topology}` | {sum(branch_stages) + trunk} | {r['depth']} | {num_mb} | `{name}` | "
-                        f"{r['median_s'] * 1e3:.0f} | {r['predicted'] * 1e3:.0f} | {r['median_s'] / r['predicted']:.3f} | "
-                        f"{base['median_s'] / r['median_s']:.3f} | {base['predicted'] / r['predicted']:.3f} | "
-                        f"{max(r['in_flight'])} | {' '.join(map(str, r['in_flight']))} |")
+                        f"{r['median_s'] * 1e3:.0f} | {min(r['times'][1:]) * 1e3:.0f} | {r['predicted'] * 1e3:.0f} | "
+                        f"{r['median_s'] / r['predicted']:.3f} | {base['median_s'] / r['median_s']:.3f} | {rounds:.3f} | "
+                        f"{base['predicted'] / r['predicted']:.3f} | {max(r['in_flight'])} | "
+                        f"{' '.join(map(str, r['in_flight']))} |")
     text = ("## Schedules: 1F1B, zero-bubble `zb1` / `zb2` and asynchronous `pipedream` / `2bw` / `pipeoptim` "
             "(measured)\n\n"
-            f"`python benchmarks/schedules.py`. gloo ranks on a shared 2-core CPU machine (other jobs ran "
-            f"beside it: timings are noisy, so each is the median of rounds 2..{steps} and speed-ups compare "
-            "schedules measured in the same launch, one step each in turn, round after round). Every stage is one sleeping "
-            f"layer: forward {T_F * 1e3:.0f} ms, input gradient {T_I * 1e3:.0f} ms, weight gradient "
-            f"{T_W * 1e3:.0f} ms (`T_F = T_I = T_W`, where the zero-bubble paper puts ZB-H1's bubble at a third "
-            "of 1F1B's). \"Simulated\" is the schedule simulator's makespan for the same sleeps; \"peak in "
-            "flight\" counts the micro-batches a stage held (forward run, weight gradient not yet run) in the "
-            "instructions the engine executed: its activation memory in units of one micro-batch of one layer. "
+            "`python benchmarks/schedules.py`. gloo ranks on a shared 2-core CPU machine, with other "
+            "engineers' jobs running beside it (load averages of 20 to 70 during the run): single steps "
+            "were sometimes several times slower than their neighbours. So each schedule's step time is the "
+            f"median (and the best) of rounds 2..{steps}, where a round trains one step of each schedule in "
+            "turn on the same ranks; \"per-round median\" is the median over rounds of 1F1B's step divided "
+            "by this schedule's step in the same round, the figure least disturbed by the load. Every stage is "
+            f"one sleeping layer: forward {T_F * 1e3:.0f} ms, input gradient {T_I * 1e3:.0f} ms, weight "
+            f"gradient {T_W * 1e3:.0f} ms (`T_F = T_I = T_W`, where the zero-bubble paper puts ZB-H1's bubble "
+            "at a third of 1F1B's; a branch's first stage has no input gradient). \"Simulated\" is the "
+            "schedule simulator's makespan for the same sleeps. \"Peak in flight\" counts the micro-batches "
+            "a stage held (forward run, weight gradient not yet run) in the instructions the engine executed: "
+            "its activation memory in micro-batches of one layer. `zb1` holds on every stage what 1F1B holds on "
+            "its busiest stage (the pipeline depth), `zb2` up to twice that. "
             "The asynchronous schedules never drain: their step is a steady-state batch (no warm-up, no flush; "
             "simulated the same way), their in-flight count includes the micro-batches carried in from the "
             "previous batch, and each of them also stashes weight versions (one per micro-batch in flight for "
-            "`pipedream` and `pipeoptim`, two for `2bw`).\n\n"
+            "`pipedream` and `pipeoptim`, two for `2bw`); rows appear for the schedules the last run measured.\n\n"
             + "\n".join(rows) + "\n")
     (ROOT / "benchmarks" / "results" / "schedules.md").write_text(text)
     import report

@@ -23,6 +23,7 @@ Buffers per micro-batch slot: ``loaded`` (graph inputs read from the batch), ``r
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from pathlib import Path
@@ -46,6 +47,7 @@ from . import asynchronous as _async
 from . import portable
 from .instructions import (GraphPipeSchedule, RecvActivationFrom, RecvGradFrom, ReleaseInputs, ReleaseOutputs,
                            SendActivationTo, SendGradTo, Transfers, WaitSends)
+from .watchdog import start_watchdog
 from .module import GraphPipelineModule
 from .p2p import EdgeTransport, Incoming, Outgoing
 from .split_engine import SplitBackwardMixin, check_split_backward_supported
@@ -109,6 +111,7 @@ class GraphPipelineEngine(SplitBackwardMixin, PipelineEngine):
             self.pipe_buffers[key] = [None] * self.num_pipe_buffers
         self.module.engine_attached = True
         self._dag_ready = True
+        self.watchdog = self._start_watchdog()
         # Every pair of ranks that exchanges tensors talks once now, in one order on all ranks, so
         # NCCL creates no communicator in the middle of a schedule.
         self.transport.warm_up(sorted((e.src, e.dst) for e in self.stage_graph.edges))
@@ -230,7 +233,8 @@ class GraphPipelineEngine(SplitBackwardMixin, PipelineEngine):
     def train_batch(self, data_iter=None):
         if self._async is not None:
             self._async.in_batch = True
-        loss = super().train_batch(data_iter)
+        with self._watched():
+            loss = super().train_batch(data_iter)
         if self._async is not None:
             self._async.in_batch = False
             self._async.batches += 1
@@ -244,6 +248,27 @@ class GraphPipelineEngine(SplitBackwardMixin, PipelineEngine):
                 shown = " ".join(f"{s}:{f:.0%}" for s, f in enumerate(idle))
                 print(f"steps: {self.global_steps} graph pipeline idle per stage: {shown}", flush=True)
         return loss
+
+    def eval_batch(self, *args, **kwargs):
+        with self._watched():
+            return super().eval_batch(*args, **kwargs)
+
+    def _watched(self):
+        return self.watchdog.watching() if self.watchdog is not None else contextlib.nullcontext()
+
+    def _start_watchdog(self):
+        """This process's watchdog, watching the ranks this one exchanges data with."""
+        if not self.gpp_config.watchdog:
+            return None
+        topo = self.grid._topo
+
+        def describe(rank: int) -> str:
+            coord = topo.get_coord(rank)
+            return f"stage {coord.pipe} of pipeline replica {coord.data}"
+
+        return start_watchdog(rank=self.global_rank, peers=[*self.grid.pp_group, *self.grid.dp_group],
+                              describe=describe, heartbeat_s=self.gpp_config.heartbeat_s,
+                              timeout_s=self.gpp_config.watchdog_timeout_s)
 
     def _trace(self, folder: str) -> None:
         """Add the last batch to this rank's Chrome trace and rewrite the file."""
