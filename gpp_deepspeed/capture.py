@@ -22,6 +22,16 @@ metadata op
     Glue that needs no parameter and no non-metadata tensor produced by another op (``x.shape[1] // 2``,
     ``x.size(0)``, a buffer, ``torch.zeros(3)``): copied into every layer that reads it instead of
     becoming a layer, because only tensors cross stages.
+selection
+    Attribute access and constant indexing of a layer's output (``out.pooler_output``, ``out[0]``,
+    ``out["logits"]``): written as the path of a reference (``"tower.pooler_output"``), which the
+    producer's stage applies, so only the selected tensor crosses a stage edge.
+shape-specialised trace
+    With ``example_inputs``, a second trace on meta tensors of their shapes where plain torch.fx
+    stops at control flow on sizes; the graph then holds those sizes as constants.
+tie
+    Layers that share a parameter become :class:`CapturedTiedLayerSpec` entries of one DeepSpeed
+    tie, so the shared weight stays one weight when they land on different stages.
 
 Every layer is a :class:`CapturedLayerSpec` whose ``build()`` returns a *deep copy* of the captured
 submodule: models built from the list start from the module's current weights (nothing is

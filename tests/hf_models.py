@@ -206,6 +206,8 @@ VED_STAGES = {"ved_encoder": 0, "ved_decoder_transformer_h_1": 2, "ved_decoder_t
 
 CASES: dict[str, HFCase] = {
     "clip": HFCase(CLIPLogits, CLIP_LAYERS, 3, _clip_batches, ContrastiveLoss()),
+    # LiT-style: the image tower and its projection are locked; stage 0 runs forwards only.
+    "clip_frozen": HFCase(lambda: CLIPLogits(frozen_vision=True), CLIP_LAYERS, 3, _clip_batches, ContrastiveLoss()),
     "structured": HFCase(StructuredTwoTower, None, 3, _structured_batches, nn.CrossEntropyLoss(),
                          partition={"text_1": 0, "image_1": 1, "cat": 2, "head": 2}),
     # The token embedding (stage 0) and the output projection (stage 2) share one weight.

@@ -27,7 +27,7 @@ from hf_models import CASES, train_module  # noqa: E402
 
 WORKER = Path(__file__).resolve().parent / "workers" / "hf_cases.py"
 WORLD_SIZE = 3
-TRAINED = ["clip", "structured", "gpt2", "ved"]
+TRAINED = ["clip", "clip_frozen", "structured", "gpt2", "ved"]
 
 
 def _captured_equals_module(name: str):
@@ -135,3 +135,15 @@ def test_capture_with_example_shapes_still_refuses_control_flow_on_values():
     with pytest.raises(GraphError, match=r"neither torch.fx nor shape-specialised tracing can capture WithGate.*"
                                          r"if h.sum\(\) > 0"):
         capture(WithGate(), layers=["gate.inner"], example_inputs=(torch.randn(2, 4), ))
+
+
+@pytest.mark.dist
+def test_a_frozen_tower_runs_forwards_only_and_exchanges_no_gradient(trained):
+    ranks = {r["stage"]: r for r in (torch.load(trained / f"clip_frozen.rank{k}.pt") for k in range(WORLD_SIZE))}
+    assert ranks[0]["frozen"] == [0] and ranks[0]["layers"] == ["clip_vision_model", "clip_visual_projection"]
+    assert "F" in ranks[0]["ran"] and not {"B", "I", "W", "RECV_B@2"} & set(ranks[0]["ran"])
+    assert "SEND_B@0" not in ranks[2]["ran"] and "SEND_B@1" in ranks[2]["ran"]   # the text tower still learns
+    assert "B" in ranks[1]["ran"] and "RECV_B@2" in ranks[1]["ran"]
+    # The unfrozen CLIP: the image tower's stage runs backwards and receives gradients.
+    unfrozen = {r["stage"]: r for r in (torch.load(trained / f"clip.rank{k}.pt") for k in range(WORLD_SIZE))}
+    assert unfrozen[0]["frozen"] == [] and {"B", "RECV_B@2"} <= set(unfrozen[0]["ran"])
