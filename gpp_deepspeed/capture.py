@@ -53,7 +53,7 @@ from typing import Any
 
 import torch
 from torch import fx, nn
-from torch.fx.experimental.meta_tracer import MetaTracer
+from torch.fx.experimental.meta_tracer import MetaProxy, MetaTracer
 
 from .errors import GPPConfigError, GPPError, GraphError
 from .graph.ir import TensorRef
@@ -150,12 +150,27 @@ class _LeafTracer(fx.Tracer):
             raise
 
 
+class _SizedProxy(MetaProxy):
+    """A ``MetaProxy`` that also answers ``x.ndim`` from its meta tensor (transformers' mask code
+    asks ``attention_mask.ndim == 2``)."""
+
+    @property
+    def ndim(self):
+        meta = getattr(self, "_tensor_meta", None)
+        if torch.is_tensor(meta):
+            return meta.ndim
+        return self.tracer.create_proxy("call_function", getattr, (self, "ndim"), {})
+
+
 class _ShapeLeafTracer(_LeafTracer, MetaTracer):
     """The leaf tracer on meta tensors of the example inputs' shapes (torch's ``MetaTracer``, which
     ``transformers``' own ``HFTracer`` built on before transformers 5 removed it): sizes are known
     while tracing, so control flow on shapes runs; control flow on values still fails."""
 
     _sizing_leaf = False
+
+    def proxy(self, node: fx.Node) -> _SizedProxy:
+        return _SizedProxy(node, self)
 
     def create_proxy(self, kind, target, args, kwargs, *rest, **options):
         # MetaTracer sizes a leaf's output by running the leaf on meta tensors: its submodules
