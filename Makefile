@@ -26,7 +26,9 @@ bench: setup
 	$(PY) benchmarks/step_time.py
 	$(PY) benchmarks/plan_compare.py
 	$(PY) benchmarks/branch_scaling.py
+	$(PY) benchmarks/search_speed.py
 	$(PY) benchmarks/schedules.py
+	$(PY) benchmarks/async_convergence.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

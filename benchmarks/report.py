@@ -10,7 +10,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
-ORDER = ("plan_compare", "branch_scaling", "search_speed", "step_time", "schedules")
+ORDER = ("plan_compare", "plan_compare_memory", "branch_scaling", "search_speed", "step_time", "schedules", "async_convergence")
 
 HEADER = """# Benchmarks
 

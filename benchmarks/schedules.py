@@ -1,4 +1,5 @@
-"""Step time of 1F1B, ZB-H1 (``zb1``) and ZB-H2-like (``zb2``) on real processes, beside the simulator.
+"""Step time of 1F1B, ZB-H1 (``zb1``), ZB-H2-like (``zb2``) and the asynchronous schedules
+(``pipedream``, ``2bw``, ``pipeoptim``) on real processes, beside the simulator.
 
 Each stage is one sleeping layer whose forward, input gradient and weight gradient each sleep
 their own time (a sleep occupies a rank without using a core, so 8- and 16-rank pipelines can be
@@ -15,13 +16,18 @@ Topologies (every stage one layer; ``T_F = T_I = T_W``, the zero-bubble paper's 
 * ``dag8``: branches of four and two stages into a trunk of two (pipeline depth 6);
 * ``dag16``: branches of five, five and three stages into a trunk of three (pipeline depth 8).
 
-M = 16 micro-batches everywhere. For every topology one launch builds the three engines (same
+M = 2 x the pipeline depth micro-batches. For every topology one launch builds the three engines (same
 ranks, same data) and trains them in turn, one step each, round after round, so that the load of
 a shared machine falls on all three alike; it records the median step time over the rounds after
 the first, the makespan the schedule simulator predicts for the
 same sleeps, and the peak micro-batches each stage held in flight (forward run, ``B`` or ``W``
 not yet run), read from the instructions the engine executed: the activation memory each stage
 needed, in micro-batches of one layer's activations.
+
+The asynchronous schedules never drain: after the first round each step is a steady-state batch
+(pipeline full before and after it, no warm-up, no flush), which is what the median measures and
+what the simulator prices (:func:`gpp_deepspeed.schedule.async_segment` of a steady batch). Their
+in-flight count adds the micro-batches a stage carries into the batch (its lag, ``depth - 1``).
 """
 
 from __future__ import annotations
@@ -36,9 +42,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 T_F = T_I = T_W = 0.025
 DIM, MBS = 16, 2
-SCHEDULES = ("1f1b", "zb1", "zb2")
-# name -> (stages of each branch, trunk stages, micro-batches); a chain is one branch into a one-stage trunk
-TOPOLOGIES = {"chain8": ((7, ), 1, 16), "dag8": ((4, 2), 2, 16), "chain16": ((15, ), 1, 16), "dag16": ((5, 5, 3), 3, 16)}
+SCHEDULES = ("1f1b", "zb1", "zb2", "pipedream", "2bw", "pipeoptim")
+ASYNC = ("pipedream", "2bw", "pipeoptim")
+# name -> (stages of each branch, trunk stages, micro-batches); a chain is one branch into a one-stage
+# trunk. M = 2 x the pipeline depth everywhere (a common rule of thumb: the bubble is then a minor part).
+TOPOLOGIES = {"chain8": ((7, ), 1, 16), "dag8": ((4, 2), 2, 12), "chain16": ((15, ), 1, 32), "dag16": ((5, 5, 3), 3, 16)}
 
 
 def model_layers(branch_stages: tuple[int, ...], trunk: int):
@@ -101,6 +109,8 @@ def worker(topology: str, steps: int, out: str) -> None:
                                      partition_method=mapping)
         cfg = {"train_micro_batch_size_per_gpu": MBS, "gradient_accumulation_steps": num_mb, "steps_per_print": 10**6,
                "optimizer": {"type": "SGD", "params": {"lr": 1e-3}},
+               # Per-micro-batch updates cannot clip by the global norm (refused); the others keep DeepSpeed's default.
+               **({"gradient_clipping": 0.0} if name in ASYNC else {}),
                "graph_pipeline": {"schedule": name, "print_stage_graph": False, "print_idle_fractions": False}}
         engines[name], *_ = gpp_deepspeed.initialize(model=module, model_parameters=list(module.parameters()),
                                                      config=cfg)
@@ -113,6 +123,9 @@ def worker(topology: str, steps: int, out: str) -> None:
             torch.distributed.barrier()
             times[name].append(time.perf_counter() - start)
     results = {name: {"times": times[name], **_last_batch(engine, stages)} for name, engine in engines.items()}
+    for name in ASYNC:  # micro-batches carried into a steady batch
+        results[name]["in_flight"] = [k + engines[name].stage_graph.depth(s) - 1
+                                      for s, k in enumerate(results[name]["in_flight"])]
     if torch.distributed.get_rank() == 0:
         for name, engine in engines.items():
             results[name]["predicted"] = predicted(engine.stage_graph, name, num_mb)
@@ -135,7 +148,7 @@ def _last_batch(engine, stages: int) -> dict:
 
 def predicted(stage_graph, name: str, num_mb: int) -> float:
     """Simulated makespan of the schedule the engine runs, priced with the same sleeps."""
-    from gpp_deepspeed.schedule import ActionKind as K, build_schedule, simulate
+    from gpp_deepspeed.schedule import ActionKind as K, async_segment, build_schedule, is_async, simulate, steady_batch_idx
 
     times = {K.FORWARD: T_F, K.BACKWARD: T_I + T_W, K.BACKWARD_INPUT: T_I, K.BACKWARD_WEIGHT: T_W}
     # A stage that reads only the batch has no input gradient to compute (its input needs none).
@@ -146,19 +159,28 @@ def predicted(stage_graph, name: str, num_mb: int) -> float:
             return times[a.kind] - T_I
         return times.get(a.kind, 0.0)
 
-    return simulate(build_schedule(stage_graph, num_mb, name=name), duration=duration).makespan
+    if is_async(name):
+        loading = sources | {stage_graph.output_stage}
+        lists = async_segment(stage_graph, num_mb, steady_batch_idx(stage_graph, num_mb), name=name,
+                              loading_stages=loading)
+    else:
+        lists = build_schedule(stage_graph, num_mb, name=name)
+    return simulate(lists, duration=duration).makespan
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description="1F1B vs zero-bubble schedules, measured and simulated")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--topologies", default=",".join(TOPOLOGIES))
+    parser.add_argument("--table-only", action="store_true", help="rewrite the table from results/schedules.json")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         return worker(args.worker, args.steps, args.out)
 
+    if args.table_only:
+        return write_table(json.loads((ROOT / "benchmarks" / "results" / "schedules.json").read_text()), args.steps)
     sys.path.insert(0, str(ROOT / "tests"))
     from dist import launch
 
@@ -174,33 +196,46 @@ def main() -> None:
         results[topology] = json.loads(out.read_text())
         for name, r in results[topology].items():
             r["median_s"] = statistics.median(r["times"][1:])
-            print(f"{topology:8s} {name:5s} median step {r['median_s'] * 1e3:7.1f} ms  simulated "
+            print(f"{topology:8s} {name:9s} median step {r['median_s'] * 1e3:7.1f} ms  simulated "
                   f"{r['predicted'] * 1e3:7.1f} ms  peak in flight {max(r['in_flight'])}", flush=True)
     (ROOT / "benchmarks" / "results" / "schedules.json").write_text(json.dumps(results, indent=1))
     write_table(results, args.steps)
 
 
 def write_table(results: dict, steps: int) -> None:
-    rows = ["| topology | ranks | depth | M | schedule | median step (ms) | simulated (ms) | measured / simulated "
-            "| speed-up vs 1f1b, measured | simulated | peak in flight, max over stages | per stage |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    rows = ["| topology | ranks | depth | M | schedule | median step (ms) | best step (ms) | simulated (ms) "
+            "| median / simulated | speed-up vs 1f1b: median | per-round median | simulated "
+            "| peak in flight, max over stages | per stage |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for topology, by_name in results.items():
         branch_stages, trunk, num_mb = TOPOLOGIES[topology]
         base = by_name["1f1b"]
         for name, r in by_name.items():
+            rounds = statistics.median(b / t for b, t in zip(base["times"][1:], r["times"][1:]))
             rows.append(f"| `{topology}` | {sum(branch_stages) + trunk} | {r['depth']} | {num_mb} | `{name}` | "
-                        f"{r['median_s'] * 1e3:.0f} | {r['predicted'] * 1e3:.0f} | {r['median_s'] / r['predicted']:.3f} | "
-                        f"{base['median_s'] / r['median_s']:.3f} | {base['predicted'] / r['predicted']:.3f} | "
-                        f"{max(r['in_flight'])} | {' '.join(map(str, r['in_flight']))} |")
-    text = ("## Zero-bubble schedules: 1F1B vs `zb1` vs `zb2` (measured)\n\n"
-            f"`python benchmarks/schedules.py`. gloo ranks on a shared 2-core CPU machine (other jobs ran "
-            f"beside it: timings are noisy, so each is the median of rounds 2..{steps} and speed-ups compare "
-            "schedules measured in the same launch, one step each in turn, round after round). Every stage is one sleeping "
-            f"layer: forward {T_F * 1e3:.0f} ms, input gradient {T_I * 1e3:.0f} ms, weight gradient "
-            f"{T_W * 1e3:.0f} ms (`T_F = T_I = T_W`, where the zero-bubble paper puts ZB-H1's bubble at a third "
-            "of 1F1B's). \"Simulated\" is the schedule simulator's makespan for the same sleeps; \"peak in "
-            "flight\" counts the micro-batches a stage held (forward run, weight gradient not yet run) in the "
-            "instructions the engine executed: its activation memory in units of one micro-batch of one layer.\n\n"
+                        f"{r['median_s'] * 1e3:.0f} | {min(r['times'][1:]) * 1e3:.0f} | {r['predicted'] * 1e3:.0f} | "
+                        f"{r['median_s'] / r['predicted']:.3f} | {base['median_s'] / r['median_s']:.3f} | {rounds:.3f} | "
+                        f"{base['predicted'] / r['predicted']:.3f} | {max(r['in_flight'])} | "
+                        f"{' '.join(map(str, r['in_flight']))} |")
+    text = ("## Schedules: 1F1B, zero-bubble `zb1` / `zb2` and asynchronous `pipedream` / `2bw` / `pipeoptim` "
+            "(measured)\n\n"
+            "`python benchmarks/schedules.py`. gloo ranks on a shared 2-core CPU machine, with other "
+            "engineers' jobs running beside it (load averages of 20 to 70 during the run): single steps "
+            "were sometimes several times slower than their neighbours. So each schedule's step time is the "
+            f"median (and the best) of rounds 2..{steps}, where a round trains one step of each schedule in "
+            "turn on the same ranks; \"per-round median\" is the median over rounds of 1F1B's step divided "
+            "by this schedule's step in the same round, the figure least disturbed by the load. Every stage is "
+            f"one sleeping layer: forward {T_F * 1e3:.0f} ms, input gradient {T_I * 1e3:.0f} ms, weight "
+            f"gradient {T_W * 1e3:.0f} ms (`T_F = T_I = T_W`, where the zero-bubble paper puts ZB-H1's bubble "
+            "at a third of 1F1B's; a branch's first stage has no input gradient). \"Simulated\" is the "
+            "schedule simulator's makespan for the same sleeps. \"Peak in flight\" counts the micro-batches "
+            "a stage held (forward run, weight gradient not yet run) in the instructions the engine executed: "
+            "its activation memory in micro-batches of one layer. `zb1` holds on every stage what 1F1B holds on "
+            "its busiest stage (the pipeline depth), `zb2` up to twice that. "
+            "The asynchronous schedules never drain: their step is a steady-state batch (no warm-up, no flush; "
+            "simulated the same way), their in-flight count includes the micro-batches carried in from the "
+            "previous batch, and each of them also stashes weight versions (one per micro-batch in flight for "
+            "`pipedream` and `pipeoptim`, two for `2bw`); rows appear for the schedules the last run measured.\n\n"
             + "\n".join(rows) + "\n")
     (ROOT / "benchmarks" / "results" / "schedules.md").write_text(text)
     import report

@@ -14,7 +14,9 @@ Synopsis::
 
 ``plan`` and ``compare`` take ``--schedules``: ``plan`` keeps the fastest listed training schedule
 whose memory fits (the plan JSON carries it, and the engine runs it unless the DeepSpeed config's
-``graph_pipeline.schedule`` says otherwise); ``compare`` prices every method's plan under each.
+``graph_pipeline.schedule`` says otherwise); ``compare`` prices every method's plan under each. The asynchronous schedules (``pipedream``,
+``2bw``, ``pipeoptim``) are priced in steady state: one batch with the pipeline full before and
+after it (no warm-up, no flush), their stashed weight versions counted in memory.
 
 Every subcommand takes ``--json`` (machine-readable JSON on stdout instead of a table) and
 ``--quiet`` (no progress lines on stderr). Errors the package raises and missing files print
@@ -44,7 +46,7 @@ from .errors import GPPConfigError, GPPError
 from .models import BUILDERS, DEVICES, ModelDesc, analytic_costs, tiny
 from .planner import CommFit, CostDB, Hardware, Plan, SearchResult, graphpipe_search, simulate_plan
 from .planner.simulate import choose_schedule, predict
-from .schedule import get_schedule
+from .schedule import get_schedule, is_async
 
 __all__ = ["main"]
 
@@ -149,6 +151,8 @@ def _plan(args) -> None:
                        f"{args.mini_batch}: {result.status}")
     if args.schedules:  # the schedule becomes part of the plan: the fastest that fits memory
         plan = choose_schedule(plan, db, schedules=args.schedules)
+    if args.topology:
+        plan = _placed(plan, db, args)
     if args.output:
         plan.save(args.output)
     data = {"method": result.method, "status": result.status, "search_time_s": result.search_time_s,
@@ -175,6 +179,22 @@ def _hetero(db: CostDB, args) -> SearchResult:
                          micro_batches=args.micro_batches)
 
 
+def _placed(plan: Plan, db: CostDB, args) -> Plan:
+    """``plan`` with its stages placed on the devices of ``--topology`` (a topology JSON, or a
+    hostfile whose hosts get the cost database's intra- and inter-node links)."""
+    from .planner.topology import Topology, contiguous, place, placement_time
+    path = Path(args.topology)
+    if path.suffix == ".json":
+        topo = Topology.load(path)
+    else:
+        topo = Topology.from_hostfile(path, intra=db.hardware.intra, inter=db.hardware.inter)
+    placement, t = place(plan, db, topo)
+    before = placement_time(plan, db, topo, contiguous(plan))
+    _say(args, f"placement on {path}: {t * 1e3:.2f} ms/iteration (contiguous: {before * 1e3:.2f} ms)")
+    notes = {**plan.notes, "placement_iteration_s": t, "contiguous_iteration_s": before}
+    return dataclasses.replace(plan, placement=placement, notes=notes)
+
+
 def _how_to_run(plan: Plan, path: str | None) -> str:
     """How to train with ``plan``, or why the engine cannot run it as is."""
     dp = plan.uniform_devices
@@ -191,9 +211,17 @@ def _how_to_run(plan: Plan, path: str | None) -> str:
             f'{plan.micro_batch // dp}, "gradient_accumulation_steps": {plan.num_microbatches}'
             + ("" if path else "\n  (write the plan with -o plan.json)"))
     if plan.pipeline == "chain":
-        # The prediction relays every tensor along a chain; the engine sends along the stage DAG.
-        text += "\n  (a chain plan: the engine runs its stages as a stage DAG, so its time may differ)"
+        text += "\n  (a chain plan: the engine runs it as a chain, relaying skip tensors through the stages between)"
+    if plan.placement or any(s.device_class for s in plan.stages):
+        text += ("\n  (stage s runs on the s-th block of ranks: launch so that those ranks sit on its devices"
+                 + (f", rank order {list(_rank_order(plan))}" if plan.placement else " of its class")
+                 + "; launch/README.md, 'Placing stages on devices')")
     return text
+
+
+def _rank_order(plan: Plan) -> tuple[int, ...]:
+    from .planner.topology import rank_order
+    return rank_order(plan)
 
 
 def _simulate(args) -> None:
@@ -461,6 +489,8 @@ def _names(text: str) -> list[str]:
 def _schedule_names(text: str) -> tuple[str, ...]:
     names = tuple(n.lower() for n in _names(text))
     for n in names:
+        if is_async(n):
+            continue
         try:
             get_schedule(n)
         except GPPConfigError as e:
@@ -505,6 +535,8 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plan", parents=[common, search], help="search a plan")
     p.add_argument("--cluster", metavar="FILE", help="heterogeneous devices: a cluster file of device classes "
                    "(docs/planner.md); plans a chain of stages, each on devices of one class")
+    p.add_argument("--topology", metavar="FILE", help="place the stages on concrete devices: a topology JSON "
+                   "(per-pair links) or a hostfile (the cost database's links inside and across hosts)")
     p.add_argument("--objective", choices=("train", "inference"), default="train",
                    help="with --cluster: training throughput, or forward-only pipeline throughput (EdgePipe)")
     p.add_argument("--method", default="graphpipe", help="graphpipe (default), pipedream, piper, ds-uniform, "

@@ -44,7 +44,8 @@ class GraphPipelineConfig(BaseModel):
     --schedules``); otherwise ``"1f1b"``."""
 
     validate_schedule: bool = True
-    """Check every stage's instruction list for deadlock and buffer misuse before running it."""
+    """Check every stage's instruction list for deadlock and buffer misuse before running it; the
+    deadlock check assumes NCCL's semantics (a send completes only when its receive is posted)."""
 
     print_stage_graph: bool = True
     """Print the stage graph (layers per stage, tensors per stage edge) on global rank 0."""
@@ -64,6 +65,18 @@ class GraphPipelineConfig(BaseModel):
     p2p_timeout_s: float = Field(default=1800.0, gt=0)
     """Seconds a stage waits for a tensor from another stage before it fails with an error that
     names the stage and rank it waited on (gloo would otherwise wait forever for a dead peer)."""
+
+    watchdog: bool = True
+    """Run the watchdog (:mod:`gpp_deepspeed.engine.watchdog`): every rank beats a counter in the
+    rendezvous store and exits, naming the failed rank and stage, when a rank it exchanges data with
+    dies or freezes, instead of waiting ``p2p_timeout_s``."""
+
+    watchdog_timeout_s: float = Field(default=30.0, gt=0)
+    """Seconds without a heartbeat after which a rank counts as dead or frozen. The heartbeat is a
+    thread: a rank busy with a long step or a slow data loader keeps beating."""
+
+    heartbeat_s: float = Field(default=1.0, gt=0)
+    """Seconds between heartbeats (and between checks of the peers' heartbeats)."""
 
 
 def parse_graph_pipeline_config(ds_config: Mapping[str, Any] | None) -> GraphPipelineConfig:

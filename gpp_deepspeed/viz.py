@@ -36,7 +36,7 @@ from pathlib import Path
 
 from .errors import GPPConfigError
 from .graph.ir import LayerGraph
-from .planner.costs import CostDB, StageCostModel
+from .planner.costs import CostDB, edge_bytes
 from .planner.plan import Plan
 from .schedule.ir import Action, ActionKind as K
 from .schedule.validate import Timeline
@@ -65,26 +65,13 @@ def format_bytes(num_bytes: float) -> str:
 
 
 def stage_edge_bytes(plan: Plan, db: CostDB) -> dict[tuple[int, int], float]:
-    """Bytes per sample on each stage edge ``(src, dst)``, as the stage cost model prices them.
-
-    A graph pipeline carries the outputs of the ``src`` layers that ``dst`` layers read (each
-    producer once per edge); a chain pipeline relays every tensor that crosses a cut
-    (:meth:`~gpp_deepspeed.planner.StageCostModel.chain_boundaries`). Raises
-    :class:`~gpp_deepspeed.errors.PartitionError` when the plan does not cover ``db``'s layers.
+    """Bytes per sample on each stage edge ``(src, dst)``, as the engine sends them and the stage
+    cost model prices them (:func:`~gpp_deepspeed.planner.costs.edge_bytes`): a chain plan relays
+    every tensor that crosses a cut. Raises :class:`~gpp_deepspeed.errors.PartitionError` when the
+    plan does not cover ``db``'s layers.
     """
-    partition = plan.partition(db.graph)
-    if plan.pipeline == "chain":
-        model = StageCostModel(db, plan.mini_batch)
-        bounds = model.chain_boundaries([model.mask_of(s.layers) for s in plan.stages])
-        return {(k, k + 1): bounds[k][1] for k in range(plan.num_stages - 1)}
-    stage_of = partition.stage_of
-    read: dict[tuple[int, int], set[str]] = defaultdict(set)
-    for c in db.layers:
-        for ref in c.inputs:
-            src = ref.split(":")[0]
-            if src in stage_of and stage_of[src] != stage_of[c.name]:
-                read[(stage_of[src], stage_of[c.name])].add(src)
-    return {e: float(sum(db.by_name[n].out_bytes for n in names)) for e, names in sorted(read.items())}
+    plan.partition(db.graph)  # the plan's layers are exactly the database's
+    return edge_bytes(db, plan.stage_of, relay=plan.pipeline == "chain")
 
 
 def draw_layer_dag(db_or_graph: CostDB | LayerGraph, stage_of: Mapping[str, int], path: str | Path, *,

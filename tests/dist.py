@@ -30,6 +30,7 @@ class Result:
     seconds: float
     timed_out: bool
     leftover_shm: list[str] = field(default_factory=list)
+    ended_at: list[float | None] = field(default_factory=list)   # wall time each rank exited (None: killed)
 
     @property
     def ok(self) -> bool:
@@ -63,8 +64,12 @@ def remove_shm(port: int, master_addr: str = "127.0.0.1") -> list[str]:
     return [p.name for p in left]
 
 
-def launch(world_size: int, script: str | Path, *args: str, timeout: float = 300, log_dir: Path) -> Result:
-    """Run ``script`` on ``world_size`` local ranks; kill all of them on a failure or at ``timeout``."""
+def launch(world_size: int, script: str | Path, *args: str, timeout: float = 300, log_dir: Path,
+           kill_on_failure: bool = True, wait_for: set[int] | None = None) -> Result:
+    """Run ``script`` on ``world_size`` local ranks; kill all of them on a failure or at ``timeout``.
+
+    With ``kill_on_failure=False`` a failed rank does not stop the others (fault tests watch how
+    they stop by themselves), and only the ranks in ``wait_for`` (default: all) are waited for."""
     port = free_port()
     log_dir.mkdir(parents=True, exist_ok=True)
     procs, logs = [], []
@@ -78,21 +83,32 @@ def launch(world_size: int, script: str | Path, *args: str, timeout: float = 300
         procs.append(subprocess.Popen([sys.executable, str(script), *args], env=env, stdout=log,
                                       stderr=subprocess.STDOUT, cwd=str(ROOT)))
     timed_out = False
-    while any(p.poll() is None for p in procs):
-        failed = any(p.poll() not in (None, 0) for p in procs)
+    waited = [procs[r] for r in sorted(wait_for if wait_for is not None else range(world_size))]
+    ended_at: list[float | None] = [None] * world_size
+    while any(p.poll() is None for p in waited):
+        for r, p in enumerate(procs):
+            if ended_at[r] is None and p.poll() is not None:
+                ended_at[r] = time.time()
+        failed = kill_on_failure and any(p.poll() not in (None, 0) for p in procs)
         if failed or time.monotonic() - start > timeout:
             timed_out = not failed
             time.sleep(0.5 if failed else 0)  # let a failing rank's peers print what they saw
             for p in procs:
                 if p.poll() is None:
                     p.kill()
+                    p.wait()
             break
         time.sleep(0.1)
-    for p in procs:
+    for r, p in enumerate(procs):
+        if ended_at[r] is None and p.poll() is not None and p.returncode != -9:
+            ended_at[r] = time.time()
+        if p.poll() is None:
+            p.kill()   # a rank not waited for (frozen on purpose)
         p.wait()
     outputs = []
     for log in logs:
         log.seek(0)
         outputs.append(log.read())
         log.close()
-    return Result([p.returncode for p in procs], outputs, time.monotonic() - start, timed_out, remove_shm(port))
+    return Result([p.returncode for p in procs], outputs, time.monotonic() - start, timed_out, remove_shm(port),
+                  ended_at)

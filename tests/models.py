@@ -204,10 +204,20 @@ def glue_out() -> ModelCase:
     return ModelCase(layers, ("x", ), (6, ), 3, parts)
 
 
-MODELS: dict[str, Callable[[], ModelCase]] = {
+class _Models(dict):
+    """The named models, and ``"fuzz:<seed>"``: a random DAG (``fuzz_models.fuzz_model``)."""
+
+    def __missing__(self, key):
+        if isinstance(key, str) and key.startswith("fuzz:"):
+            from fuzz_models import fuzz_model
+            return lambda: fuzz_model(int(key.split(":", 1)[1]))
+        raise KeyError(key)
+
+
+MODELS: dict[str, Callable[[], ModelCase]] = _Models({
     "chain": chain, "diamond": diamond, "four_branch": four_branch, "skip": skip, "fanout3": fanout3,
     "three_input": three_input, "tied": tied, "varlen": varlen, "glue": glue, "glue_out": glue_out,
-}
+})
 
 
 def make_batches(model: ModelCase, *, step: int, dp_rank: int, micro_batches: int, micro_batch_size: int):

@@ -8,7 +8,7 @@ from gpp_deepspeed.errors import GPPConfigError, ScheduleError
 from gpp_deepspeed.graph.stages import StageEdge, StageGraph
 from gpp_deepspeed.schedule import (ASYNC_SCHEDULES, Action, ActionKind as K, async_segment, simulate,
                                     steady_batch_idx, validate_async)
-from gpp_deepspeed.schedule.asynchronous import _check_versions, prediction_steps
+from gpp_deepspeed.schedule.asynchronous import _check_versions, prediction_steps, shift
 
 CHAIN = StageGraph.chain(3)
 # Stage 0 feeds stage 1 and, over a skip, stage 2, which merges both (a fan-in).
@@ -77,6 +77,16 @@ def test_steady_batches_repeat_shifted_by_the_batch_size():
         return Action(x.stage_idx, x.kind, None if x.mb_idx is None else x.mb_idx + 2, x.peer)
     shift = {s: [moved(x) for x in a[s]] for s in a}
     assert shift == b
+
+
+@pytest.mark.parametrize("name", ASYNC_SCHEDULES)
+def test_the_engine_may_reuse_the_steady_batch_and_flush_shifted(name):
+    for g in GRAPHS.values():
+        for m in (3, 4):
+            k = steady_batch_idx(g, m)
+            for flush in (False, True):
+                a, b = _lists(g, m, k, name, flush), _lists(g, m, k + 2, name, flush)
+                assert {s: shift(x, 2 * m) for s, x in a.items()} == b
 
 
 def test_2bw_runs_a_batch_on_the_version_before_the_latest():

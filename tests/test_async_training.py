@@ -41,6 +41,9 @@ def _case(model, schedule, optimizer="sgd", **extra):
 CASES = [_case(m, s) for m in ("chain", "skip") for s in ("pipedream", "2bw", "pipeoptim")]
 CASES += [_case(m, "pipeoptim", "adam") for m in ("chain", "skip")]
 CASES += [_case("skip", "pipedream", gas=1, steps=4)]  # a gradient that waits two batches for its receiver
+CKPT = [_case("skip", "pipeoptim", checkpoint=True)]  # save_checkpoint flushes; resume from it
+TRAINED = list(CASES)
+CASES += CKPT
 
 
 # -- the reference ----------------------------------------------------------------------------------
@@ -128,7 +131,7 @@ def async_reference(case, stage_of: dict, lag: dict):
 
 # -- the test ---------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("c", CASES, ids=[c["id"] for c in CASES])
+@pytest.mark.parametrize("c", TRAINED, ids=[c["id"] for c in TRAINED])
 def test_async_schedule_matches_its_update_rule_written_out(run_cases, c):
     out = run_cases("async_w3", 3, CASES, timeout=600)
     ranks = [torch.load(out / f"{c['id']}.rank{r}.pt") for r in range(3)]
@@ -138,6 +141,11 @@ def test_async_schedule_matches_its_update_rule_written_out(run_cases, c):
         assert lag == {0: 2, 1: 1, 2: 0}, "a chain's stage s trails by S - 1 - s backwards"
     else:
         assert lag == {0: 2, 1: 1, 2: 0}, "skip: stage 0 feeds both 1 and 2 (skip), 2 merges (fan-in)"
+    for res in ranks:  # weight copies stashed: one per micro-batch in flight, or 2BW's two
+        want = 2 if c["schedule"] == "2bw" else min(res["depth"], c["gas"] * c["steps"])
+        versions = res["weight_versions"]
+        assert versions["peak_versions"] == want, f"stage {res['stage']}"
+        assert versions["version_bytes"] == 4 * sum(v.numel() for v in res["state"].values())
     losses, eval_loss, state = async_reference(c, stage_of, lag)
     for r, res in enumerate(ranks):
         assert res["losses"] == pytest.approx(losses, rel=1e-5), f"rank {r}"
@@ -146,6 +154,15 @@ def test_async_schedule_matches_its_update_rule_written_out(run_cases, c):
     for res in ranks:
         for name, value in res["state"].items():
             torch.testing.assert_close(value, state[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("c", CKPT, ids=[c["id"] for c in CKPT])
+def test_async_checkpoint_flushes_and_resumes_exactly_like_an_uninterrupted_run(run_cases, c):
+    out = run_cases("async_w3", 3, CASES, timeout=600)
+    for r in range(3):
+        res = torch.load(out / f"{c['id']}.rank{r}.pt")
+        assert res["resumed"] == res["uninterrupted"], f"rank {r}"
+        assert res["weight_versions"]["peak_versions"] == res["depth"]
 
 
 def test_async_reference_differs_from_synchronous_training():

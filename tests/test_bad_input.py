@@ -24,6 +24,9 @@ EXPECTED = {  # case -> words the message must contain
     "plan_file_missing": ['"no/such/plan.json"', "does not exist"],
     "wrong_number_of_inputs": ["1 tensor(s)", "['x']", "tuple of 2"],
     "split_schedule_with_checkpointing": ['"zb1"', "activation_checkpoint_interval=0", "1f1b"],
+    "async_with_clipping": ['"pipedream"', '"gradient_clipping" = 1.0', '"gradient_clipping": 0'],
+    "async_with_zero": ['"2bw"', '"zero_optimization.stage"'],
+    "pipeoptim_with_weight_decay": ['"pipeoptim"', '"weight_decay"'],
 }
 
 

@@ -187,7 +187,7 @@ def test_gpp_subcommands_and_options_are_frozen():
     assert options == {
         "profile": sorted(common + ["--analytic", "--device", "--granularity", "--micro-batches",
                                     "--no-link-measure", "--output", "--size", "--tiny"]),
-        "plan": sorted(search + ["--cluster", "--method", "--objective", "--output"]),
+        "plan": sorted(search + ["--cluster", "--method", "--objective", "--output", "--topology"]),
         "simulate": sorted(common + ["--costs"]),
         "viz": sorted(common + ["--costs", "--format", "--output-dir"]),
         "viz-run": sorted(common + ["--step", "--format", "--output-dir"]),
@@ -203,3 +203,16 @@ def test_the_installed_gpp_script_prints_help():
     assert proc.returncode == 0, proc.stderr
     for command in ("profile", "plan", "simulate", "compare"):
         assert command in proc.stdout
+
+
+def test_gpp_compare_prices_the_asynchronous_schedules_in_steady_state(costs, capsys):
+    assert gpp("compare", costs, "--devices", DEVICES, "--mini-batch", MINI_BATCH, "--methods", "graphpipe",
+               "--schedules", "1f1b,pipedream,2bw,pipeoptim", "--json", "--quiet") == 0
+    rows = {r["method"].split("/")[1]: r for r in json.loads(capsys.readouterr().out)["rows"]}
+    assert sorted(rows) == ["1f1b", "2bw", "pipedream", "pipeoptim"]
+    # No warm-up and no flush in a steady batch: never slower than 1F1B's batch; weight versions
+    # cost memory (one per micro-batch in flight for PipeDream and PipeOptim, two for 2BW).
+    for name in ("pipedream", "2bw", "pipeoptim"):
+        assert rows[name]["iteration_time_s"] <= rows["1f1b"]["iteration_time_s"] + 1e-12
+        assert rows[name]["peak_mem_bytes"] > rows["1f1b"]["peak_mem_bytes"]
+    assert rows["pipedream"]["peak_mem_bytes"] == rows["pipeoptim"]["peak_mem_bytes"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gpp_deepspeed.config import CONFIG_KEY, GraphPipelineConfig, parse_graph_pipeline_config
+from gpp_deepspeed.config import CONFIG_KEY, GraphPipelineConfig, parse_graph_pipeline_config, with_plan_schedule
 from gpp_deepspeed.errors import GPPConfigError
 
 
@@ -63,3 +63,20 @@ def test_parse_graph_pipeline_config_rejects_a_wrong_value_naming_the_field(sect
 def test_parse_graph_pipeline_config_rejects_a_section_that_is_not_an_object(section):
     with pytest.raises(GPPConfigError, match="graph_pipeline"):
         parse_graph_pipeline_config({"graph_pipeline": section})
+
+
+@pytest.mark.parametrize("name", ["zb1", "zb2"])
+def test_parse_graph_pipeline_config_accepts_the_zero_bubble_schedules(name):
+    assert parse_graph_pipeline_config({"graph_pipeline": {"schedule": name}}).schedule == name
+
+
+def test_a_plans_schedule_applies_unless_the_config_names_one():
+    assert with_plan_schedule(parse_graph_pipeline_config({}), "zb1").schedule == "zb1"
+    assert with_plan_schedule(parse_graph_pipeline_config({}), None).schedule == "1f1b"
+    named = parse_graph_pipeline_config({"graph_pipeline": {"schedule": "1f1b", "print_stage_graph": False}})
+    kept = with_plan_schedule(named, "zb2")
+    assert (kept.schedule, kept.print_stage_graph) == ("1f1b", False)
+    other = with_plan_schedule(parse_graph_pipeline_config({"graph_pipeline": {"print_stage_graph": False}}), "zb2")
+    assert (other.schedule, other.print_stage_graph) == ("zb2", False)
+    with pytest.raises(ValueError, match="schedule"):
+        with_plan_schedule(GraphPipelineConfig(), "zb9")  # a plan file naming no known schedule

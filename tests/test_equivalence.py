@@ -45,10 +45,20 @@ GLUE = [case("glue", 4, 0, partition="uniform"), case("glue", 4, 1, partition="p
 # training_data=: DeepSpeed's loader on every stage that reads the batch (middle stages 1 and 2 read
 # graph inputs here), and data-parallel shards (pipe 2 x data 2).
 DATA = [case("three_input", 4, 0, training_data=True), case("three_input", 2, 1, training_data=True)]
+# Fuzzed DAGs (tests/fuzz_models.py, fixed seeds): branches, skips across stages, tuple outputs,
+# 1-3 inputs, boolean and integer tensors crossing stages without gradients, random valid partitions
+# (a case id names its seed: rerun it alone with that id).
+FUZZ = {2: [case("fuzz:0", 2, 0, partition="explicit")],
+        3: [case("fuzz:1", 3, 1, partition="explicit"), case("fuzz:2", 3, 0, partition="explicit")],
+        4: [case(f"fuzz:{seed}", 4, seed % 2, partition="explicit") for seed in (3, 4, 5, 6)]
+        + [case("fuzz:7", 2, 1, partition="explicit"), case("fuzz:8", 4, 0, partition="parameters"),
+           case("fuzz:9", 4, 1, partition="sequential")]}
 # Zero-bubble schedules (split backward, I then W): DAG shapes of the golden test, ZeRO-0/1, pipe x data.
 WORLDS = {
-    2: golden(2) + [case("chain", 2, 1, schedule="zb2")],
-    3: golden(3) + [case("diamond", 3, 0, schedule="zb1"), case("fanout3", 3, 1, schedule="zb2")],
+    2: golden(2) + [case("chain", 2, 1, schedule="zb2")] + FUZZ[2],
+    3: golden(3) + [case("diamond", 3, 0, schedule="zb1"), case("fanout3", 3, 1, schedule="zb2"),
+                    case("skip", 3, 0, partition="sequential")]  # a chain: l1 relayed through stage 1
+    + FUZZ[3],
     4: golden(4) + [case(m, 2, z) for m in ("four_branch", "skip") for z in (0, 1)]  # pipe 2 x data 2
     + [case("four_branch", 4, 1, partition="parameters"), case("three_input", 4, 1, partition="sequential"),
        case("skip", 4, 1, clip=0.05), case("four_branch", 4, 0, ckpt_interval=1),
@@ -56,13 +66,14 @@ WORLDS = {
        case("varlen", 4, 1),  # dynamic_shape: activation shapes change every micro-batch
        case("four_branch", 4, 1, partition="graphpipe"),  # GraphPipe's search on every rank
        case("four_branch", 4, 0, partition="golden/plan_four_branch_s4.json"),  # a plan file
+       case("skip", 4, 1, partition="golden/plan_skip_chain_s4.json"),  # a chain plan: l1 relayed twice
        case("four_branch", 4, 1, schedule="zb1"), case("skip", 4, 0, schedule="zb2"),
        case("three_input", 4, 0, schedule="zb2"), case("tied", 4, 1, schedule="zb1"),
        case("four_branch", 2, 0, schedule="zb1"), case("skip", 2, 1, schedule="zb2"),  # pipe 2 x data 2
        case("four_branch", 4, 1, partition="golden/plan_four_branch_s4_zb1.json"),  # runs the plan's zb1
        # the plan marks stage 2 (four layers) to recompute: checkpointing there only
        case("four_branch", 4, 0, partition="golden/plan_four_branch_s4_recompute.json", recompute=4)]
-    + GLUE + DATA,
+    + GLUE + DATA + FUZZ[4],
 }
 # The schedule each case must have run: the config's, else its plan file's, else 1f1b.
 PLAN_SCHEDULES = {"golden/plan_four_branch_s4_zb1.json": "zb1"}

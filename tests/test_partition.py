@@ -266,3 +266,68 @@ def test_stage_graph_chain_and_json_round_trip():
     g = build_layer_graph(["x", "y"], [("enc", ["x"]), ("mid", ["enc:0"]), ("head", ["mid", "enc:1", "y"])])
     sg = derive_partition(g, {"enc": 0, "mid": 1, "head": 2}, num_stages=3).stage_graph
     assert StageGraph.from_json(sg.to_json()) == sg
+
+
+# ---------------------------------------------------------------------------------------------
+# chains: skip tensors relayed through the stages in between (DeepSpeed's PipelineEngine)
+
+
+def test_derive_partition_as_a_chain_relays_a_skip_tensor_through_every_stage_in_between():
+    # the same graph as above, cut the same way, run as a chain: enc:1 passes through stage 1
+    g = build_layer_graph(["x", "y"], [("enc", ["x"]), ("mid", ["enc:0"]), ("head", ["mid", "enc:1", "y"])])
+    part = derive_partition(g, {"enc": 0, "mid": 1, "head": 2}, num_stages=3, relay=True)
+    assert part.stage_graph.edges == (
+        StageEdge(0, 1, (TensorRef("enc", 0), TensorRef("enc", 1))),
+        StageEdge(1, 2, (TensorRef("enc", 1), TensorRef("mid"))),
+    )
+    s0, s1, s2 = part.stages
+    assert s0.out_ports == (TensorRef("enc", 0), TensorRef("enc", 1))
+    # stage 1 receives the skip tensor and sends it on unchanged: an in-port and an out-port
+    assert s1.in_ports == (TensorRef("enc", 0), TensorRef("enc", 1))
+    assert s1.out_ports == (TensorRef("enc", 1), TensorRef("mid"))
+    assert s2.in_ports == (TensorRef("y"), TensorRef("enc", 1), TensorRef("mid"))
+
+
+def test_build_schedule_of_a_chain_shows_the_relay_on_the_intermediate_stage():
+    from gpp_deepspeed.schedule import ActionKind as K, build_schedule, validate_schedule
+
+    g = build_layer_graph(["x"], [("l1", ["x"]), ("l2", ["l1"]), ("l3", ["l2"]), ("res", ["l3", "l1"])])
+    part = derive_partition(g, {"l1": 0, "l2": 1, "l3": 2, "res": 3}, num_stages=4, relay=True)
+    sg = part.stage_graph
+    assert [(e.src, e.dst) for e in sg.edges] == [(0, 1), (1, 2), (2, 3)]
+    assert [[str(t) for t in e.tensors] for e in sg.edges] == [["l1"], ["l1", "l2"], ["l1", "l3"]]
+    sched = build_schedule(sg, 2)
+    validate_schedule(sched, sg, 2, train=True)
+    for s in (1, 2):  # l1 comes in from the stage before and goes out to the one after, both ways
+        ops = {(op.kind, op.peer) for a in sched[s] for op in a.transfers}
+        assert {(K.RECV_F, s - 1), (K.SEND_F, s + 1), (K.RECV_B, s + 1), (K.SEND_B, s - 1)} <= ops
+    # the same cut as a DAG sends l1 straight to stage 3
+    assert (0, 3) in [(e.src, e.dst) for e in derive_partition(g, part.stage_of, num_stages=4).stage_graph.edges]
+
+
+def test_derive_partition_as_a_chain_rejects_a_stage_reading_a_later_one():
+    g = build_layer_graph(["x"], [("a", ["x"]), ("b", ["a"]), ("c", ["b"])])
+    stage_of = {"a": 1, "b": 0, "c": 2}  # a DAG 1 -> 0 -> 2, but not a chain in index order
+    derive_partition(g, stage_of, num_stages=3)
+    with pytest.raises(PartitionError, match='layer "b" on stage 0 reads "a" from stage 1'):
+        derive_partition(g, stage_of, num_stages=3, relay=True)
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(case=random_dags(), num_mb=st.integers(1, 5))
+def test_sequential_chains_with_relays_carry_every_skip_tensor_and_pass_the_rendezvous_validator(case, num_mb):
+    from gpp_deepspeed.schedule import SCHEDULES, assign_buffers, build_schedule, validate_schedule
+
+    graph, weights, num_stages = case
+    stage_of = sequential_partition(graph, num_stages, weights=weights)
+    part = derive_partition(graph, stage_of, num_stages=num_stages, relay=True)
+    sg = part.stage_graph
+    assert [(e.src, e.dst) for e in sg.edges] == [(k, k + 1) for k in range(num_stages - 1)]
+    for node in graph.nodes:  # every tensor a stage reads from an earlier one is on each hop between
+        for ref in node.inputs:
+            if not graph.is_input(ref):
+                for k in range(stage_of[ref.node], stage_of[node.name]):
+                    assert ref in sg.edge(k, k + 1).tensors
+    for name in SCHEDULES:
+        sched = build_schedule(sg, num_mb, name=name)
+        validate_schedule(sched, sg, num_mb, train=True, slots=assign_buffers(sched))

@@ -19,7 +19,11 @@ BF16 = [case("four_branch", 4, 1, bf16=True), case("skip", 4, 1, bf16=True),
         # stages without parameters: a middle one under ZeRO-1, the loss stage under ZeRO-0
         case("glue", 4, 1, bf16=True, partition="sequential"), case("glue_out", 4, 0, bf16=True, partition="uniform")]
 TRACED = case("four_branch", 4, 1, trace=True, steps_per_print=1, wall_clock=True)
-CASES = CKPT + DROP_IN + BF16 + [TRACED]
+# The split backward under bf16 (DeepSpeed's low/high-precision gradient hand-off after every W) and
+# under wall_clock_breakdown (DeepSpeed's backward timers started by I, stopped around W).
+ZB_BF16 = case("four_branch", 4, 1, bf16=True, schedule="zb1")
+ZB_TIMED = case("skip", 4, 0, wall_clock=True, schedule="zb2")
+CASES = CKPT + DROP_IN + BF16 + [TRACED, ZB_BF16, ZB_TIMED]
 
 
 @pytest.fixture(scope="module")
@@ -55,6 +59,23 @@ def test_bf16_training_tracks_the_fp32_single_device_model(out, c):
         # bf16 keeps 8 mantissa bits: agreement to a few percent is what bf16 can promise.
         assert res["losses"] == pytest.approx(ref.losses, rel=3e-2)
         assert res["eval"] == pytest.approx(ref.eval_loss, rel=3e-2)
+
+
+def test_bf16_zero_bubble_training_computes_what_bf16_1f1b_computes(out):
+    # Same gradients per micro-batch, handed to DeepSpeed's fp32 accumulators in the same order.
+    one_f_one_b = {res["stage"]: res for res in ranks(out, BF16[0])}
+    for res in ranks(out, ZB_BF16):
+        assert res["schedule"] == "zb1"
+        assert res["losses"] == pytest.approx(one_f_one_b[res["stage"]]["losses"], rel=1e-6)
+        for name, value in res["state"].items():
+            torch.testing.assert_close(value, one_f_one_b[res["stage"]]["state"][name], rtol=1e-6, atol=0)
+
+
+def test_zero_bubble_runs_under_deepspeeds_wall_clock_breakdown(out):
+    # DeepSpeed's timers assert on a start without a stop: I starts them, W's epilogue stops them.
+    ref = train_reference(ZB_TIMED, dp=1)
+    for res in ranks(out, ZB_TIMED):
+        assert res["losses"] == pytest.approx(ref.losses, rel=1e-5)
 
 
 def test_a_traced_run_writes_each_ranks_instructions_and_logs_idle_fractions(out):

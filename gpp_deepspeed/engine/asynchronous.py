@@ -17,7 +17,8 @@ import torch
 from deepspeed.runtime.pipe import schedule as ds
 
 from ..errors import GPPConfigError
-from ..schedule.asynchronous import async_segment, async_slots, check_async_microbatches, predicted_updates, validate_async
+from ..schedule.asynchronous import (async_segment, async_slots, check_async_microbatches, predicted_updates, shift,
+                                     steady_batch_idx, validate_async)
 from ..schedule.ir import Action, ActionKind as K
 from .weights import WeightVersions, check_predictable
 
@@ -107,24 +108,31 @@ class AsyncPipeline:
         self.micro_batches: int | None = None
         self.validate = engine.gpp_config.validate_schedule
         self.report = None
+        self._made: dict[tuple[int, bool], list[Action]] = {}
         self.in_batch = False                 # a train_batch or flush started and has not returned
         atexit.register(_flush_at_exit, weakref.ref(engine))
 
     def segment(self, micro_batches: int, *, flush: bool) -> tuple[list[Action], dict[int, int]]:
         """This stage's actions of the next batch, or of the flush, and their buffer slots."""
-        if self.micro_batches is None:
+        if micro_batches != self.micro_batches:
+            if self.batches:
+                raise GPPConfigError(f'schedule "{self.name}": the number of micro-batches changed from '
+                                     f"{self.micro_batches} to {micro_batches} while the pipeline is full; call "
+                                     "engine.flush() first")
             check_async_microbatches(self.stage_graph, micro_batches, self.name)
             if self.validate:
                 self.report = validate_async(self.stage_graph, micro_batches, name=self.name,
                                              loading_stages=self.loading)
-        elif micro_batches != self.micro_batches:
-            raise GPPConfigError(f'schedule "{self.name}": the number of micro-batches changed from '
-                                 f"{self.micro_batches} to {micro_batches} while the pipeline is full; call "
-                                 "engine.flush() first")
+            self._made = {}
         self.micro_batches = micro_batches
-        lists = async_segment(self.stage_graph, micro_batches, self.batches, name=self.name,
-                              loading_stages=self.loading, flush=flush)
-        actions = lists[self.stage_idx]
+        # Batches (and flushes) from the steady one on repeat it shifted: make each shape once.
+        steady = steady_batch_idx(self.stage_graph, micro_batches)
+        key = (min(self.batches, steady), flush)
+        if key not in self._made:
+            lists = async_segment(self.stage_graph, micro_batches, key[0], name=self.name,
+                                  loading_stages=self.loading, flush=flush)
+            self._made[key] = lists[self.stage_idx]
+        actions = shift(self._made[key], (self.batches - key[0]) * micro_batches)
         slots = async_slots(self.stage_graph, micro_batches)
         return actions, {j: j % slots for a in actions for j in a.mb_idxs}
 

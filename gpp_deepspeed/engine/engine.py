@@ -12,6 +12,9 @@ aggregation and checkpoints are DeepSpeed's. What changes:
   validated (deadlock under NCCL's rendezvous semantics, buffer reuse, release points) before it
   runs; it decides the buffer slot of every micro-batch (:func:`~gpp_deepspeed.schedule.assign_buffers`),
   when buffers are freed (``RELEASE_IN``/``RELEASE_OUT``) and which transfers are posted together.
+* the asynchronous schedules (``pipedream``, ``2bw``, ``pipeoptim``) keep the pipeline full across
+  ``train_batch`` calls: :mod:`.asynchronous` picks each call's segment of the never-draining
+  program, forwards run on weight versions (:mod:`.weights`) and :meth:`flush` drains.
 
 Buffers per micro-batch slot: ``loaded`` (graph inputs read from the batch), ``received``
 (``{TensorRef: value}`` from other stages), ``inputs`` (the flat tuple given to the stage's forward),
@@ -20,6 +23,7 @@ Buffers per micro-batch slot: ``loaded`` (graph inputs read from the batch), ``r
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from pathlib import Path
@@ -44,6 +48,7 @@ from . import asynchronous as _async
 from . import portable
 from .instructions import (GraphPipeSchedule, RecvActivationFrom, RecvGradFrom, ReleaseInputs, ReleaseOutputs,
                            SendActivationTo, SendGradTo, Transfers, WaitSends)
+from .watchdog import start_watchdog
 from .module import GraphPipelineModule
 from .p2p import EdgeTransport, Incoming, Outgoing
 from .split_engine import SplitBackwardMixin, check_split_backward_supported
@@ -109,6 +114,7 @@ class GraphPipelineEngine(SplitBackwardMixin, PipelineEngine):
             self.pipe_buffers[key] = [None] * self.num_pipe_buffers
         self.module.engine_attached = True
         self._dag_ready = True
+        self.watchdog = self._start_watchdog()
         # Every pair of ranks that exchanges tensors talks once now, in one order on all ranks, so
         # NCCL creates no communicator in the middle of a schedule.
         self.transport.warm_up(sorted((e.src, e.dst) for e in self.stage_graph.edges))
@@ -160,6 +166,9 @@ class GraphPipelineEngine(SplitBackwardMixin, PipelineEngine):
     # -- checkpoints (portable across layouts: see portable.py) ------------------------------------
 
     def save_checkpoint(self, save_dir, tag=None, client_state={}, save_latest=True, exclude_frozen_parameters=False):
+        self.flush()  # an asynchronous pipeline's in-flight updates belong to the saved weights
+        if self._async is not None:
+            client_state = {**client_state, **self._async.versions.checkpoint_state()}
         tag = f"global_step{self.global_steps}" if tag is None else tag   # DeepSpeed's default tag
         out = super().save_checkpoint(save_dir, tag=tag, client_state=client_state, save_latest=save_latest,
                                       exclude_frozen_parameters=exclude_frozen_parameters)
@@ -169,7 +178,11 @@ class GraphPipelineEngine(SplitBackwardMixin, PipelineEngine):
     def load_checkpoint(self, load_dir, tag=None, **kwargs):
         """DeepSpeed's ``load_checkpoint``; a checkpoint saved under another layout (partition,
         stage count, data-parallel degree, or a ``GraphModel``) loads layer by layer by name."""
-        return portable.load_checkpoint(self, load_dir, tag, ds_load=super().load_checkpoint, **kwargs)
+        self.flush()
+        path, client_state = portable.load_checkpoint(self, load_dir, tag, ds_load=super().load_checkpoint, **kwargs)
+        if self._async is not None and client_state:
+            self._async.versions.load_checkpoint_state(client_state)
+        return path, client_state
 
     # -- roles ------------------------------------------------------------------------------------
 
@@ -231,13 +244,11 @@ class GraphPipelineEngine(SplitBackwardMixin, PipelineEngine):
     def train_batch(self, data_iter=None):
         if self._async is not None:
             self._async.in_batch = True
-        loss = super().train_batch(data_iter)
+        with self._watched():
+            loss = super().train_batch(data_iter)
         if self._async is not None:
             self._async.in_batch = False
-            # Updates are UPDATE actions inside the pipeline, not DeepSpeed's STEP: count the batch here.
             self._async.batches += 1
-            self.global_steps += 1
-            self.global_samples += self.train_batch_size()
         if self.gpp_config.trace_dir is not None:
             self._trace(self.gpp_config.trace_dir)
         every = self.steps_per_print()
@@ -248,6 +259,27 @@ class GraphPipelineEngine(SplitBackwardMixin, PipelineEngine):
                 shown = " ".join(f"{s}:{f:.0%}" for s, f in enumerate(idle))
                 print(f"steps: {self.global_steps} graph pipeline idle per stage: {shown}", flush=True)
         return loss
+
+    def eval_batch(self, *args, **kwargs):
+        with self._watched():
+            return super().eval_batch(*args, **kwargs)
+
+    def _watched(self):
+        return self.watchdog.watching() if self.watchdog is not None else contextlib.nullcontext()
+
+    def _start_watchdog(self):
+        """This process's watchdog, watching the ranks this one exchanges data with."""
+        if not self.gpp_config.watchdog:
+            return None
+        topo = self.grid._topo
+
+        def describe(rank: int) -> str:
+            coord = topo.get_coord(rank)
+            return f"stage {coord.pipe} of pipeline replica {coord.data}"
+
+        return start_watchdog(rank=self.global_rank, peers=[*self.grid.pp_group, *self.grid.dp_group],
+                              describe=describe, heartbeat_s=self.gpp_config.heartbeat_s,
+                              timeout_s=self.gpp_config.watchdog_timeout_s)
 
     def _trace(self, folder: str) -> None:
         """Add the last batch to this rank's Chrome trace and rewrite the file."""
@@ -264,6 +296,14 @@ class GraphPipelineEngine(SplitBackwardMixin, PipelineEngine):
     def _train_schedule(self):
         return self._graph_pipe_schedule(self.micro_batches, True)
 
+    def _aggregate_total_loss(self):
+        if self._async is not None:
+            # Updates are UPDATE actions inside the pipeline, not DeepSpeed's STEP: count the batch
+            # where STEP would have, before train_batch reads global_steps for its log line.
+            self.global_steps += 1
+            self.global_samples += self.train_batch_size()
+        return super()._aggregate_total_loss()
+
     def flush(self) -> None:
         """Drain an asynchronous pipeline: run the backwards and updates of every micro-batch still
         in flight, so the weights are final. Called before ``eval_batch`` and ``save_checkpoint``;
@@ -277,13 +317,19 @@ class GraphPipelineEngine(SplitBackwardMixin, PipelineEngine):
         self._async.batches = 0
         self._async.versions.reset()
 
+    def weight_version_memory(self) -> dict | None:
+        """For an asynchronous schedule, this stage's weight versions: the most stashed at once so
+        far, the bytes of one, and their peak bytes (besides the optimizer's live weights)."""
+        if self._async is None:
+            return None
+        versions = self._async.versions
+        one = versions.version_bytes()
+        return {"peak_versions": versions.peak_versions, "version_bytes": one,
+                "peak_bytes": versions.peak_versions * one}
+
     def eval_batch(self, data_iter, *args, **kwargs):
         self.flush()
         return super().eval_batch(data_iter, *args, **kwargs)
-
-    def save_checkpoint(self, save_dir, *args, **kwargs):
-        self.flush()
-        return super().save_checkpoint(save_dir, *args, **kwargs)
 
     def _inference_schedule(self, micro_batches):
         return self._graph_pipe_schedule(micro_batches, False)

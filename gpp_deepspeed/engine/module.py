@@ -60,12 +60,14 @@ class GraphPipelineModule(PipelineModule):
         ``"parameters"`` (default) or ``"uniform"``: balanced by parameter or layer count, keeping
         independent branches on separate stages (accepting a heaviest stage up to 10% above the
         least possible one when that makes the stage graph shallower); ``"sequential"``: the chain baseline, the list order
-        cut into contiguous stages as DeepSpeed does; ``"type:<regex>"``: balance the layers whose
+        cut into contiguous stages as DeepSpeed does and run as a chain (a tensor that skips stages
+        is relayed through every stage in between, as DeepSpeed's ``PipelineEngine`` carries it); ``"type:<regex>"``: balance the layers whose
         class matches; ``"graphpipe"``: GraphPipe's search (:mod:`gpp_deepspeed.planner`) for the
         least-bottleneck stage graph, priced by ``cost_db`` (a :class:`~gpp_deepspeed.planner.CostDB`
         or the path of one ``gpp profile`` wrote; without one, time is taken as proportional to
         parameters); a plan (a :class:`~gpp_deepspeed.planner.plan.Plan` or the path of a JSON file
-        ``gpp plan`` wrote), whose stages must match the pipeline's stage count; or an explicit
+        ``gpp plan`` wrote), whose stages must match the pipeline's stage count (a plan priced as a
+        chain, ``"pipeline": "chain"``, runs as a chain with relays); or an explicit
         ``{layer_name: stage_idx}`` mapping. Every rank computes or loads the same partition.
     cost_db
         The cost database ``partition_method="graphpipe"`` plans with.
@@ -82,7 +84,7 @@ class GraphPipelineModule(PipelineModule):
             dist.init_distributed(dist_backend=get_accelerator().communication_backend_name())
         stages = _stage_count(num_stages, topology, dist.get_world_size())
         partition = derive_partition(graph, _assign(graph, entries, stages, partition_method, cost_db),
-                                     num_stages=stages)
+                                     num_stages=stages, relay=_runs_as_chain(partition_method))
         by_name = {e.name: e for e in entries}
         # Plain attributes may be set before nn.Module.__init__; the parent's __init__ needs them.
         self.graph: LayerGraph = graph
@@ -333,6 +335,15 @@ def _from_plan(graph: LayerGraph, num_stages: int, plan: Any) -> dict[str, int]:
         raise PartitionError(f"plan {plan.method} for {plan.model} has {plan.num_stages} stages but the pipeline has "
                              f"{num_stages}; launch with {plan.num_stages} pipeline stages (num_stages={plan.num_stages})")
     return plan.stage_of
+
+
+def _runs_as_chain(method: Any) -> bool:
+    """Whether the partition is a chain that relays skip tensors: ``"sequential"`` (DeepSpeed's cut)
+    and plans priced as chains (``"pipeline": "chain"``: the PipeDream, Piper and DeepSpeed baselines)."""
+    if isinstance(method, str) and method.lower() == "sequential":
+        return True
+    plan = _as_plan(method)
+    return plan is not None and plan.pipeline == "chain"
 
 
 def _plan_schedule(method: Any) -> str | None:

@@ -102,7 +102,7 @@ class SplitBackwardMixin:
     def _exec_backward_weight_pass(self, buffer_id):
         work = self.pipe_buffers["weight_grad"][buffer_id]
         self.pipe_buffers["weight_grad"][buffer_id] = None
-        if work == _FUSED:
+        if work is _FUSED:
             self._exec_backward_pass(buffer_id)
             return
         if self.using_bf16_optimizer:

@@ -16,12 +16,16 @@ group, through a connection of its own, so it never contends with the main threa
   itself. Either way the watcher writes ``failed`` (so ranks that do not watch that rank learn it
   within one beat), prints an error naming the failed rank and its stage, and exits the process
   (``os._exit``: the main thread may be blocked inside a C++ wait that nothing else ends);
+* **uncaught exception**: a rank dying of an exception writes ``failed`` with it (a hook on
+  ``sys.excepthook``), so the others stop at once instead of after the timeout. An exception the
+  program catches is its own business: the rank is alive and keeps beating;
 * **store lost**: if the store itself stops answering (its host, global rank 0, died or froze),
   a rank exits only if its main thread has been inside the same ``train_batch`` / ``eval_batch``
   for ``watchdog_timeout_s`` since: rank 0 may simply have finished before a peer's last
   instructions, and then the peer leaves its batch first.
 
-A process marks itself ``done`` when it exits normally, so finished ranks are not taken for dead.
+A process marks itself ``done`` when it exits normally (not after an uncaught exception), so
+finished ranks are not taken for dead.
 """
 
 from __future__ import annotations
@@ -71,6 +75,8 @@ class Watchdog:
         self._beats = 0
         self._last_seen: dict[int, tuple[bytes, float]] = {}
         self._store_lost_since: float | None = None
+        self._lost_batch = 0
+        self._died = False
         self._thread = threading.Thread(target=self._loop, name="gpp-watchdog", daemon=True)
 
     # -- main-thread side -------------------------------------------------------------------------
@@ -78,6 +84,16 @@ class Watchdog:
     def start(self) -> "Watchdog":
         self._thread.start()
         atexit.register(self.stop)
+        previous = sys.excepthook
+
+        def hook(kind, value, tb):
+            if not issubclass(kind, (KeyboardInterrupt, SystemExit)):
+                self._died = True
+                self.report_failure(f"global rank {self.rank} ({self.describe(self.rank)}) failed: "
+                                    f"{kind.__name__}: {value}"[:2000])
+            previous(kind, value, tb)
+
+        sys.excepthook = hook
         return self
 
     @contextmanager
@@ -87,38 +103,44 @@ class Watchdog:
         self._batch_started = time.monotonic()
         try:
             yield
-        except BaseException as exc:
-            self.report_failure(f"global rank {self.rank} ({self.describe(self.rank)}) failed: "
-                                f"{type(exc).__name__}: {exc}"[:2000])
-            raise
         finally:
             self._batch_started = 0.0
 
     def report_failure(self, message: str) -> None:
         """Tell every watching rank to stop, with ``message`` (best effort)."""
         try:
-            self._client().set("failed", message)
+            self._connect().set("failed", message)
         except Exception:  # the store may be gone too: the heartbeats still stop
             pass
 
     def stop(self) -> None:
-        """Stop beating and mark this rank done (a normal exit)."""
+        """Stop beating; mark this rank done unless it died of an exception."""
         if self._stop.is_set():
             return
         self._stop.set()
+        if self._died:
+            return
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout=self.heartbeat_s + 1.0)   # its last beat must not follow "done"
+        if self._store_lost_since is not None:
+            return   # the store is gone (rank 0 finished first): nobody is left to tell
         try:
-            self._client().set(f"beat/{self.rank}", _DONE)
+            self._connect().set(f"beat/{self.rank}", _DONE)
         except Exception:
             pass
 
     # -- the thread -------------------------------------------------------------------------------
 
+    def _connect(self):
+        """A new connection to the store (the thread keeps its own; other callers open one each)."""
+        host, port = self._address
+        store = torch.distributed.TCPStore(host, port, is_master=False, wait_for_workers=False,
+                                           timeout=timedelta(seconds=max(5.0, self.heartbeat_s * 5)))
+        return torch.distributed.PrefixStore(_PREFIX, store)
+
     def _client(self):
         if self._store is None:
-            host, port = self._address
-            store = torch.distributed.TCPStore(host, port, is_master=False, wait_for_workers=False,
-                                               timeout=timedelta(seconds=max(5.0, self.heartbeat_s * 5)))
-            self._store = torch.distributed.PrefixStore(_PREFIX, store)
+            self._store = self._connect()
         return self._store
 
     def _loop(self) -> None:
@@ -134,6 +156,8 @@ class Watchdog:
     def _beat_and_watch(self) -> None:
         store = self._client()
         self._beats += 1
+        if self._stop.is_set():
+            return
         store.set(f"beat/{self.rank}", str(self._beats))
         if store.check(["failed"]):
             self._exit(store.get("failed").decode(errors="replace"), relayed=True)
@@ -168,9 +192,12 @@ class Watchdog:
     def _exit(self, message: str, *, relayed: bool) -> None:
         who = f"global rank {self.rank} ({self.describe(self.rank)})"
         prefix = "stops: another rank reported" if relayed else "stops"
-        sys.stderr.write(f"\n[gpp_deepspeed watchdog] {who} {prefix}: {message}\n")
+        sys.stderr.write(f"\n[gpp_deepspeed watchdog t={time.time():.1f}] {who} {prefix}: {message}\n")
         sys.stderr.flush()
         sys.stdout.flush()
+        # Linger two beats so every watcher reads "failed" before this process goes (global rank 0
+        # hosts the store: leaving at once would make the others blame it instead).
+        time.sleep(2 * self.heartbeat_s + 0.5)
         os._exit(EXIT_CODE)
 
 

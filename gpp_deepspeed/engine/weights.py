@@ -34,6 +34,8 @@ from ..errors import GPPConfigError
 
 __all__ = ["WeightVersions", "predicted_direction", "check_predictable"]
 
+_LAST_GRADS = "gpp_pipeoptim_last_grads"
+
 
 def check_predictable(optimizer: torch.optim.Optimizer) -> None:
     """PipeOptim predicts with SGD (with or without momentum) and Adam, as written in the paper;
@@ -144,6 +146,18 @@ class WeightVersions:
             self._last_grads = [None if p.grad is None else p.grad.detach().clone() for p in self.params]
         for p in self.params:
             p.grad = None
+
+    def checkpoint_state(self) -> dict:
+        """What a checkpoint needs besides the optimizer's state: PipeOptim's SGD prediction reads
+        the newest gradient, which the momentum buffer alone does not give back."""
+        if self._last_grads is None:
+            return {}
+        return {_LAST_GRADS: [None if g is None else g.cpu() for g in self._last_grads]}
+
+    def load_checkpoint_state(self, state: dict) -> None:
+        grads = state.get(_LAST_GRADS)
+        if grads is not None:
+            self._last_grads = [None if g is None else g.to(p.device) for g, p in zip(grads, self.params)]
 
     def reset(self) -> None:
         if self.versions:

@@ -7,7 +7,8 @@ stage
 stage edge
     ``src -> dst`` with the tensors that ``dst`` reads from ``src``, in message order. A tensor read
     by several stages is on one edge per reader (fan-out); a skip tensor goes straight from its
-    producer to its reader, never relayed through the stages in between.
+    producer to its reader, except in a chain (``relay=True``), where it is relayed through every
+    stage in between, as DeepSpeed's ``PipelineEngine`` carries it.
 output stage
     The stage holding the output layer: it reads the labels, computes the loss, and is the unique
     sink of the stage graph.
@@ -185,17 +186,30 @@ class Partition:
         return "\n".join(lines)
 
 
-def derive_partition(graph: LayerGraph, stage_of: Mapping[str, int], *, num_stages: int) -> Partition:
+def derive_partition(graph: LayerGraph, stage_of: Mapping[str, int], *, num_stages: int,
+                     relay: bool = False) -> Partition:
     """Check an assignment of layers to stages and derive stage ports and the stage graph.
 
+    With ``relay`` the stages form a chain ``0 -> 1 -> ... -> S-1`` in index order, as DeepSpeed's
+    ``PipelineEngine`` runs them: edge ``k -> k+1`` carries every tensor produced on a stage up to
+    ``k`` and read on a stage after it, so a tensor that skips stages passes through each stage in
+    between (an in-port and an out-port there) and its gradient comes back the same way. Graph
+    inputs are still loaded by the stages that read them.
+
     Raises :class:`PartitionError` when a layer is missing or unknown, a stage index is out of range,
-    a stage is empty, or the stages depend on each other in a cycle.
+    a stage is empty, the stages depend on each other in a cycle, or, with ``relay``, a layer reads
+    a tensor of a later stage (so the output layer, which every layer reaches, is on the last one).
 
     >>> from gpp_deepspeed.graph import build_layer_graph
     >>> g = build_layer_graph(["x"], [("a", ["x"]), ("b", ["x"]), ("c", ["a", "b"])])
     >>> p = derive_partition(g, {"a": 0, "b": 1, "c": 2}, num_stages=3)
     >>> [(e.src, e.dst) for e in p.stage_graph.edges]
     [(0, 2), (1, 2)]
+    >>> chain = derive_partition(g, {"a": 0, "b": 1, "c": 2}, num_stages=3, relay=True)
+    >>> [(e.src, e.dst, [str(t) for t in e.tensors]) for e in chain.stage_graph.edges]
+    [(0, 1, ['a']), (1, 2, ['a', 'b'])]
+    >>> [str(t) for t in chain.stages[1].in_ports], [str(t) for t in chain.stages[1].out_ports]
+    (['x', 'a'], ['a', 'b'])
     """
     names = set(graph.names)
     unknown = sorted(set(stage_of) - names)
@@ -223,6 +237,8 @@ def derive_partition(graph: LayerGraph, stage_of: Mapping[str, int], *, num_stag
     def ref_key(ref: TensorRef):
         return (position[ref.node], ref.sort_key())
 
+    if relay:
+        producers = _relayed(graph, stage_of, producers)
     edges = tuple(StageEdge(src, dst, tuple(sorted(refs, key=ref_key))) for (src, dst), refs in sorted(producers.items()))
     _check_stage_cycle(graph, stage_of, edges, num_stages)
     output_stage = stage_of[graph.output]
@@ -248,7 +264,7 @@ def mark_gradient_flow(partition: Partition, trainable: Collection[str]) -> Part
 
     A layer's output needs a gradient if the layer is trainable or reads an output that needs
     one; an edge carries gradients back if one of its tensors needs one; a stage none of whose
-    layers' outputs needs one is frozen (it runs no backward).
+    layers' outputs needs one and that sends no such tensor on is frozen (it runs no backward).
 
     >>> from gpp_deepspeed.graph import build_layer_graph
     >>> g = build_layer_graph(["x", "y"], [("a", ["x"]), ("b", ["y"]), ("c", ["a", "b"])])
@@ -265,8 +281,27 @@ def mark_gradient_flow(partition: Partition, trainable: Collection[str]) -> Part
         raise PartitionError(f'nothing is trained: no layer up to the output "{graph.output}" has a trainable parameter')
     sg = partition.stage_graph
     edges = tuple(replace(e, grad=any(t.node in needs for t in e.tensors)) for e in sg.edges)
-    frozen = frozenset(s.stage_idx for s in partition.stages if not needs.intersection(s.layers))
+    # A stage relaying another stage's tensor (a true chain) passes its gradient back too.
+    relays = {e.src for e in edges if e.grad}
+    frozen = frozenset(s.stage_idx for s in partition.stages
+                       if not needs.intersection(s.layers) and s.stage_idx not in relays)
     return replace(partition, stage_graph=replace(sg, edges=edges, frozen=frozen))
+
+
+def _relayed(graph: LayerGraph, stage_of: Mapping[str, int],
+             producers: dict[tuple[int, int], set[TensorRef]]) -> dict[tuple[int, int], set[TensorRef]]:
+    """The chain's edges: every tensor of edge ``src -> dst`` on each hop ``k -> k+1`` in between."""
+    for (src, dst), refs in producers.items():
+        if src > dst:
+            ref = min(refs, key=str)
+            reader = next(n.name for n in graph.nodes if stage_of[n.name] == dst and ref in n.inputs)
+            raise PartitionError(f'a chain runs its stages in index order, but layer "{reader}" on stage {dst} reads '
+                                 f'"{ref}" from stage {src}; list the layers so that each reads only earlier ones')
+    hops: dict[tuple[int, int], set[TensorRef]] = {}
+    for (src, dst), refs in producers.items():
+        for k in range(src, dst):
+            hops.setdefault((k, k + 1), set()).update(refs)
+    return hops
 
 
 def _check_stage_cycle(graph: LayerGraph, stage_of: Mapping[str, int], edges, num_stages: int) -> None:

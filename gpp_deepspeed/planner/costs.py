@@ -35,8 +35,10 @@ from typing import Iterable, Sequence
 
 from ..errors import GPPConfigError
 from ..graph.ir import LayerGraph, build_layer_graph
+from ..graph.stages import derive_partition
 
-__all__ = ["CommFit", "LayerCost", "Hardware", "CostDB", "StageCost", "StageCostModel", "micro_batch_sizes"]
+__all__ = ["CommFit", "LayerCost", "Hardware", "CostDB", "StageCost", "StageCostModel", "edge_bytes",
+           "micro_batch_sizes"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -280,6 +282,9 @@ class StageCostModel:
 
     @staticmethod
     def _members(mask: int) -> list[int]:
+        low = mask & -mask
+        if mask and not mask & (mask + low):   # one run of ones: a range of layers, the usual stage
+            return list(range(low.bit_length() - 1, mask.bit_length()))
         out = []
         while mask:
             low = mask & -mask
@@ -293,6 +298,16 @@ class StageCostModel:
         hit = self._cache.get(key)
         if hit is None:
             hit = self._cache[key] = [c.times(shard) for c in self.db.layers]
+        return hit
+
+    def _layer_rows(self, shard: float) -> list[tuple]:
+        """Per layer on a shard: forward, backward, its two split halves, parameter and stash
+        bytes (cached: the searches price many stages at few shard sizes)."""
+        key = ("rows", shard)
+        hit = self._cache.get(key)
+        if hit is None:
+            hit = self._cache[key] = [(*t, *c.split_backward_times(shard), c.param_bytes, c.stash_bytes)
+                                      for t, c in zip(self.layer_times(shard), self.db.layers)]
         return hit
 
     def boundary_bytes(self, mask: int) -> tuple[float, float]:
@@ -348,16 +363,15 @@ class StageCostModel:
         shard = b / n
         fwd = bwd = grad_in = grad_w = 0.0
         params = stash = 0.0
-        times = self.layer_times(shard)
+        rows = self._layer_rows(shard)
         for i in self._members(mask):
-            f, bw = times[i]
-            gi, gw = layers[i].split_backward_times(shard)
+            f, bw, gi, gw, p, st = rows[i]
             fwd += f
             bwd += bw
             grad_in += gi
             grad_w += gw
-            params += layers[i].param_bytes
-            stash += layers[i].stash_bytes
+            params += p
+            stash += st
         in_b, out_b = self.boundary_bytes(mask) if boundary is None else boundary
         # Activations arrive before the forward and leave after it; gradients mirror them
         # (with a split backward, around I: W talks to no one).
@@ -371,7 +385,7 @@ class StageCostModel:
             allreduce = 2 * (n - 1) * ring.alpha_s + 2 * (n - 1) / n * params * ring.beta_s_per_byte
         working = 0.0
         if recompute:
-            again = sum(times[i][0] for i in self._members(mask))
+            again = sum(rows[i][0] for i in self._members(mask))
             bwd += again
             grad_in += again
             working, stash = stash, in_b
@@ -404,6 +418,35 @@ class StageCostModel:
         state) and one micro-batch's activations."""
         c = self.stage(mask, b, n)
         return c.weight_bytes / (1 + self.db.hardware.optimizer_factor) + c.stash_bytes
+
+
+def edge_bytes(db: CostDB, stage_of: dict[str, int], *, relay: bool) -> dict[tuple[int, int], float]:
+    """Bytes per sample the engine sends on each stage edge ``(src, dst)`` of one micro-batch's
+    forward (its gradients return the same bytes).
+
+    The edges are the runtime's own (:func:`~gpp_deepspeed.graph.stages.derive_partition`): along
+    the stage DAG each edge carries the outputs of ``src``'s layers that ``dst`` reads; with
+    ``relay`` (a chain, as DeepSpeed's ``PipelineEngine`` runs one) edge ``k -> k+1`` carries every
+    tensor produced up to stage ``k`` and read after it, relayed tensors included. A layer's
+    output counts once per edge it crosses, whichever of its elements are read.
+    :meth:`StageCostModel.chain_boundaries` is the bitmask kernel of the ``relay`` case that the
+    planners run in their inner loops; tests hold the two equal.
+
+    >>> from gpp_deepspeed.planner.costs import CommFit, CostDB, Hardware, LayerCost
+    >>> link = CommFit(alpha_s=0.0, beta_s_per_byte=0.0)
+    >>> hw = Hardware(name="h", memory_bytes=1, devices_per_node=1, intra=link, inter=link)
+    >>> layer = lambda name, inputs, nbytes: LayerCost(name=name, inputs=inputs, micro_batches=(1,), fwd_s=(1.0,),
+    ...                                                bwd_s=(1.0,), param_bytes=0, out_bytes=nbytes, stash_bytes=0)
+    >>> db = CostDB(model="m", source="hand", input_names=("x",), output="res", hardware=hw,
+    ...             layers=(layer("l1", ("x",), 100), layer("l2", ("l1",), 10), layer("res", ("l2", "l1"), 1)))
+    >>> edge_bytes(db, {"l1": 0, "l2": 1, "res": 2}, relay=False)
+    {(0, 1): 100.0, (0, 2): 100.0, (1, 2): 10.0}
+    >>> edge_bytes(db, {"l1": 0, "l2": 1, "res": 2}, relay=True)
+    {(0, 1): 100.0, (1, 2): 110.0}
+    """
+    partition = derive_partition(db.graph, stage_of, num_stages=max(stage_of.values()) + 1, relay=relay)
+    return {(e.src, e.dst): float(sum(db.by_name[n].out_bytes for n in dict.fromkeys(t.node for t in e.tensors)))
+            for e in partition.stage_graph.edges}
 
 
 def micro_batch_sizes(mini_batch: int, candidates: Sequence[int] | None = None) -> list[int]:

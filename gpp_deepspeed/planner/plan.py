@@ -82,6 +82,8 @@ class Plan:
     stage_edges: tuple[tuple[int, int], ...] = ()
     predicted: Prediction | None = None
     notes: dict = field(default_factory=dict)
+    # device ids per stage on a topology (planner/topology.py); () means contiguous rank order
+    placement: tuple[tuple[int, ...], ...] = ()
 
     @property
     def num_stages(self) -> int:
@@ -130,6 +132,7 @@ class Plan:
                            for s in d.pop("stages"))
             pred = d.pop("predicted", None)
             d["stage_edges"] = tuple(tuple(e) for e in d.get("stage_edges", ()))
+            d["placement"] = tuple(tuple(p) for p in d.get("placement", ()))
             if pred is not None:
                 pred = Prediction(**{k: tuple(v) if isinstance(v, list) else v for k, v in pred.items()})
             return cls(**d, stages=stages, predicted=pred)

@@ -7,7 +7,9 @@ shared stage cost model: ``F`` and ``B`` take the stage's forward and backward t
 plus the transfers of its edges), ``I`` and ``W`` (the zero-bubble schedules' split backward)
 the input-gradient part with the transfers and the weight-gradient part, ``REDUCE_GRAD`` the
 gradient all-reduce of its data-parallel group. Peak in-flight micro-batches per stage are counted on the same timeline, so the memory a
-plan reports is what its schedule stashes, not a formula beside it.
+plan reports is what its schedule stashes, not a formula beside it. An asynchronous schedule
+(``pipedream``, ``2bw``, ``pipeoptim``) is priced in steady state, the batch the engine runs once
+the pipeline is full (no warm-up, no flush), with its stashed weight versions in memory.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from dataclasses import dataclass, replace
 
 from ..errors import PartitionError
 from ..graph.stages import StageGraph
+from ..schedule.asynchronous import async_segment, is_async, steady_batch_idx, validate_async
 from ..schedule.generators import build_schedule
 from ..schedule.ir import Action, ActionKind as K, Schedule
 from ..schedule.validate import Timeline, simulate
@@ -37,10 +40,11 @@ class SimulatedPlan:
 
 
 def simulate_plan(plan: Plan, db: CostDB, *, schedule: str | None = None, cluster=None,
-                  train: bool = True) -> SimulatedPlan:
+                  train: bool = True, stage_costs: tuple[StageCost, ...] | None = None) -> SimulatedPlan:
     """Simulate one iteration (one mini-batch) of ``plan`` priced by ``db``, under ``schedule``
     (default: the plan's own). With a :class:`~gpp_deepspeed.planner.hetero.Cluster`, each stage
-    is priced for its ``device_class``; ``train=False`` runs forwards only (inference)."""
+    is priced for its ``device_class``; ``train=False`` runs forwards only (inference);
+    ``stage_costs`` replaces the cost model's prices (a placement on a topology prices its links)."""
     schedule = schedule or plan.schedule
     names = set(db.by_name)
     planned = [n for s in plan.stages for n in s.layers]
@@ -58,9 +62,14 @@ def simulate_plan(plan: Plan, db: CostDB, *, schedule: str | None = None, cluste
     b = plan.micro_batch
     models = [model if cluster is None else cluster.stage_model(db, s.device_class, plan.mini_batch, plan.num_devices)
               for s in plan.stages]
-    costs = tuple(mdl.stage(m, b, s.devices, boundary=bd, recompute=s.recompute)
-                  for mdl, m, s, bd in zip(models, masks, plan.stages, bounds))
-    lists = build_schedule(stage_graph, plan.num_microbatches, name=schedule, train=train)
+    costs = tuple(stage_costs) if stage_costs is not None else tuple(
+        mdl.stage(m, b, s.devices, boundary=bd, recompute=s.recompute)
+        for mdl, m, s, bd in zip(models, masks, plan.stages, bounds))
+    versions = [0] * plan.num_stages
+    if train and is_async(schedule):
+        lists, versions, in_flight = _steady_async(stage_graph, plan.num_microbatches, schedule)
+    else:
+        lists = build_schedule(stage_graph, plan.num_microbatches, name=schedule, train=train)
 
     def duration(a: Action) -> float:
         c = costs[a.stage_idx]
@@ -77,9 +86,13 @@ def simulate_plan(plan: Plan, db: CostDB, *, schedule: str | None = None, cluste
         return 0.0
 
     timeline = simulate(lists, duration=duration)
-    in_flight = tuple(peak_in_flight(lists[s]) for s in range(plan.num_stages))
+    if not (train and is_async(schedule)):
+        in_flight = tuple(peak_in_flight(lists[s]) for s in range(plan.num_stages))
     if train:
-        mem = tuple(c.memory(k) for c, k in zip(costs, in_flight))
+        # Each stashed weight version is a copy of the stage's parameters (not of their gradients
+        # or optimizer state, which stay with the live weights).
+        mem = tuple(c.memory(k) + v * c.weight_bytes / (1 + mdl.db.hardware.optimizer_factor)
+                    for c, k, v, mdl in zip(costs, in_flight, versions, models))
     else:
         mem = tuple(mdl.inference_memory(m, b, s.devices) for mdl, m, s in zip(models, masks, plan.stages))
     limits = [mdl.db.hardware.memory_bytes for mdl in models]
@@ -94,6 +107,18 @@ def simulate_plan(plan: Plan, db: CostDB, *, schedule: str | None = None, cluste
         stage_busy_s=busy, bubble_fraction=1 - device_busy / (span * plan.num_devices) if span > 0 else 0.0,
         fits_memory=all(x <= limit for x, limit in zip(mem, limits)))
     return SimulatedPlan(lists, costs, timeline, prediction)
+
+
+def _steady_async(stage_graph: StageGraph, num_microbatches: int, name: str):
+    """An asynchronous schedule's steady-state batch (the pipeline full before and after it, no
+    flush: what every batch but the first costs), and per stage its peak stashed weight versions
+    and in-flight micro-batches over the whole program."""
+    loading = {s for s in range(stage_graph.num_stages) if not stage_graph.preds(s)} | {stage_graph.output_stage}
+    report = validate_async(stage_graph, num_microbatches, name=name, loading_stages=loading)
+    lists = async_segment(stage_graph, num_microbatches, steady_batch_idx(stage_graph, num_microbatches), name=name,
+                          loading_stages=loading)
+    n = stage_graph.num_stages
+    return lists, [report.peak_versions[s] for s in range(n)], tuple(report.peak_in_flight[s] for s in range(n))
 
 
 def predict(plan: Plan, db: CostDB, *, schedule: str | None = None, cluster=None, train: bool = True) -> Plan:

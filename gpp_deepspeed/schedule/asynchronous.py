@@ -29,7 +29,9 @@ latest ``STASH``/``PREDICT`` before it; a backward on its forward's version.
 Messages never cross a ``train_batch`` boundary (``DeepSpeed`` aggregates the loss over the
 pipeline between batches, a collective that a pending rendezvous send could block): a gradient
 whose receiver runs its backward in a later batch than the sender is sent at the start of the
-receiver's batch (:func:`defer_sends`).
+receiver's batch (:func:`defer_sends`). That loss aggregation also makes the stages meet once per
+batch, so a steady batch (the pipeline full before and after it, :func:`steady_batch_idx`) costs
+about ``M * (T_F + T_B) + (D - 1) * T_F``: the forward skew returns at every batch, the drain never.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ from .lowering import add_release, group_for_rendezvous, order_transfers
 from .validate import _check_buffers, _check_releases, _check_stage, simulate
 
 __all__ = ["ASYNC_SCHEDULES", "is_async", "lag", "async_segment", "steady_batch_idx", "prediction_steps",
-           "predicted_updates", "async_slots", "validate_async", "AsyncReport", "check_async_microbatches"]
+           "predicted_updates", "async_slots", "shift", "validate_async", "AsyncReport", "check_async_microbatches"]
 
 ASYNC_SCHEDULES = ("pipedream", "2bw", "pipeoptim")
 
@@ -217,6 +219,20 @@ def predicted_updates(stage_graph: StageGraph, stage_idx: int, mb_idx: int) -> i
     (3, 1)
     """
     return min(mb_idx, lag(stage_graph, stage_idx))
+
+
+def shift(actions: list[Action], delta: int) -> list[Action]:
+    """The same actions ``delta`` micro-batches later: batch ``k + d`` of a steady pipeline is batch
+    ``k`` shifted by ``d * M`` (for ``k >= steady_batch_idx``; tested), and so is its flush.
+
+    >>> shift([Action.parse("0F2"), Action.parse("0WAIT_SENDS")], 4)
+    [0F6, 0WAIT_SENDS]
+    """
+    def moved(a: Action) -> Action:
+        if a.kind is K.P2P:
+            return Action.group(moved(op) for op in a.ops)
+        return a if a.mb_idx is None else Action(a.stage_idx, a.kind, a.mb_idx + delta, a.peer)
+    return [moved(a) for a in actions]
 
 
 def prediction_steps(actions: list[Action]) -> dict[int, int]:

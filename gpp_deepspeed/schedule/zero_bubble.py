@@ -37,9 +37,15 @@ Generators (registered in :data:`gpp_deepspeed.schedule.SCHEDULES`):
     gap give a near-zero bubble when ``T_F``, ``T_I`` and ``T_W`` are close, at up to ``2 D - 1``
     micro-batches of activation memory.
 
-Both only reorder compute: the communication order of ``I`` is the one 1F1B has for ``B``
-(``zb1``) or one taken from a simulated run (``zb2``), and every micro-batch's gradients are the
-ones 1F1B computes.
+Both only reorder compute, so every micro-batch's gradients are the ones 1F1B computes; ``I`` takes
+``B``'s place in the communication (it receives the output gradients and its result is sent), ``W``
+talks to no one, and the lowering passes (:mod:`.lowering`) order and group the transfers as for
+any schedule, so the validator's rendezvous mode (NCCL semantics) accepts them.
+
+The zero-bubble paper counts memory in micro-batches of activations (``M_B``); so does this module,
+and a micro-batch stays counted until its ``W`` has run (the engine keeps the part of its autograd
+graph that the weight gradients read until then). Under that count ``zb1``'s bound is on the
+busiest stage: stages near the output hold more than under 1F1B, up to the same ``D``.
 """
 
 from __future__ import annotations
@@ -51,7 +57,7 @@ from ..errors import ScheduleError
 from ..graph.stages import StageGraph
 from .ir import Action, ActionKind as K, Schedule
 
-__all__ = ["zb1", "zb2", "peak_in_flight", "unit_split_duration", "buffers_needed"]
+__all__ = ["zb1", "zb2", "peak_in_flight", "unit_split_duration"]
 
 
 def _pipeline_depth(stage_graph: StageGraph) -> int:
@@ -217,23 +223,3 @@ def peak_in_flight(actions: list[Action]) -> int:
             live -= 1
     return peak
 
-
-def buffers_needed(actions: list[Action]) -> int:
-    """Fewest buffers a stage's action list can run with when micro-batch ``j`` uses buffer
-    ``j % n``: no two micro-batches sharing a buffer may be alive (first action to last) at once.
-    The validator's buffer check accepts this count and rejects one less.
-
-    >>> buffers_needed(zb1(StageGraph.chain(3), 8)[2])
-    3
-    """
-    first: dict[int, int] = {}
-    last: dict[int, int] = {}
-    for i, a in enumerate(actions):
-        if a.mb_idx is not None:
-            first.setdefault(a.mb_idx, i)
-            last[a.mb_idx] = i
-    mbs = sorted(first)
-    for n in range(1, len(mbs) + 1):
-        if all(not (j % n == k % n and first[k] <= last[j]) for j in mbs for k in mbs if j < k):
-            return n
-    return max(1, len(mbs))

@@ -53,6 +53,19 @@ CASES = {
         model=GraphPipelineModule(GOOD, input_names=["x"], num_stages=2, loss_fn=nn.MSELoss(),
                                   activation_checkpoint_interval=1),
         model_parameters=None, config={**CONFIG, "graph_pipeline": {"schedule": "zb1"}}),
+    # DeepSpeed clips by global norm (1.0) unless told otherwise: per-micro-batch updates cannot.
+    "async_with_clipping": lambda: gpp_deepspeed.initialize(
+        model=GraphPipelineModule(GOOD, input_names=["x"], num_stages=2, loss_fn=nn.MSELoss()),
+        model_parameters=None, config={**CONFIG, "graph_pipeline": {"schedule": "pipedream"}}),
+    "async_with_zero": lambda: gpp_deepspeed.initialize(
+        model=(m := GraphPipelineModule(GOOD, input_names=["x"], num_stages=2, loss_fn=nn.MSELoss())),
+        optimizer=torch.optim.SGD(m.parameters(), lr=0.1),
+        config={**CONFIG, "gradient_clipping": 0.0, "zero_optimization": {"stage": 1}, "zero_allow_untested_optimizer": True,
+                "graph_pipeline": {"schedule": "2bw"}}),
+    "pipeoptim_with_weight_decay": lambda: gpp_deepspeed.initialize(
+        model=(m := GraphPipelineModule(GOOD, input_names=["x"], num_stages=2, loss_fn=nn.MSELoss())),
+        optimizer=torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4),
+        config={**CONFIG, "gradient_clipping": 0.0, "graph_pipeline": {"schedule": "pipeoptim"}}),
 }
 
 

@@ -1,0 +1,229 @@
+"""Topology-aware mapping: which concrete devices run which stage of a plan.
+
+A plan says how many devices each stage gets; on a real cluster the links between devices differ
+(NVLink islands, PCIe, InfiniBand), so *which* devices matter: a stage's all-reduce runs over the
+ring of its replicas, and every stage edge sends activations from one stage's replicas to the
+next's. "Efficient Pipeline Planning for Expedited Distributed DNN Training" (Luo et al., INFOCOM
+2022) maps stages onto a connectivity graph of devices to minimise the iteration time; this module
+does that for our plans:
+
+* :class:`Topology`: an affine link fit (:class:`~gpp_deepspeed.planner.costs.CommFit`) for every
+  pair of devices; from a file, or :meth:`Topology.two_level` for hosts of ``k`` GPUs (a hostfile).
+* :func:`placement_time`: a plan's iteration time with stage ``s`` on devices ``placement[s]``:
+  the stages' compute from the shared cost model (its links priced free), plus every stage edge's
+  transfers over the pairs of replicas that exchange them and each stage's ring all-reduce over its
+  own ring, all run through the same schedule simulator as every plan.
+* :func:`place`: the placement of least iteration time: exhaustive when the ordered placements
+  are few, else pairwise-swap descent from the contiguous placement (the paper's heuristic is
+  likewise a local search over device assignments).
+
+The placement travels in the plan (``Plan.placement``); :func:`rank_order` turns it into the rank
+permutation a launcher applies (``launch/README.md``: rank ``r`` of the engine's contiguous layout
+runs on device ``rank_order[r]``), and :func:`mpiexec_segments` into an MPICH command that does so.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Sequence
+
+from ..errors import GPPConfigError
+from .costs import CommFit, CostDB, StageCost, StageCostModel
+from .plan import Plan
+from .simulate import simulate_plan
+
+__all__ = ["Topology", "placement_time", "place", "contiguous", "rank_order", "mpiexec_segments"]
+
+_EXHAUSTIVE = 20_000
+
+
+@dataclass(frozen=True)
+class Topology:
+    """``links[i][j]``: the link from device ``i`` to device ``j``; ``hosts[i]``: device ``i``'s
+    host name and ``gpus[i]`` its index on that host (for launching)."""
+
+    links: tuple[tuple[CommFit, ...], ...]
+    hosts: tuple[str, ...] = ()
+    gpus: tuple[int, ...] = ()
+
+    @property
+    def num_devices(self) -> int:
+        return len(self.links)
+
+    @classmethod
+    def two_level(cls, hosts: Sequence[str], gpus_per_node: int, *, intra: CommFit, inter: CommFit) -> "Topology":
+        """Hosts of ``gpus_per_node`` devices each: ``intra`` inside a host, ``inter`` across."""
+        where = [(h, g) for h in hosts for g in range(gpus_per_node)]
+        links = tuple(tuple(intra if a[0] == b[0] else inter for b in where) for a in where)
+        return cls(links, tuple(h for h, _ in where), tuple(g for _, g in where))
+
+    @classmethod
+    def from_hostfile(cls, path: str | Path, *, intra: CommFit, inter: CommFit) -> "Topology":
+        """A DeepSpeed/MPI hostfile (``host slots=k`` per line) as a two-level topology."""
+        hosts, slots = [], set()
+        for line in Path(path).read_text().splitlines():
+            line = line.split("#")[0].strip()
+            if line:
+                host, _, rest = line.partition(" ")
+                if not rest.strip().startswith("slots="):
+                    raise GPPConfigError(f'hostfile {path}: line "{line}" is not "<host> slots=<n>"')
+                hosts.append(host)
+                slots.add(int(rest.strip()[len("slots="):]))
+        if len(slots) != 1:
+            raise GPPConfigError(f"hostfile {path}: hosts have different slot counts {sorted(slots)}")
+        return cls.two_level(hosts, slots.pop(), intra=intra, inter=inter)
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Topology":
+        """``{"devices": N, "default": {"alpha_s", "beta_s_per_byte"}, "links": [[i, j, alpha_s,
+        beta_s_per_byte], ...]}`` (links symmetric unless both directions are given)."""
+        d = json.loads(Path(path).read_text())
+        n, default = d["devices"], CommFit(**d["default"])
+        links = [[default] * n for _ in range(n)]
+        for i, j, alpha, beta in d.get("links", ()):
+            if not (0 <= i < n and 0 <= j < n):
+                raise GPPConfigError(f"topology {path}: link {i}-{j} names a device outside 0..{n - 1}")
+            links[i][j] = links[j][i] = CommFit(alpha_s=alpha, beta_s_per_byte=beta)
+        return cls(tuple(map(tuple, links)))
+
+
+def contiguous(plan: Plan) -> tuple[tuple[int, ...], ...]:
+    """Stage ``s`` on the next ``devices`` device ids: what launching in rank order gives."""
+    out, start = [], 0
+    for s in plan.stages:
+        out.append(tuple(range(start, start + s.devices)))
+        start += s.devices
+    return tuple(out)
+
+
+def _edge_bytes(cm: StageCostModel, src: int, dst: int) -> float:
+    """Bytes per sample produced in stage mask ``src`` and read in ``dst`` (each tensor once)."""
+    total = 0.0
+    for i in cm._members(src):
+        if cm.consumers[i] & dst:
+            total += cm.db.layers[i].out_bytes
+    return total
+
+
+def _pairs_time(topo: Topology, a: Sequence[int], b: Sequence[int], nbytes: float) -> float:
+    """Replicas pair up round robin, each pair moving its share; the slowest pair finishes last."""
+    k = max(len(a), len(b))
+    return max(topo.links[a[i % len(a)]][b[i % len(b)]].time(nbytes / k) for i in range(k))
+
+
+def _ring_allreduce(topo: Topology, ring: Sequence[int], param_bytes: float) -> float:
+    """Ring all-reduce in the placement's order: 2 (n - 1) steps of ``param_bytes / n``, each as
+    slow as the ring's slowest link (the cost model's formula when every link is alike)."""
+    n = len(ring)
+    if n < 2 or param_bytes <= 0:
+        return 0.0
+    step = max(topo.links[ring[i]][ring[(i + 1) % n]].time(param_bytes / n) for i in range(n))
+    return 2 * (n - 1) * step
+
+
+def placement_time(plan: Plan, db: CostDB, topo: Topology, placement: Sequence[Sequence[int]]) -> float:
+    """Iteration time of ``plan`` with stage ``s`` on devices ``placement[s]``."""
+    free = CommFit(alpha_s=0.0, beta_s_per_byte=0.0)
+    compute_db = replace(db, hardware=replace(db.hardware, intra=free, inter=free))
+    cm = StageCostModel(compute_db, plan.mini_batch, p2p_devices=plan.num_devices)
+    masks = [cm.mask_of(s.layers) for s in plan.stages]
+    b = plan.micro_batch
+    fwd, bwd = [0.0] * len(masks), [0.0] * len(masks)
+    for u, v in sorted({(e.src, e.dst) for e in plan.partition(db.graph).stage_graph.edges}):
+        t = _pairs_time(topo, placement[u], placement[v], _edge_bytes(cm, masks[u], masks[v]) * b)
+        for s in (u, v):        # both ends are busy with the transfer, forward and backward
+            fwd[s] += t
+            bwd[s] += t
+    costs = []
+    for s, (mask, stage) in enumerate(zip(masks, plan.stages)):
+        c = cm.stage(mask, b, stage.devices, recompute=stage.recompute)
+        params = c.weight_bytes / (1 + db.hardware.optimizer_factor)
+        costs.append(StageCost(fwd_s=c.fwd_s + fwd[s], bwd_s=c.bwd_s + bwd[s],
+                               allreduce_s=_ring_allreduce(topo, placement[s], params),
+                               weight_bytes=c.weight_bytes, stash_bytes=c.stash_bytes,
+                               bwd_input_s=c.bwd_input_s + bwd[s], bwd_weight_s=c.bwd_weight_s,
+                               working_bytes=c.working_bytes))
+    return simulate_plan(plan, db, stage_costs=costs).prediction.iteration_time_s
+
+
+def _distinct(counts: Sequence[int], n: int) -> int:
+    """Ordered placements: replica order matters (it pairs replicas across an edge, and it is the
+    all-reduce's ring)."""
+    return math.perm(n, sum(counts))
+
+
+def place(plan: Plan, db: CostDB, topo: Topology) -> tuple[tuple[tuple[int, ...], ...], float]:
+    """The placement of least :func:`placement_time`, and that time."""
+    counts = [s.devices for s in plan.stages]
+    n = topo.num_devices
+    if sum(counts) > n:
+        raise GPPConfigError(f"plan needs {sum(counts)} devices but the topology has {n}")
+    if _distinct(counts, n) <= _EXHAUSTIVE:
+        best = min(_placements(counts, n), key=lambda p: placement_time(plan, db, topo, p))
+        return best, placement_time(plan, db, topo, best)
+    return _descend(plan, db, topo)
+
+
+def _placements(counts: Sequence[int], n: int):
+    """Every ordered assignment of disjoint devices to the stages' replicas."""
+    for perm in itertools.permutations(range(n), sum(counts)):
+        out, start = [], 0
+        for c in counts:
+            out.append(perm[start:start + c])
+            start += c
+        yield tuple(out)
+
+
+def _descend(plan: Plan, db: CostDB, topo: Topology):
+    """Pairwise swaps of devices between stages (and with idle devices) from the contiguous
+    placement while any lowers the iteration time."""
+    current = [list(p) for p in contiguous(plan)]
+    idle = [d for d in range(topo.num_devices) if all(d not in p for p in current)]
+    slots = [(s, i) for s, p in enumerate(current) for i in range(len(p))] + [(-1, i) for i in range(len(idle))]
+    best = placement_time(plan, db, topo, current)
+    improved = True
+    while improved:
+        improved = False
+        for (s1, i1), (s2, i2) in itertools.combinations(slots, 2):
+            if s1 == s2 or s1 == -1:
+                continue
+            a = current[s1] if s1 >= 0 else idle
+            c = current[s2] if s2 >= 0 else idle
+            a[i1], c[i2] = c[i2], a[i1]
+            t = placement_time(plan, db, topo, current)
+            if t < best * (1 - 1e-12):
+                best, improved = t, True
+            else:
+                a[i1], c[i2] = c[i2], a[i1]
+    return tuple(tuple(p) for p in current), best
+
+
+def rank_order(plan: Plan) -> tuple[int, ...]:
+    """The rank permutation: the engine runs stage 0 on ranks ``0..d0-1``, stage 1 on the next
+    ``d1`` and so on; rank ``r`` must run on device ``rank_order(plan)[r]``."""
+    placement = plan.placement or contiguous(plan)
+    return tuple(d for p in placement for d in p)
+
+
+def mpiexec_segments(plan: Plan, topo: Topology, command: Sequence[str]) -> list[str]:
+    """An MPICH ``mpiexec`` MPMD command line that starts rank ``r`` on ``rank_order[r]``: one
+    segment per run of consecutive ranks on one host (MPICH numbers ranks in segment order), and
+    on each host ``CUDA_VISIBLE_DEVICES`` lists that host's GPUs in the order of its ranks (the
+    ``LOCAL_RANK`` DeepSpeed's MPI discovery gives is that order)."""
+    if not topo.hosts:
+        raise GPPConfigError("the topology has no host names (build it from a hostfile)")
+    order = rank_order(plan)
+    per_host: dict[str, list[str]] = {}
+    for d in order:
+        per_host.setdefault(topo.hosts[d], []).append(str(topo.gpus[d]))
+    argv = ["mpiexec"]
+    for host, run in itertools.groupby(order, key=lambda d: topo.hosts[d]):
+        k = len(list(run))
+        if len(argv) > 1:
+            argv.append(":")
+        argv += ["-n", str(k), "-host", host, "-env", "CUDA_VISIBLE_DEVICES", ",".join(per_host[host]), *command]
+    return argv

@@ -1,0 +1,87 @@
+"""The planner prices what the engine sends: relayed tensors of a chain, edge by edge (pure, no torch).
+
+The reference is the runtime's own stage graph (``derive_partition``, the edges the engine sends
+along) and a stage time written out by hand from the affine link model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from costdbs import hardware, synthetic_db
+from gpp_deepspeed.planner import CommFit, StageCostModel
+from gpp_deepspeed.planner.costs import edge_bytes
+from gpp_deepspeed.planner.plan import Plan, PlanStage
+from gpp_deepspeed.planner.simulate import simulate_plan
+
+LINK = CommFit(alpha_s=1e-3, beta_s_per_byte=1e-6)
+# l1 skips l2 and l3 to the residual add, as in tests/models.py's "skip"
+SKIP = [("l1", ["x"]), ("l2", ["l1"]), ("l3", ["l2"]), ("res", ["l3", "l1"])]
+OUT = {"l1": 100, "l2": 10, "l3": 20, "res": 1}
+
+
+def skip_plan(pipeline: str) -> Plan:
+    return Plan(model="skip", method="manual", source="test", micro_batch=1, mini_batch=4, pipeline=pipeline,
+                stages=tuple(PlanStage(layers=(n,)) for n in ("l1", "l2", "l3", "res")))
+
+
+def test_edge_bytes_of_a_chain_relay_the_skip_tensor_on_every_hop_it_crosses():
+    db = synthetic_db(SKIP, out_bytes=OUT)
+    stage_of = {"l1": 0, "l2": 1, "l3": 2, "res": 3}
+    assert edge_bytes(db, stage_of, relay=False) == {(0, 1): 100.0, (0, 3): 100.0, (1, 2): 10.0, (2, 3): 20.0}
+    assert edge_bytes(db, stage_of, relay=True) == {(0, 1): 100.0, (1, 2): 110.0, (2, 3): 120.0}
+
+
+def test_a_chain_plans_predicted_stage_time_includes_the_bytes_it_relays():
+    db = synthetic_db(SKIP, out_bytes=OUT, hw=hardware(link=LINK))
+    chain = simulate_plan(skip_plan("chain"), db)
+    graph = simulate_plan(skip_plan("graph"), db)
+    # stage 2 receives l1 and l2's output (110 B) and sends l1 and l3's (120 B): forward compute 1 s
+    assert chain.stage_costs[2].fwd_s == pytest.approx(1.0 + LINK.time(110) + LINK.time(120))
+    # as a DAG stage 2 only receives l2's output and sends l3's
+    assert graph.stage_costs[2].fwd_s == pytest.approx(1.0 + LINK.time(10) + LINK.time(20))
+    assert chain.prediction.iteration_time_s > graph.prediction.iteration_time_s
+
+
+@st.composite
+def cut_dbs(draw):
+    """A random layer DAG in topological list order with random output bytes, cut into a chain."""
+    n = draw(st.integers(2, 9))
+    names = [f"l{i}" for i in range(n)]
+    layers = []
+    for i, name in enumerate(names):
+        pool = ["x"] + names[:i]
+        layers.append((name, draw(st.lists(st.sampled_from(pool), min_size=1, max_size=3, unique=True))))
+    for i in range(n - 1):  # every layer reaches the output
+        if not any(names[i] in ins for _, ins in layers[i + 1:]):
+            layers[-1][1].append(names[i])
+    out = {name: draw(st.integers(1, 1000)) for name in names}
+    cuts = sorted(draw(st.sets(st.integers(1, n - 1), max_size=min(3, n - 1))))
+    bounds = [0, *cuts, n]
+    stage_of = {names[i]: k for k in range(len(bounds) - 1) for i in range(bounds[k], bounds[k + 1])}
+    return synthetic_db(layers, out_bytes=out), stage_of
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(case=cut_dbs())
+def test_chain_boundaries_kernel_prices_the_relayed_edges_the_engine_sends(case):
+    db, stage_of = case
+    num_stages = max(stage_of.values()) + 1
+    model = StageCostModel(db, 1)
+    masks = [model.mask_of([n for n, s in stage_of.items() if s == k]) for k in range(num_stages)]
+    edges = edge_bytes(db, stage_of, relay=True)
+    expected = [(edges.get((k - 1, k), 0.0), edges.get((k, k + 1), 0.0)) for k in range(num_stages)]
+    assert model.chain_boundaries(masks) == expected
+
+
+def test_viz_and_the_planner_share_the_edge_bytes_of_a_chain_plan():
+    from gpp_deepspeed import viz
+
+    db = synthetic_db(SKIP, out_bytes=OUT)
+    assert viz.stage_edge_bytes(skip_plan("chain"), db) == edge_bytes(db, skip_plan("chain").stage_of, relay=True)
+    assert viz.stage_edge_bytes(dataclasses.replace(skip_plan("chain"), pipeline="graph"), db) == \
+        edge_bytes(db, skip_plan("graph").stage_of, relay=False)
