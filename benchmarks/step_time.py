@@ -17,7 +17,12 @@ Configurations (micro-batches M = 8, forward 10 ms and backward 20 ms per sleepi
 * ``branches/sequential``: 4 branches x 2 layers, then a merge and a head, cut as a chain
   (``partition_method="sequential"``, the list interleaves the branches as a linearised model would);
 * ``branches/gpp``: the same model with the default branch-aware ``"parameters"`` partition (stage
-  graph of depth 2).
+  graph of depth 2);
+* ``towers/trained`` and ``towers/frozen``: an image tower of 4 layers (stages 0 and 1) and a text
+  tower of 2 (stage 2) joined by a head (stage 3), trained whole, then with the image tower frozen
+  (``requires_grad=False``, the common fine-tuning setup). The frozen run's image stages run no
+  backward and exchange no gradient; the table beside counts, per stage, the backward passes and the
+  gradient messages of one measured step (from the engine's own instruction timeline).
 """
 
 import argparse
@@ -30,10 +35,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 TF, TB, M, MBS, STAGES = 0.010, 0.020, 8, 4, 4
-CONFIGS = ["chain/deepspeed", "chain/gpp", "branches/sequential", "branches/gpp"]
+CONFIGS = ["chain/deepspeed", "chain/gpp", "branches/sequential", "branches/gpp", "towers/trained", "towers/frozen"]
+TOWERS = {"v0": 0, "v1": 0, "v2": 1, "v3": 1, "t0": 2, "t1": 2, "merge": 3, "head": 3}  # explicit stages
 
 
-def model_layers(kind):
+def model_layers(kind, frozen=False):
     import torch
     from torch import nn
     from deepspeed.pipe import LayerSpec
@@ -51,9 +57,9 @@ def model_layers(kind):
             return grad
 
     class SleepLinear(nn.Module):
-        def __init__(self, dim):
+        def __init__(self, dim, frozen=False):
             super().__init__()
-            self.lin = nn.Linear(dim, dim)
+            self.lin = nn.Linear(dim, dim).requires_grad_(not frozen)
 
         def forward(self, x):
             return Sleep.apply(self.lin(x))
@@ -64,6 +70,12 @@ def model_layers(kind):
 
     if kind == "chain":
         return [LayerSpec(SleepLinear, 16) for _ in range(8)], None
+    if kind == "towers":
+        chain = lambda names, first, lock: [GraphLayerSpec(n, SleepLinear, 16, lock, inputs=[p])  # noqa: E731
+                                            for n, p in zip(names, [first, *names[:-1]])]
+        return [*chain(["v0", "v1", "v2", "v3"], "image", frozen), *chain(["t0", "t1"], "text", False),
+                GraphLayerSpec("merge", Add, inputs=["v3", "t1"]), GraphLayerSpec("head", nn.Linear, 16, 16, inputs=["merge"])
+                ], ["image", "text"]
     layers = []
     for step in range(2):  # interleaved, as a linearised multi-branch model lists its layers
         for b in range(4):
@@ -83,13 +95,14 @@ def worker(config, steps, out):
 
     deepspeed.init_distributed(dist_backend="gloo")
     kind, method = config.split("/")
-    layers, inputs = model_layers(kind)
+    layers, inputs = model_layers(kind, frozen=method == "frozen")
     if method == "deepspeed":
         module = PipelineModule(layers, num_stages=STAGES, loss_fn=nn.MSELoss(), partition_method="uniform",
                                 seed_layers=True)
     else:
+        partition = {"sequential": "sequential", "trained": TOWERS, "frozen": TOWERS}.get(method, "parameters")
         module = GraphPipelineModule(layers, input_names=inputs or ["input"], num_stages=STAGES, loss_fn=nn.MSELoss(),
-                                     partition_method="sequential" if method == "sequential" else "parameters")
+                                     partition_method=partition)
     cfg = {"train_micro_batch_size_per_gpu": MBS, "gradient_accumulation_steps": M, "steps_per_print": 10**6,
            "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}},
            "graph_pipeline": {"print_stage_graph": False}}
@@ -97,7 +110,8 @@ def worker(config, steps, out):
     if method == "deepspeed":
         cfg.pop("graph_pipeline")
     engine, *_ = init(model=module, model_parameters=[p for p in module.parameters() if p.requires_grad], config=cfg)
-    data = [(torch.randn(MBS, 16), torch.randn(MBS, 16)) for _ in range(M)]
+    data = [((torch.randn(MBS, 16), ) * (len(inputs or [0])), torch.randn(MBS, 16)) for _ in range(M)]
+    data = [(x[0] if len(x) == 1 else x, y) for x, y in data]
     times = []
     for _ in range(steps):
         torch.distributed.barrier()
@@ -105,10 +119,21 @@ def worker(config, steps, out):
         engine.train_batch(data_iter=iter(data))
         torch.distributed.barrier()
         times.append(time.perf_counter() - start)
+    counts = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(counts, _backward_counts(engine))
     if torch.distributed.get_rank() == 0:
         depth = engine.stage_graph.pipeline_depth if hasattr(engine, "stage_graph") else STAGES
-        Path(out).write_text(json.dumps({"times": times, "depth": depth, "predicted": predicted(engine)}))
+        Path(out).write_text(json.dumps({"times": times, "depth": depth, "predicted": predicted(engine),
+                                         "backward": counts}))
     torch.distributed.destroy_process_group()
+
+
+def _backward_counts(engine):
+    """(backward passes, gradient messages sent or received) in the engine's last measured step."""
+    if not hasattr(engine, "last_timeline"):
+        return None
+    ops = [op for a, _, _ in engine.last_timeline for op in (a.ops or (a, ))]
+    return (sum(op.kind.value in ("B", "I") for op in ops), sum(op.kind.value in ("SEND_B", "RECV_B") for op in ops))
 
 
 def predicted(engine):
@@ -148,6 +173,7 @@ def main():
     ratios = {
         "gpp / deepspeed on the chain (overhead)": results["chain/gpp"]["median_s"] / results["chain/deepspeed"]["median_s"],
         "sequential / gpp on 4 branches (speed-up)": results["branches/sequential"]["median_s"] / results["branches/gpp"]["median_s"],
+        "trained / frozen image tower (speed-up)": results["towers/trained"]["median_s"] / results["towers/frozen"]["median_s"],
     }
     for name, value in ratios.items():
         print(f"{name}: {value:.3f}")
@@ -178,6 +204,11 @@ def write_table(results, ratios):
         rows.append(f"| `{name}` | {r['depth']} | {r['median_s'] * 1e3:.1f} | {r['predicted'] * 1e3:.1f} | "
                     f"{r['median_s'] / r['predicted']:.3f} |")
     rows += ["", "| ratio (same run) | value |", "|---|---|"] + [f"| {k} | {v:.3f} |" for k, v in ratios.items()]
+    rows += ["", "Frozen image tower: per stage, backward passes / gradient messages (sent or received) in one step "
+             "(stages 0-1 image tower, 2 text tower, 3 head):", "",
+             "| configuration | " + " | ".join(f"stage {s}" for s in range(STAGES)) + " |", "|---" * (STAGES + 1) + "|"]
+    for name in ("towers/trained", "towers/frozen"):
+        rows.append(f"| `{name}` | " + " | ".join(f"{b} / {g}" for b, g in results[name]["backward"]) + " |")
     (ROOT / "benchmarks" / "results" / "step_time.md").write_text(
         "## Step time: graph pipeline vs DeepSpeed's PipelineEngine (measured)\n\n"
         f"`python benchmarks/step_time.py`. 4 gloo ranks on CPU, M = {M} micro-batches, sleeping layers "

@@ -22,6 +22,16 @@ metadata op
     Glue that needs no parameter and no non-metadata tensor produced by another op (``x.shape[1] // 2``,
     ``x.size(0)``, a buffer, ``torch.zeros(3)``): copied into every layer that reads it instead of
     becoming a layer, because only tensors cross stages.
+selection
+    Attribute access and constant indexing of a layer's output (``out.pooler_output``, ``out[0]``,
+    ``out["logits"]``): written as the path of a reference (``"tower.pooler_output"``), which the
+    producer's stage applies, so only the selected tensor crosses a stage edge.
+shape-specialised trace
+    With ``example_inputs``, a second trace on meta tensors of their shapes where plain torch.fx
+    stops at control flow on sizes; the graph then holds those sizes as constants.
+tie
+    Layers that share a parameter become :class:`CapturedTiedLayerSpec` entries of one DeepSpeed
+    tie, so the shared weight stays one weight when they land on different stages.
 
 Every layer is a :class:`CapturedLayerSpec` whose ``build()`` returns a *deep copy* of the captured
 submodule: models built from the list start from the module's current weights (nothing is
@@ -43,7 +53,7 @@ from typing import Any
 
 import torch
 from torch import fx, nn
-from torch.fx.experimental.meta_tracer import MetaTracer
+from torch.fx.experimental.meta_tracer import MetaProxy, MetaTracer
 
 from .errors import GPPConfigError, GPPError, GraphError
 from .graph.ir import TensorRef
@@ -140,12 +150,27 @@ class _LeafTracer(fx.Tracer):
             raise
 
 
+class _SizedProxy(MetaProxy):
+    """A ``MetaProxy`` that also answers ``x.ndim`` from its meta tensor (transformers' mask code
+    asks ``attention_mask.ndim == 2``)."""
+
+    @property
+    def ndim(self):
+        meta = getattr(self, "_tensor_meta", None)
+        if torch.is_tensor(meta):
+            return meta.ndim
+        return self.tracer.create_proxy("call_function", getattr, (self, "ndim"), {})
+
+
 class _ShapeLeafTracer(_LeafTracer, MetaTracer):
     """The leaf tracer on meta tensors of the example inputs' shapes (torch's ``MetaTracer``, which
     ``transformers``' own ``HFTracer`` built on before transformers 5 removed it): sizes are known
     while tracing, so control flow on shapes runs; control flow on values still fails."""
 
     _sizing_leaf = False
+
+    def proxy(self, node: fx.Node) -> _SizedProxy:
+        return _SizedProxy(node, self)
 
     def create_proxy(self, kind, target, args, kwargs, *rest, **options):
         # MetaTracer sizes a leaf's output by running the leaf on meta tensors: its submodules

@@ -25,7 +25,7 @@ VOCAB, SEQ, IMAGE, PATCH = 40, 6, 8, 4
 
 
 def _tiny(**extra) -> dict:
-    return dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, **extra)
+    return {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2, **extra}
 
 
 class ContrastiveLoss(nn.Module):
@@ -118,6 +118,31 @@ def _caption_batches(step: int) -> list:
     return batches
 
 
+class BertClassifier(nn.Module):
+    """``transformers.BertForSequenceClassification`` taking token ids and a padding mask."""
+
+    def __init__(self):
+        super().__init__()
+        from transformers import BertConfig, BertForSequenceClassification
+        self.bert = BertForSequenceClassification(BertConfig(
+            vocab_size=VOCAB, max_position_embeddings=SEQ, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+            num_labels=3, **_tiny(num_hidden_layers=2)))
+
+    def forward(self, input_ids, attention_mask):
+        return self.bert(input_ids=input_ids, attention_mask=attention_mask).logits
+
+
+def _bert_batches(step: int) -> list:
+    g = torch.Generator().manual_seed(step)
+    batches = []
+    for _ in range(GAS):
+        lengths = torch.randint(2, SEQ + 1, (MBS, 1), generator=g)
+        mask = (torch.arange(SEQ) < lengths).long()                    # [batch, seq] int64, 0 = padding
+        batches.append(((torch.randint(0, VOCAB, (MBS, SEQ), generator=g), mask),
+                        torch.randint(0, 3, (MBS, ), generator=g)))
+    return batches
+
+
 @dataclass
 class Encoded:
     """A layer output that is a dataclass."""
@@ -204,12 +229,21 @@ VED_LAYERS = ["ved.encoder", *(f"ved.decoder.transformer.{n}" for n in ("wte", "
 VED_STAGES = {"ved_encoder": 0, "ved_decoder_transformer_h_1": 2, "ved_decoder_transformer_ln_f": 2, "getitem_10": 2,
               "ved_decoder_lm_head": 2}
 
+BERT_LAYERS = ["bert.bert.embeddings", "bert.bert.encoder.layer.0", "bert.bert.encoder.layer.1", "bert.bert.pooler",
+               "bert.classifier"]
+# The attention mask, built from the padding mask on stage 0, is read by the layers of stages 1 and 2.
+BERT_STAGES = {"bert_bert_embeddings": 0, "expand": 0, "bert_bert_encoder_layer_0": 1}
+
 CASES: dict[str, HFCase] = {
     "clip": HFCase(CLIPLogits, CLIP_LAYERS, 3, _clip_batches, ContrastiveLoss()),
+    # LiT-style: the image tower and its projection are locked; stage 0 runs forwards only.
+    "clip_frozen": HFCase(lambda: CLIPLogits(frozen_vision=True), CLIP_LAYERS, 3, _clip_batches, ContrastiveLoss()),
     "structured": HFCase(StructuredTwoTower, None, 3, _structured_batches, nn.CrossEntropyLoss(),
                          partition={"text_1": 0, "image_1": 1, "cat": 2, "head": 2}),
     # The token embedding (stage 0) and the output projection (stage 2) share one weight.
     "gpt2": HFCase(GPT2Logits, GPT2_LAYERS, 3, _lm_batches, NextTokenLoss(), shaped=True),
+    "bert": HFCase(BertClassifier, BERT_LAYERS, 3, _bert_batches, nn.CrossEntropyLoss(), shaped=True,
+                   partition=lambda names: {n: BERT_STAGES.get(n, 2) for n in names}),
     "ved": HFCase(ImageCaptioner, VED_LAYERS, 3, _caption_batches, NextTokenLoss(), shaped=True,
                   partition=lambda names: {n: VED_STAGES.get(n, 1) for n in names}),
 }

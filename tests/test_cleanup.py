@@ -25,7 +25,7 @@ def seen_by_ranks(out, world_size):
 
 
 def test_a_finished_run_removes_the_shm_files_deepspeed_created(tmp_path):
-    result = launch(2, WORKER, str(tmp_path), timeout=180, log_dir=tmp_path / "logs")
+    result = launch(2, WORKER, str(tmp_path), timeout=400, log_dir=tmp_path / "logs")
     assert result.ok, result.report()
     seen = seen_by_ranks(tmp_path, 2)
     # DeepSpeed did create them (else this test proves nothing), and initialize removed them.
@@ -37,7 +37,7 @@ def test_a_finished_run_removes_the_shm_files_deepspeed_created(tmp_path):
 def test_ranks_killed_mid_run_leave_no_shm_files(tmp_path):
     # Rank 1 dies by SIGKILL after initialize; the launcher then SIGKILLs rank 0, which waits on it.
     # No exit handler runs anywhere, and still nothing is left.
-    result = launch(2, WORKER, str(tmp_path), "--die-after-initialize", "1", timeout=180, log_dir=tmp_path / "logs")
+    result = launch(2, WORKER, str(tmp_path), "--die-after-initialize", "1", timeout=400, log_dir=tmp_path / "logs")
     assert result.returncodes[1] == -9, result.report()
     assert all(s["after_init_distributed"] for s in seen_by_ranks(tmp_path, 2))
     assert result.leftover_shm == [], result.leftover_shm

@@ -1,11 +1,11 @@
 """A rank that dies or freezes mid-training stops every other rank within 60 s, with its name.
 
 ``tests/workers/fault_worker.py`` trains a 4-stage pipeline; at step 4 the middle rank 2 sends
-itself SIGKILL or SIGSTOP. The watchdog (:mod:`gpp_deepspeed.engine.watchdog`, timeout 10 s here)
+itself SIGKILL or SIGSTOP. The watchdog (:mod:`gpp_deepspeed.engine.watchdog`, timeout 15 s here)
 must make every other rank exit within 60 s of that moment, printing an error that names global
 rank 2 and its stage, under the tests' own launcher, the ``deepspeed`` launcher, ``mpiexec`` and
 two ``deepspeed --no_ssh`` node launches. Earlier in the tests' own launches rank 0's data loader
-spends 30 s (three timeouts) busy at step 1: slow but alive, it must not be taken for dead.
+spends 30 s (two timeouts) busy at step 1: slow but alive, it must not be taken for dead.
 """
 
 import os

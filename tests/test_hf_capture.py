@@ -27,7 +27,7 @@ from hf_models import CASES, train_module  # noqa: E402
 
 WORKER = Path(__file__).resolve().parent / "workers" / "hf_cases.py"
 WORLD_SIZE = 3
-TRAINED = ["clip", "structured", "gpt2", "ved"]
+TRAINED = ["clip", "clip_frozen", "structured", "gpt2", "ved", "bert"]
 
 
 def _captured_equals_module(name: str):
@@ -74,6 +74,21 @@ def test_hf_capture_image_captioner_sends_the_image_encoding_to_every_cross_atte
                               output=captured.output)
     edges = derive_partition(graph, case.partition_method(captured), num_stages=3).stage_graph.edges
     assert [(e.src, e.dst) for e in edges if "ved_encoder:0" in map(str, e.tensors)] == [(0, 1), (0, 2)]
+
+
+def test_hf_capture_bert_sends_its_boolean_attention_mask_to_both_encoder_stages():
+    case = CASES["bert"]
+    captured = case.capture(case.model())
+    spec = {s.name: s for s in captured.layers}["expand"]
+    assert spec.inputs == ("attention_mask", "bert_bert_embeddings")
+    graph = build_layer_graph(captured.input_names, [(s.name, s.inputs) for s in captured.layers],
+                              output=captured.output)
+    edges = derive_partition(graph, case.partition_method(captured), num_stages=3).stage_graph.edges
+    assert [(e.src, e.dst) for e in edges if "expand" in map(str, e.tensors)] == [(0, 1), (0, 2)]
+    model = captured.graph_model()
+    (ids, mask), _ = case.batches(0)[0]
+    embedded = model.layers["bert_bert_embeddings"](ids)
+    assert not model.layers["expand"](mask, embedded).is_floating_point()   # it carries no gradient
 
 
 def test_hf_capture_reads_dict_tuple_and_dataclass_leaves_by_path():
@@ -135,3 +150,15 @@ def test_capture_with_example_shapes_still_refuses_control_flow_on_values():
     with pytest.raises(GraphError, match=r"neither torch.fx nor shape-specialised tracing can capture WithGate.*"
                                          r"if h.sum\(\) > 0"):
         capture(WithGate(), layers=["gate.inner"], example_inputs=(torch.randn(2, 4), ))
+
+
+@pytest.mark.dist
+def test_a_frozen_tower_runs_forwards_only_and_exchanges_no_gradient(trained):
+    ranks = {r["stage"]: r for r in (torch.load(trained / f"clip_frozen.rank{k}.pt") for k in range(WORLD_SIZE))}
+    assert ranks[0]["frozen"] == [0] and ranks[0]["layers"] == ["clip_vision_model", "clip_visual_projection"]
+    assert "F" in ranks[0]["ran"] and not {"B", "I", "W", "RECV_B@2"} & set(ranks[0]["ran"])
+    assert "SEND_B@0" not in ranks[2]["ran"] and "SEND_B@1" in ranks[2]["ran"]   # the text tower still learns
+    assert "B" in ranks[1]["ran"] and "RECV_B@2" in ranks[1]["ran"]
+    # The unfrozen CLIP: the image tower's stage runs backwards and receives gradients.
+    unfrozen = {r["stage"]: r for r in (torch.load(trained / f"clip.rank{k}.pt") for k in range(WORLD_SIZE))}
+    assert unfrozen[0]["frozen"] == [] and {"B", "RECV_B@2"} <= set(unfrozen[0]["ran"])

@@ -480,3 +480,27 @@ def test_order_transfers_sends_on_a_skip_edge_when_the_receiver_is_ready():
         assert compute_order(ordered[s]) == compute_order(plain[s])
     simulate(ordered, mode="rendezvous")
     assert simulate(ordered, mode="async").makespan == simulate(plain, mode="async").makespan
+
+
+def test_frozen_stages_run_no_backward_and_their_edges_carry_no_gradient():
+    from gpp_deepspeed.graph import build_layer_graph
+    from gpp_deepspeed.graph.stages import derive_partition, mark_gradient_flow
+    graph = build_layer_graph(["img", "txt"], [("vis", ["img"]), ("proj", ["vis"]), ("text", ["txt"]),
+                                               ("head", ["proj", "text"])])
+    part = derive_partition(graph, {"vis": 0, "proj": 1, "text": 2, "head": 3}, num_stages=4)
+    frozen = mark_gradient_flow(part, trainable={"text", "head"}).stage_graph
+    assert frozen.frozen == {0, 1} and {(e.src, e.dst): e.grad for e in frozen.edges} == {
+        (0, 1): False, (1, 3): False, (2, 3): True}
+    schedule = build_schedule(frozen, 4)
+    validate_schedule(schedule, frozen, 4, train=True)
+    kinds = {s: {(op.kind, op.peer) for a in actions for op in (a.ops or (a, ))} for s, actions in schedule.items()}
+    backward = {ActionKind.BACKWARD, ActionKind.SEND_B, ActionKind.RECV_B}
+    assert not {k for k, _ in kinds[0] | kinds[1]} & backward
+    assert (ActionKind.SEND_B, 1) not in kinds[3] and (ActionKind.SEND_B, 2) in kinds[3]
+    assert (ActionKind.BACKWARD, None) in kinds[2]
+    # The validator refuses a backward on a frozen stage and a gradient on an edge without one.
+    with pytest.raises(ScheduleError, match="carries no gradient|is frozen"):
+        validate_schedule(build_schedule(part.stage_graph, 4), frozen, 4, train=True)
+    # A projection trained after a frozen encoder: the encoder's stage is frozen, the edge too.
+    half = mark_gradient_flow(part, trainable={"proj", "text", "head"}).stage_graph
+    assert half.frozen == {0} and [e.grad for e in half.edges] == [False, True, True]

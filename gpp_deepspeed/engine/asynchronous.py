@@ -86,6 +86,10 @@ def check_async_options(engine) -> None:
                         "the forward's version)")
     if engine.module.tied_comms:
         problems.append("tied layers across stages (each stage updates on its own clock)")
+    graph = engine.stage_graph
+    if graph.frozen or not all(e.grad for e in graph.edges):
+        problems.append(f"frozen layers (stages {sorted(graph.frozen)} or edges without gradients; the "
+                        "asynchronous schedules run a backward on every stage of every micro-batch)")
     if engine.lr_scheduler is not None:
         problems.append("an lr scheduler (updates happen per micro-batch inside the pipeline)")
     if problems:

@@ -38,6 +38,7 @@ from deepspeed.utils import logger
 from ..config import GraphPipelineConfig, with_plan_schedule
 from ..errors import GPPConfigError
 from ..schedule.asynchronous import is_async
+from ..graph.stages import mark_gradient_flow
 from ..schedule.generators import build_schedule
 from ..schedule.ir import Action, ActionKind as K, format_schedule
 from ..schedule.lowering import assign_buffers
@@ -98,7 +99,9 @@ class GraphPipelineEngine(SplitBackwardMixin, PipelineEngine):
                                  "activation partitioning) are not supported by the graph pipeline; set them false")
         self.gpp_config = gpp_config
         self.spec = self.module.stage_spec
+        self.module.partition = mark_gradient_flow(self.module.partition, self._trainable_layers())
         self.stage_graph = self.module.partition.stage_graph
+        self.module.frozen = self.stage_id in self.stage_graph.frozen
         self.transport = EdgeTransport(self.grid, self.device, stage=self.stage_id,
                                        timeout_s=self.gpp_config.p2p_timeout_s)
         self._out_index = {ref: i for i, ref in enumerate(self.spec.out_ports)}
@@ -140,6 +143,14 @@ class GraphPipelineEngine(SplitBackwardMixin, PipelineEngine):
             self._place_data_iter()
         if self.gpp_config.print_stage_graph and self.global_rank == 0:
             print(self.module.partition.describe(), flush=True)
+
+    def _trainable_layers(self) -> set[str]:
+        """Every stage's layers with trainable parameters, gathered over the pipeline, so that all
+        ranks derive the same gradient flow (frozen towers exchange no gradients)."""
+        per_stage = [None] * self.num_stages
+        torch.distributed.all_gather_object(per_stage, self.module.trainable_layer_names(),
+                                            group=self.grid.get_pipe_parallel_group())
+        return {name for names in per_stage for name in names}
 
     def _broadcast_model(self):
         """DeepSpeed's broadcast of the initial weights over data-parallel replicas, made to accept
@@ -556,7 +567,7 @@ class GraphPipelineEngine(SplitBackwardMixin, PipelineEngine):
 
     def _store_activations(self, buffer_id, peer, layout, tensors, _):
         for t in tensors:
-            t.requires_grad = t.is_floating_point() and torch.is_grad_enabled()
+            t.requires_grad = t.is_floating_point() and torch.is_grad_enabled() and self._in_edges[peer].grad
         received = self.pipe_buffers["received"][buffer_id] or {}
         received.update(zip(self._in_edges[peer].tensors, unflatten(tensors, layout.arity)))
         self.pipe_buffers["received"][buffer_id] = received

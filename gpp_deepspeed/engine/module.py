@@ -127,6 +127,8 @@ class GraphPipelineModule(PipelineModule):
             # run as one checkpointed chunk here, and every other stage keeps its activations.
             self.activation_checkpoint_interval = len(self._local_entries)
             self._precompute_checkpointable_values()
+        # Set by the engine: the stage has nothing to differentiate and runs no backward.
+        self.frozen = False
         self.glue_placeholder: nn.Parameter | None = None
         if not any(p.requires_grad for p in self.parameters()):
             # A glue-only stage (an Add of skips, a concat): torch and DeepSpeed optimizers refuse
@@ -208,7 +210,7 @@ class GraphPipelineModule(PipelineModule):
         """``outputs`` (a tensor, or tuples / lists of tensors) with
         ``0 * glue_placeholder`` added to its first floating-point tensor: the values do not change
         (x + 0.0 == x) and the placeholder joins the autograd graph."""
-        if self.glue_placeholder is None or not torch.is_grad_enabled():
+        if self.glue_placeholder is None or self.frozen or not torch.is_grad_enabled():
             return outputs
         if torch.is_tensor(outputs):
             return outputs + 0 * self.glue_placeholder.to(outputs.dtype).sum() if outputs.is_floating_point() else outputs
@@ -285,6 +287,15 @@ class GraphPipelineModule(PipelineModule):
 
     def local_layer_names(self) -> tuple[str, ...]:
         return self.stage_spec.layers
+
+    def trainable_layer_names(self) -> list[str]:
+        """This stage's layers that hold a parameter with ``requires_grad`` (tied ones included)."""
+        names = []
+        for entry, fn in zip(self._local_entries, self.forward_funcs):
+            module = self.tied_modules[entry.tie_key] if entry.tie_key is not None else fn
+            if isinstance(module, nn.Module) and any(p.requires_grad for p in module.parameters()):
+                names.append(entry.name)
+        return names
 
     def graph_state_dict(self) -> dict[str, torch.Tensor]:
         """This stage's parameters and buffers named as in :class:`~gpp_deepspeed.GraphModel`."""

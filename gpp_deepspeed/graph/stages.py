@@ -22,25 +22,30 @@ depth
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
-from typing import Mapping
+from typing import Collection, Mapping
 
 import networkx as nx
 
 from ..errors import PartitionError
 from .ir import LayerGraph, TensorRef
 
-__all__ = ["StageEdge", "StageGraph", "StageSpec", "Partition", "derive_partition"]
+__all__ = ["StageEdge", "StageGraph", "StageSpec", "Partition", "derive_partition", "mark_gradient_flow"]
 
 
 @dataclass(frozen=True, slots=True)
 class StageEdge:
-    """Tensors sent from stage ``src`` to stage ``dst`` for every micro-batch, in order."""
+    """Tensors sent from stage ``src`` to stage ``dst`` for every micro-batch, in order.
+
+    ``grad`` is false when none of them depends on a trainable parameter (a frozen tower's
+    output): then no gradient comes back along the edge.
+    """
 
     src: int
     dst: int
     tensors: tuple[TensorRef, ...]
+    grad: bool = True
 
 
 @dataclass(frozen=True)
@@ -55,12 +60,23 @@ class StageGraph:
     num_stages: int
     edges: tuple[StageEdge, ...]
     output_stage: int
+    frozen: frozenset[int] = frozenset()
+    """Stages with nothing to differentiate (no trainable parameter, no input that needs a
+    gradient): they run forwards only."""
 
     def preds(self, stage: int) -> list[int]:
         return [e.src for e in self.edges if e.dst == stage]
 
     def succs(self, stage: int) -> list[int]:
         return [e.dst for e in self.edges if e.src == stage]
+
+    def grad_preds(self, stage: int) -> list[int]:
+        """Predecessors this stage sends gradients back to."""
+        return [e.src for e in self.edges if e.dst == stage and e.grad]
+
+    def grad_succs(self, stage: int) -> list[int]:
+        """Successors this stage receives gradients from."""
+        return [e.dst for e in self.edges if e.src == stage and e.grad]
 
     def edge(self, src: int, dst: int) -> StageEdge:
         for e in self.edges:
@@ -94,15 +110,18 @@ class StageGraph:
         return json.dumps({
             "num_stages": self.num_stages,
             "output_stage": self.output_stage,
-            "edges": [{"src": e.src, "dst": e.dst, "tensors": [str(t) for t in e.tensors]} for e in self.edges],
+            "edges": [{"src": e.src, "dst": e.dst, "tensors": [str(t) for t in e.tensors], "grad": e.grad}
+                      for e in self.edges],
+            "frozen": sorted(self.frozen),
         })
 
     @classmethod
     def from_json(cls, text: str) -> "StageGraph":
         d = json.loads(text)
-        edges = tuple(StageEdge(e["src"], e["dst"], tuple(TensorRef.parse(t) for t in e["tensors"]))
+        edges = tuple(StageEdge(e["src"], e["dst"], tuple(TensorRef.parse(t) for t in e["tensors"]), e.get("grad", True))
                       for e in d["edges"])
-        return cls(num_stages=d["num_stages"], edges=edges, output_stage=d["output_stage"])
+        return cls(num_stages=d["num_stages"], edges=edges, output_stage=d["output_stage"],
+                   frozen=frozenset(d.get("frozen", ())))
 
     @classmethod
     def chain(cls, num_stages: int) -> "StageGraph":
@@ -160,9 +179,10 @@ class Partition:
                  f"output stage {self.stage_graph.output_stage}"]
         for spec in self.stages:
             loads = f" loads {list(spec.loads)}" if spec.loads else ""
-            lines.append(f"  stage {spec.stage_idx}: {list(spec.layers)}{loads}")
+            frozen = " (frozen: forwards only)" if spec.stage_idx in self.stage_graph.frozen else ""
+            lines.append(f"  stage {spec.stage_idx}: {list(spec.layers)}{loads}{frozen}")
         for e in self.stage_graph.edges:
-            lines.append(f"  {e.src} -> {e.dst}: {[str(t) for t in e.tensors]}")
+            lines.append(f"  {e.src} -> {e.dst}: {[str(t) for t in e.tensors]}" + ("" if e.grad else " (no gradient)"))
         return "\n".join(lines)
 
 
@@ -236,6 +256,36 @@ def derive_partition(graph: LayerGraph, stage_of: Mapping[str, int], *, num_stag
     sinks = [s for s in range(num_stages) if not stage_graph.succs(s)]
     assert sinks == [output_stage], (sinks, output_stage)  # every layer is an ancestor of the output
     return Partition(graph=graph, stage_of=dict(stage_of), stages=tuple(stages), stage_graph=stage_graph)
+
+
+def mark_gradient_flow(partition: Partition, trainable: Collection[str]) -> Partition:
+    """The partition with its stage graph told where gradients flow, given the layers that have
+    trainable parameters.
+
+    A layer's output needs a gradient if the layer is trainable or reads an output that needs
+    one; an edge carries gradients back if one of its tensors needs one; a stage none of whose
+    layers' outputs needs one and that sends no such tensor on is frozen (it runs no backward).
+
+    >>> from gpp_deepspeed.graph import build_layer_graph
+    >>> g = build_layer_graph(["x", "y"], [("a", ["x"]), ("b", ["y"]), ("c", ["a", "b"])])
+    >>> p = mark_gradient_flow(derive_partition(g, {"a": 0, "b": 1, "c": 2}, num_stages=3), {"b", "c"})
+    >>> [(e.src, e.dst, e.grad) for e in p.stage_graph.edges], sorted(p.stage_graph.frozen)
+    ([(0, 2, False), (1, 2, True)], [0])
+    """
+    graph = partition.graph
+    needs: set[str] = set()
+    for name in graph.order:
+        if name in trainable or any(r.node in needs for r in graph.node(name).inputs):
+            needs.add(name)
+    if graph.output not in needs:
+        raise PartitionError(f'nothing is trained: no layer up to the output "{graph.output}" has a trainable parameter')
+    sg = partition.stage_graph
+    edges = tuple(replace(e, grad=any(t.node in needs for t in e.tensors)) for e in sg.edges)
+    # A stage relaying another stage's tensor (a true chain) passes its gradient back too.
+    relays = {e.src for e in edges if e.grad}
+    frozen = frozenset(s.stage_idx for s in partition.stages
+                       if not needs.intersection(s.layers) and s.stage_idx not in relays)
+    return replace(partition, stage_graph=replace(sg, edges=edges, frozen=frozen))
 
 
 def _relayed(graph: LayerGraph, stage_of: Mapping[str, int],

@@ -30,7 +30,7 @@ from .lowering import add_release, group_for_rendezvous
 from .zero_bubble import zb1, zb2
 
 __all__ = ["SCHEDULES", "get_schedule", "one_f_one_b", "gpipe", "forward_only", "warmup_forwards",
-           "lower", "add_send_recv", "add_load", "add_epilogue", "build_schedule"]
+           "lower", "add_send_recv", "add_load", "add_epilogue", "build_schedule", "drop_frozen_backward"]
 
 
 def warmup_forwards(stage_graph: StageGraph, stage_idx: int, num_microbatches: int) -> int:
@@ -99,7 +99,8 @@ def add_send_recv(schedule: Schedule, stage_graph: StageGraph) -> Schedule:
 
     ``F`` is preceded by a ``RECV_F`` from each predecessor and followed by a ``SEND_F`` to each
     successor; ``B`` (or ``I``, the input-gradient half of a split backward) is preceded by a
-    ``RECV_B`` from each successor and followed by a ``SEND_B`` to each predecessor; ``W`` talks
+    ``RECV_B`` from each successor and followed by a ``SEND_B`` to each predecessor, on the edges
+    that carry gradients (``StageEdge.grad``); ``W`` talks
     to no one. Sends are asynchronous, receives block, so the order of receives is
     what the validator checks.
 
@@ -117,13 +118,28 @@ def add_send_recv(schedule: Schedule, stage_graph: StageGraph) -> Schedule:
                 lowered.append(a)
                 lowered += [Action(s, K.SEND_F, a.mb_idx, peer=t) for t in succs]
             elif a.kind in (K.BACKWARD, K.BACKWARD_INPUT):  # W needs nothing from other stages
-                lowered += [Action(s, K.RECV_B, a.mb_idx, peer=t) for t in succs]
+                # Only edges that carry gradients (not a frozen tower's output) exchange them.
+                lowered += [Action(s, K.RECV_B, a.mb_idx, peer=t) for t in stage_graph.grad_succs(s)]
                 lowered.append(a)
-                lowered += [Action(s, K.SEND_B, a.mb_idx, peer=p) for p in preds]
+                lowered += [Action(s, K.SEND_B, a.mb_idx, peer=p) for p in stage_graph.grad_preds(s)]
             else:
                 lowered.append(a)
         out[s] = lowered
     return out
+
+
+def drop_frozen_backward(schedule: Schedule, stage_graph: StageGraph) -> Schedule:
+    """Remove the backward (``B``, ``I``, ``W``) of the frozen stages, which have nothing to
+    differentiate (``StageGraph.frozen``): they run forwards only.
+
+    >>> from dataclasses import replace
+    >>> from gpp_deepspeed.graph import StageGraph
+    >>> drop_frozen_backward(one_f_one_b(StageGraph.chain(2), 2), replace(StageGraph.chain(2), frozen=frozenset({0})))
+    {0: [0F0, 0F1], 1: [1F0, 1B0, 1F1, 1B1]}
+    """
+    backward = (K.BACKWARD, K.BACKWARD_INPUT, K.BACKWARD_WEIGHT)
+    return {s: [a for a in actions if not (s in stage_graph.frozen and a.kind in backward)]
+            for s, actions in schedule.items()}
 
 
 def add_epilogue(schedule: Schedule, *, train: bool) -> Schedule:
@@ -137,6 +153,7 @@ def lower(compute: Schedule, stage_graph: StageGraph, *, loading_stages: set[int
           duration: Callable[[Action], float] | None = None) -> Schedule:
     """Apply every lowering pass to a compute-only schedule (``duration``: the compute times it was
     made for, which order the transfers when they must be reordered, see ``group_for_rendezvous``)."""
+    compute = drop_frozen_backward(compute, stage_graph)
     transfers = add_send_recv(add_load(compute, loading_stages=loading_stages), stage_graph)
     return add_epilogue(add_release(group_for_rendezvous(transfers, duration=duration)), train=train)
 

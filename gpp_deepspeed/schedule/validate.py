@@ -204,6 +204,8 @@ def _flat(actions: list[Action]):
 
 def _check_stage(s: int, actions: list[Action], graph: StageGraph, num_mb: int, train: bool) -> None:
     preds, succs = set(graph.preds(s)), set(graph.succs(s))
+    grad_preds, grad_succs = set(graph.grad_preds(s)), set(graph.grad_succs(s))
+    backward = train and s not in graph.frozen   # a frozen stage runs forwards only
     where: dict[tuple, int] = {}
     for i, a in _flat(actions):
         if a.stage_idx != s:
@@ -212,6 +214,12 @@ def _check_stage(s: int, actions: list[Action], graph: StageGraph, num_mb: int, 
             raise ScheduleError(f"stage {s} slot {i}: {a} but stage {a.peer} is not a successor of stage {s}")
         if a.kind in (K.RECV_F, K.SEND_B) and a.peer not in preds:
             raise ScheduleError(f"stage {s} slot {i}: {a} but stage {a.peer} is not a predecessor of stage {s}")
+        if a.kind is K.RECV_B and a.peer not in grad_succs or a.kind is K.SEND_B and a.peer not in grad_preds:
+            raise ScheduleError(f"stage {s} slot {i}: {a} but the edge between stages {s} and {a.peer} carries no "
+                                "gradient (none of its tensors depends on a trainable parameter)")
+        if not backward and a.kind in (K.BACKWARD, K.BACKWARD_INPUT, K.BACKWARD_WEIGHT):
+            raise ScheduleError(f"stage {s} slot {i}: {a} but stage {s} " + (
+                "is frozen (nothing to differentiate)" if train else "runs no backward in evaluation"))
         key = (a.kind, a.mb_idx, a.peer)
         if key in where:
             raise ScheduleError(f"stage {s} runs {a} twice (slots {where[key]} and {i})")
@@ -219,7 +227,7 @@ def _check_stage(s: int, actions: list[Action], graph: StageGraph, num_mb: int, 
     for j in range(num_mb):
         if (K.FORWARD, j, None) not in where:
             raise ScheduleError(f"stage {s} never runs {Action(s, K.FORWARD, j)}")
-        if train:
+        if backward:
             _check_backward_kinds(s, j, where)
         f = where[(K.FORWARD, j, None)]
         if (K.LOAD, j, None) in where and where[(K.LOAD, j, None)] > f:
@@ -230,16 +238,16 @@ def _check_stage(s: int, actions: list[Action], graph: StageGraph, num_mb: int, 
         for t in succs:
             if where.get((K.SEND_F, j, t), -1) < f:
                 raise ScheduleError(f"stage {s} does not send micro-batch {j} to stage {t} after its forward")
-        if train:
+        if backward:
             # With a split backward, I is what receives and sends gradients; W follows it.
             b = where.get((K.BACKWARD, j, None), where.get((K.BACKWARD_INPUT, j, None)))
             if b < f:
                 raise ScheduleError(f"stage {s} runs the backward of micro-batch {j} before its forward")
-            for t in succs:
+            for t in grad_succs:
                 if where.get((K.RECV_B, j, t), b + 1) > b:
                     raise ScheduleError(f"stage {s} runs {Action(s, K.BACKWARD, j)} before receiving its "
                                         f"gradient from stage {t}")
-            for p in preds:
+            for p in grad_preds:
                 if where.get((K.SEND_B, j, p), -1) < b:
                     raise ScheduleError(f"stage {s} does not send the gradient of micro-batch {j} to stage {p}")
     extra = sorted({a.mb_idx for _, a in _flat(actions) if a.mb_idx is not None and not 0 <= a.mb_idx < num_mb})

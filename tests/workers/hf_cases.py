@@ -31,7 +31,11 @@ def run_case(name: str, out: Path, rank: int, world_size: int) -> None:
     losses = [engine.train_batch(data_iter=iter(case.batches(step))).item() for step in range(STEPS)]
     state = {k: v.detach().clone() for k, v in module.graph_state_dict().items()}
     torch.save({"stage": engine.stage_id, "losses": losses, "state": captured.module_state_dict(state),
-                "layers": list(module.local_layer_names())}, out / f"{name}.rank{rank}.pt")
+                "layers": list(module.local_layer_names()),
+                # what the last batch ran: each kind of action, transfers with their peer stage
+                "ran": sorted({op.kind.value + ("" if op.peer is None else f"@{op.peer}")
+                               for a, _, _ in engine.last_timeline for op in (a.ops or (a, ))}),
+                "frozen": sorted(engine.stage_graph.frozen)}, out / f"{name}.rank{rank}.pt")
 
 
 def main():
