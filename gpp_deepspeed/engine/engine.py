@@ -147,7 +147,7 @@ class GraphPipelineEngine(SplitBackwardMixin, PipelineEngine):
     def _trainable_layers(self) -> set[str]:
         """Every stage's layers with trainable parameters, gathered over the pipeline, so that all
         ranks derive the same gradient flow (frozen towers exchange no gradients)."""
-        per_stage = [None] * self.num_stages
+        per_stage = [None] * len(self.grid.pp_group)  # one entry per rank of this replica (per-stage degrees)
         torch.distributed.all_gather_object(per_stage, self.module.trainable_layer_names(),
                                             group=self.grid.get_pipe_parallel_group())
         return {name for names in per_stage for name in names}
