@@ -312,10 +312,6 @@ class GraphPipelineEngine(SplitBackwardMixin, PipelineEngine):
                 print(f"steps: {self.global_steps} graph pipeline idle per stage: {shown}", flush=True)
         return loss
 
-    def eval_batch(self, *args, **kwargs):
-        with self._watched():
-            return super().eval_batch(*args, **kwargs)
-
     def _watched(self):
         return self.watchdog.watching() if self.watchdog is not None else contextlib.nullcontext()
 
@@ -372,8 +368,10 @@ class GraphPipelineEngine(SplitBackwardMixin, PipelineEngine):
                 "peak_bytes": versions.peak_versions * one}
 
     def eval_batch(self, data_iter, *args, **kwargs):
-        self.flush()
-        return super().eval_batch(data_iter, *args, **kwargs)
+        # One definition: an asynchronous pipeline drains first, and the watchdog covers both.
+        with self._watched():
+            self.flush()
+            return super().eval_batch(data_iter, *args, **kwargs)
 
     def _inference_schedule(self, micro_batches):
         return self._graph_pipe_schedule(micro_batches, False)
