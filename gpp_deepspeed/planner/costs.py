@@ -46,7 +46,7 @@ __all__ = ["CommFit", "LayerCost", "Hardware", "CostDB", "StageCost", "StageCost
 class CommFit:
     """An affine link model: sending ``x`` bytes takes ``alpha_s + beta_s_per_byte * x`` seconds.
 
-    >>> CommFit(alpha_s=1e-5, beta_s_per_byte=1e-9).time(1000)
+    >>> round(CommFit(alpha_s=1e-5, beta_s_per_byte=1e-9).time(1000), 12)
     1.1e-05
     """
 
