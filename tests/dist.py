@@ -12,7 +12,9 @@ whatever is left under this launch's port (a rank killed before it could) is rep
 
 from __future__ import annotations
 
+import ctypes
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -40,6 +42,13 @@ class Result:
         tails = "\n".join(f"--- rank {r} (rc {rc}) ---\n{out[-4000:]}"
                           for r, (rc, out) in enumerate(zip(self.returncodes, self.outputs)))
         return f"timed_out={self.timed_out} after {self.seconds:.1f}s\n{tails}"
+
+
+def _die_with_parent() -> None:
+    """Ask Linux to SIGKILL this rank when the test process dies, so ranks never outlive a test that
+    pytest-timeout (or a Ctrl-C) ended before :func:`launch` could kill them itself."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
 
 
 def free_port() -> int:
@@ -81,7 +90,7 @@ def launch(world_size: int, script: str | Path, *args: str, timeout: float = 300
         log = open(log_dir / f"rank{rank}.log", "w+")
         logs.append(log)
         procs.append(subprocess.Popen([sys.executable, str(script), *args], env=env, stdout=log,
-                                      stderr=subprocess.STDOUT, cwd=str(ROOT)))
+                                      stderr=subprocess.STDOUT, cwd=str(ROOT), preexec_fn=_die_with_parent))
     timed_out = False
     waited = [procs[r] for r in sorted(wait_for if wait_for is not None else range(world_size))]
     ended_at: list[float | None] = [None] * world_size
