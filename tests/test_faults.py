@@ -24,6 +24,7 @@ pytestmark = pytest.mark.dist
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
+SHM = Path("/dev/shm")
 WORKER = Path(__file__).resolve().parent / "workers" / "fault_worker.py"
 VICTIM = 2
 LIMIT_S = 60
@@ -117,8 +118,13 @@ def test_a_frozen_rank_stops_a_launch(tmp_path, launcher):
         cmd = [str(BIN / "deepspeed"), "--num_gpus", "4", "--master_port", str(port), str(WORKER)]
     else:
         cmd = [str(BIN / "mpiexec"), "-n", "4", sys.executable, str(WORKER)]
+    mpich_before = set(SHM.glob("mpich_shm_*"))
     outputs = run_group([cmd + worker_args(tmp_path, "stop", slow=False)], tmp_path)
     remove_shm(port)
+    # Ranks the watchdog ends never reach MPI_Finalize, so MPICH cannot unlink the node-local
+    # segment it created for this launch (a known limit, see the README); remove what this run left.
+    for path in set(SHM.glob("mpich_shm_*")) - mpich_before:
+        path.unlink(missing_ok=True)
     check_launch(outputs, tmp_path)
 
 
