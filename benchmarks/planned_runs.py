@@ -233,9 +233,9 @@ def write_section(rows):
             "with their devices per stage; layers sleep for their analytic time on the rank's shard, scaled so "
             f"GraphPipe's simulated step is about {TARGET_S:g} s. Medians over steps 2..N of one run; the simulator "
             "times the same plans on the same sleeps with free links. Goals (issue 8): measured / simulated at "
-            "most 1.05, measured speed-up within 10% of the predicted one. The last figures were taken while other "
-            "test suites ran on the same machine (load averages of 30 to 150 on its 2 cores): Python and gloo "
-            "overheads that sleeps do not hide are inflated, most on plans with many ranks per stage.\n\n"
+            "most 1.05, measured speed-up within 10% of the predicted one. Run on the quiet machine (nothing "
+            "else running; `--steps 6`): the remaining gap on MMT, whose stages have 4 ranks each, is per-message "
+            "Python and gloo overhead of its data-parallel groups that sleeps do not hide on 2 cores.\n\n"
             + "\n".join(table) + "\n\n"
             + "\n".join(speed) + "\n" + note)
     (ROOT / "benchmarks" / "results" / "planned_runs.md").write_text(text)
