@@ -234,8 +234,8 @@ def write_section(rows):
             f"GraphPipe's simulated step is about {TARGET_S:g} s. Medians over steps 2..N of one run; the simulator "
             "times the same plans on the same sleeps with free links. Goals (issue 8): measured / simulated at "
             "most 1.05, measured speed-up within 10% of the predicted one. Run on the quiet machine (nothing "
-            "else running; `--steps 6`): the remaining gap on MMT, whose stages have 4 ranks each, is per-message "
-            "Python and gloo overhead of its data-parallel groups that sleeps do not hide on 2 cores.\n\n"
+            "else running; `--steps 6`): the gap is largest on MMT, whose stages have 4 ranks each; its cause "
+            "(data-parallel all-reduce, resharding messages, or 16 processes on 2 cores) is not yet separated.\n\n"
             + "\n".join(table) + "\n\n"
             + "\n".join(speed) + "\n" + note)
     (ROOT / "benchmarks" / "results" / "planned_runs.md").write_text(text)
