@@ -253,12 +253,14 @@ class StageCost:
     bwd_input_s: float = 0.0   # split backward: input gradients plus the gradient transfers (I)
     bwd_weight_s: float = 0.0  # split backward: weight gradients (W)
     working_bytes: float = 0.0  # recomputed stage: one micro-batch's activations during its backward
+    param_bytes: float = 0.0    # one copy of the parameters (an asynchronous schedule stashes versions)
 
-    def memory(self, in_flight: int) -> float:
-        """Peak bytes per device with ``in_flight`` micro-batches stashed (GraphPipe Sec. 3, Eq. 2;
-        a recomputed stage stashes only its inputs and rebuilds one micro-batch's activations
-        at a time, PipeDream-2BW Sec. 3.3)."""
-        return self.weight_bytes + in_flight * self.stash_bytes + self.working_bytes
+    def memory(self, in_flight: int, versions: int = 0) -> float:
+        """Peak bytes per device with ``in_flight`` micro-batches and ``versions`` extra copies of
+        the weights stashed (GraphPipe Sec. 3, Eq. 2; a recomputed stage stashes only its inputs
+        and rebuilds one micro-batch's activations at a time, PipeDream-2BW Sec. 3.3; the stash
+        counts of each schedule: :func:`~gpp_deepspeed.planner.inflight.schedule_memory`)."""
+        return self.weight_bytes + in_flight * self.stash_bytes + self.working_bytes + versions * self.param_bytes
 
 
 @dataclass
@@ -500,7 +502,7 @@ class StageCostModel:
             working, stash = stash, bd.in_bytes
         cost = StageCost(fwd_s=fwd, bwd_s=bwd, allreduce_s=allreduce,
                          weight_bytes=params * (1 + hw.optimizer_factor), stash_bytes=stash * shard,
-                         bwd_input_s=grad_in, bwd_weight_s=grad_w, working_bytes=working * shard)
+                         bwd_input_s=grad_in, bwd_weight_s=grad_w, working_bytes=working * shard, param_bytes=params)
         self._cache[key] = cost
         return cost
 
@@ -526,7 +528,7 @@ class StageCostModel:
         """Bytes per device of a forward-only stage: the parameters (no gradients, no optimizer
         state) and one micro-batch's activations."""
         c = self.stage(mask, b, n)
-        return c.weight_bytes / (1 + self.db.hardware.optimizer_factor) + c.stash_bytes
+        return c.param_bytes + c.stash_bytes
 
 
 def edge_bytes(db: CostDB, stage_of: dict[str, int], *, relay: bool) -> dict[tuple[int, int], float]:

@@ -92,8 +92,7 @@ def simulate_plan(plan: Plan, db: CostDB, *, schedule: str | None = None, cluste
     if train:
         # Each stashed weight version is a copy of the stage's parameters (not of their gradients
         # or optimizer state, which stay with the live weights).
-        mem = tuple(c.memory(k) + v * c.weight_bytes / (1 + mdl.db.hardware.optimizer_factor)
-                    for c, k, v, mdl in zip(costs, in_flight, versions, models))
+        mem = tuple(c.memory(k, v) for c, k, v in zip(costs, in_flight, versions))
     else:
         mem = tuple(mdl.inference_memory(m, b, s.devices) for mdl, m, s in zip(models, masks, plan.stages))
     limits = [mdl.db.hardware.memory_bytes for mdl in models]
