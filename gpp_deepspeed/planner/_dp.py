@@ -1,7 +1,9 @@
 """The numeric kernel of GraphPipe's search: the feasibility DP over the series-parallel tree.
 
-DP tables (uniform micro-batch ``b`` and 1F1B, the paper's default and evaluated setting, so
-in-flight counts are micro-batches = depth to the sink, :mod:`.inflight`):
+DP tables (uniform micro-batch ``b``, the paper's default and evaluated setting; a DP value is a
+*depth*, the stages on the longest path to the output, which under 1F1B is the stage's in-flight
+count, Sec. 6; the memory test asks the schedule what a stage at that depth stashes,
+:func:`~gpp_deepspeed.planner.inflight.schedule_memory`):
 
 ``solve(node, n, d)``
     least in-flight count of the source stage(s) of SP-tree ``node`` run on exactly ``n``
@@ -133,8 +135,12 @@ class FeasibilityDP:
 
     def __init__(self, cm: StageCostModel, nodes: list[_Node], b: int, tmax: float, stage_devices: Sequence[int],
                  work: Callable[[int], float], num_devices: int, infeasible: dict | None = None,
-                 priced: dict | None = None, recompute: bool = False):
+                 priced: dict | None = None, recompute: bool = False,
+                 stash: Callable[[int], tuple[int, int]] = lambda k: (k, 0)):
         self.cm, self.nodes, self.b, self.tmax = cm, nodes, b, tmax * (1 + 1e-12)
+        # A stage at depth k (stages on its longest path to the output) stashes stash(k) = (micro-
+        # batches, weight copies) under the schedule the plan will run (inflight.schedule_memory).
+        self.stash = stash
         self.stage_devices = tuple(sorted(stage_devices))
         self.max_stage = self.stage_devices[-1]
         # Every stage's device count is a multiple of this, so every subgraph's is too.
@@ -185,15 +191,17 @@ class FeasibilityDP:
         return node.size * self.max_stage
 
     def stage_ok(self, mask: int, n: int, k: int) -> bool:
-        """Layer set ``mask`` on ``n`` devices meets ``tmax`` and fits with ``k`` in flight, as it
-        is or, where the search may recompute, with its activations recomputed."""
+        """Layer set ``mask`` on ``n`` devices meets ``tmax`` and fits at depth ``k`` (with what the
+        schedule stashes there), as it is or, where the search may recompute, with its
+        activations recomputed."""
         tps, cost = self._priced(mask, n, False)
-        if tps <= self.tmax and cost.memory(k) <= self.memory:
+        stashed = self.stash(k)
+        if tps <= self.tmax and cost.memory(*stashed) <= self.memory:
             return True
         if not self.recompute:
             return False
         tps, cost = self._priced(mask, n, True)
-        return tps <= self.tmax and cost.memory(k) <= self.memory
+        return tps <= self.tmax and cost.memory(*stashed) <= self.memory
 
     def _priced(self, mask: int, n: int, recompute: bool):
         key = (mask, n, recompute)

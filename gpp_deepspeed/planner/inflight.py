@@ -22,7 +22,7 @@ from typing import Mapping, Sequence
 
 from ..errors import GPPConfigError
 
-__all__ = ["in_flight", "stage_in_flight", "schedule_memory", "needs_pipeline_depth"]
+__all__ = ["in_flight", "stage_in_flight", "schedule_memory", "needs_pipeline_depth", "deepest_pipeline"]
 
 
 def in_flight(micro_batch: int, successors: Sequence[tuple[int, int]]) -> int:
@@ -108,3 +108,14 @@ def needs_pipeline_depth(schedule: str) -> bool:
     (True, False)
     """
     return schedule.lower() in ("zb1", "zb2")
+
+
+def deepest_pipeline(schedule: str, num_microbatches: int) -> int | None:
+    """The deepest stage graph ``schedule`` runs with ``num_microbatches`` per batch, or None for
+    no limit: PipeDream-2BW keeps two weight versions only while ``M >= D - 1`` (its ``m >= d``,
+    :func:`~gpp_deepspeed.schedule.asynchronous.check_async_microbatches`).
+
+    >>> deepest_pipeline("2bw", 3), deepest_pipeline("1f1b", 3)
+    (4, None)
+    """
+    return num_microbatches + 1 if schedule.lower() == "2bw" else None

@@ -14,6 +14,7 @@ The DP itself, its tables and the stages it may form are in :mod:`._dp`.
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from typing import Callable, Sequence
@@ -23,12 +24,13 @@ import networkx as nx
 from ..errors import GPPConfigError, InfeasiblePlanError
 from ._dp import FeasibilityDP, flatten, work_fn
 from .costs import CommFit, CostDB, Hardware, LayerCost, StageCostModel, micro_batch_sizes
-from .inflight import stage_in_flight
+from .inflight import deepest_pipeline, needs_pipeline_depth, schedule_memory, stage_in_flight
 from .plan import Plan, PlanStage, SearchResult
 from .simulate import predict
 from .sp import sp_tree
 
-__all__ = ["graphpipe_search", "graphpipe_partition", "proxy_costs", "SPACES", "bottleneck_search"]
+__all__ = ["graphpipe_search", "graphpipe_partition", "proxy_costs", "SPACES", "bottleneck_search",
+           "schedule_bottleneck_search"]
 
 SPACES = ("full", "runtime")
 _REL_TOL = 1e-3
@@ -37,25 +39,44 @@ _GROWTH = 1.25
 
 def bottleneck_search(cm: StageCostModel, tree, *, num_devices: int, micro_batch: int,
                       stage_devices: Sequence[int], rel_tol: float = _REL_TOL, floor: float = 0.0,
-                      limit: float = math.inf, recompute: bool = False):
+                      limit: float = math.inf, recompute: bool = False, schedule: str = "1f1b",
+                      depth_cap: int | None = None, priced: dict | None = None):
     """Binary search on ``tmax`` (Alg. 1, lines 1-9): the least feasible bottleneck time per
     sample within ``rel_tol``, its stages, and the DP states visited; ``(None, None, states)``
     when no ``tmax`` is feasible (memory or device counts). ``floor`` is a known lower bound on
     the answer (the optimum of a larger space), which narrows the first bracket; ``limit`` an
     upper one (a bottleneck above it is of no use to the caller), which ends a hopeless search
-    after a few cheap DP runs: at a small ``tmax`` the device lower bounds prune nearly every state."""
+    after a few cheap DP runs: at a small ``tmax`` the device lower bounds prune nearly every state.
+
+    Every stage must fit with what ``schedule`` stashes at its depth
+    (:func:`~gpp_deepspeed.planner.inflight.schedule_memory`). Where that depends on the stage
+    graph's depth (``zb1``, ``zb2``), ``depth_cap`` fixes it: every stage is priced as if the
+    pipeline were that deep, and only plans at most that deep are found. ``priced`` caches stage
+    prices at this micro-batch across calls."""
+    if needs_pipeline_depth(schedule) and depth_cap is None:
+        raise GPPConfigError(f'schedule "{schedule}" stashes by the pipeline\'s depth: give depth_cap')
     nodes = flatten(tree, cm)
     work = work_fn(cm, micro_batch / min(stage_devices))
+    num_mb = cm.mini_batch // micro_batch
+    deepest = deepest_pipeline(schedule, num_mb)
+    stash_depth = depth_cap
+    if deepest is not None:
+        depth_cap = deepest if depth_cap is None else min(depth_cap, deepest)
     states = 0
     infeasible: dict = {}
-    priced: dict = {}
+    priced = {} if priced is None else priced
+    stash = functools.lru_cache(maxsize=None)(
+        lambda k: schedule_memory(schedule, depth=k, pipeline_depth=stash_depth or k, num_microbatches=num_mb))
 
     def attempt(tmax: float):
         nonlocal states
-        dp = FeasibilityDP(cm, nodes, micro_batch, tmax, stage_devices, work, num_devices, infeasible, priced, recompute)
+        dp = FeasibilityDP(cm, nodes, micro_batch, tmax, stage_devices, work, num_devices, infeasible, priced,
+                           recompute, stash)
         r = dp.solve(len(nodes) - 1, num_devices, 0)
         states += dp.states
-        return dp.stages(len(nodes) - 1, num_devices, 0) if r is not None else None
+        if r is None or depth_cap is not None and r[0] > depth_cap:
+            return None
+        return dp.stages(len(nodes) - 1, num_devices, 0)
 
     def bottleneck(stages) -> float:
         # The plan found at tmax usually has a lower bottleneck than tmax: bisect from there.
@@ -66,7 +87,8 @@ def bottleneck_search(cm: StageCostModel, tree, *, num_devices: int, micro_batch
 
     # A layer that fits on no stage, even alone with one micro-batch in flight, rules out every plan.
     widest = max(stage_devices)
-    if not all(cm.fits(1 << i, micro_batch, widest, 1) for i in range(cm.num_layers)):
+    if not all(cm.stage(1 << i, micro_batch, widest).memory(*stash(1)) <= cm.db.hardware.memory_bytes
+               for i in range(cm.num_layers)):
         return None, None, states
     lo = max(floor, work(cm.full_mask) / num_devices)   # perfect balance: no plan does better
     # Every layer as its own single-device stage bounds any stage made of them from above.
@@ -107,79 +129,174 @@ def bottleneck_search(cm: StageCostModel, tree, *, num_devices: int, micro_batch
 
 
 def graphpipe_search(db: CostDB, *, num_devices: int, mini_batch: int, micro_batches: Sequence[int] | None = None,
-                     space: str = "full", rel_tol: float = _REL_TOL, recompute: bool = False,
-                     progress: Callable[[str], None] | None = None) -> SearchResult:
+                     space: str = "full", schedules: Sequence[str] = ("1f1b",), rel_tol: float = _REL_TOL,
+                     recompute: bool = False, progress: Callable[[str], None] | None = None) -> SearchResult:
     """GraphPipe's plan for ``db`` on ``num_devices`` devices: the best predicted throughput over
-    the micro-batch sweep of the least-bottleneck stage graphs.
+    the micro-batch sweep of the least-bottleneck stage graphs, under each of ``schedules``.
+
+    Each candidate stage graph is priced with the memory of the schedule it will run
+    (:func:`~gpp_deepspeed.planner.inflight.schedule_memory`) and timed by the simulator under it,
+    so a schedule that stashes more (``zb1``, ``zb2``, the asynchronous ones) or fills the
+    pipeline's bubbles (the zero-bubble ones) can lead to another partition. The result's plan is
+    the fastest that fits over every schedule (it carries its schedule); ``alternatives`` holds
+    each schedule's best plan (None where nothing fits), in the order given.
 
     ``space="full"`` lets every stage have its own data-parallel degree (a power of two); the
-    ``"runtime"`` space gives every stage the same degree, as the engine runs today.
-    ``recompute=True`` lets a stage that would not fit recompute its activations in the backward
-    (PipeDream-2BW's per-stage choice); the plan marks those stages.
+    ``"runtime"`` space gives every stage the same degree. ``recompute=True`` lets a stage that
+    would not fit recompute its activations in the backward (PipeDream-2BW's per-stage choice);
+    the plan marks those stages.
     """
     if space not in SPACES:
         raise GPPConfigError(f'search space must be one of {SPACES}, got "{space}"')
+    schedules = tuple(n.lower() for n in schedules) or ("1f1b",)
+    for name in schedules:
+        schedule_memory(name, depth=1, pipeline_depth=1, num_microbatches=1)   # an unknown name fails here
     start = time.perf_counter()
-    tree, added = sp_tree(db.graph)
-    cm = StageCostModel(db, mini_batch, p2p_devices=num_devices)
-    candidates = []
-    states = 0
-    predict_s = 0.0
-    best_time = float("inf")
-    for b in sorted(micro_batch_sizes(mini_batch, micro_batches), reverse=True):
-        # The DP minimises the bottleneck (the paper's objective, Eq. 1), which ignores pipeline
-        # fill and drain; with few micro-batches a shallower plan on one uniform data-parallel
-        # degree can finish sooner. So the full space also tries every uniform degree, and the
-        # simulator picks among the least-bottleneck plans, as it does among micro-batch sizes.
-        uniform = [d for d in _divisors(num_devices) if b % d == 0]
-        options = uniform if space == "runtime" else [None] + uniform
-        full_devices = [n for n in _powers_of_two(b) if n <= num_devices]
-        full_tps = None   # the full space's least bottleneck at this b: a floor for its subsets
-        for d in options:
-            # The bottleneck stage alone is busy mini_batch * TPS >= mini_batch * work / devices,
-            # so an option whose perfect balance cannot beat the best plan so far is skipped.
-            if mini_batch * work_fn(cm, b / (d or 1))(cm.full_mask) / num_devices >= best_time:
-                continue
-            floor = 0.0
-            if d is not None and space == "full" and d in full_devices:
-                if full_tps is None:
-                    continue      # the full space had no plan at this b; neither has its subset
-                floor = full_tps * (1 - rel_tol)
-                if mini_batch * floor >= best_time:
-                    continue
-            stage_devices = [d] if d is not None else full_devices
-            # A plan runs B / b micro-batches through its bottleneck stage, so its iteration takes
-            # at least B * TPS: a bottleneck above best_time / B cannot beat the best plan so far.
-            tps, stages, visited = bottleneck_search(cm, tree, num_devices=num_devices, micro_batch=b,
-                                                     stage_devices=stage_devices, rel_tol=rel_tol, floor=floor,
-                                                     limit=best_time / mini_batch, recompute=recompute)
-            states += visited
-            if d is None:
-                full_tps = tps
-            if progress is not None:
-                what = f"micro-batch {b}" + (f", degree {d}" if d else "")
-                progress(f"graphpipe: {what}: " + ("no feasible plan that can beat the best so far" if tps is None else
-                                                    f"{len(stages)} stages, bottleneck {tps:.4g} s/sample"))
-            if stages is None:
-                continue
-            t0 = time.perf_counter()
-            plan = predict(_plan(db, cm, stages, b, mini_batch, tps, added, space, recompute), db)
-            predict_s += time.perf_counter() - t0
-            if plan.predicted.fits_memory:
-                candidates.append(plan)
-                best_time = min(best_time, plan.predicted.iteration_time_s)
-    elapsed = time.perf_counter() - start - predict_s
-    if not candidates:
+    sweep = _Sweep(db, num_devices=num_devices, mini_batch=mini_batch, space=space, rel_tol=rel_tol,
+                   recompute=recompute, progress=progress)
+    bests = [sweep.run(name, micro_batch_sizes(mini_batch, micro_batches)) for name in schedules]
+    elapsed = time.perf_counter() - start - sweep.predict_s
+    found = [p for p in bests if p is not None]
+    if not found:
         gib = db.hardware.memory_bytes / 2**30
-        return SearchResult(method="graphpipe", plan=None, search_time_s=elapsed, states=states,
-                            status=f"no plan fits {gib:.1f} GiB per device on {num_devices} devices at any micro-batch")
-    best = max(candidates, key=lambda p: p.predicted.samples_per_s)
-    return SearchResult(method="graphpipe", plan=best, search_time_s=elapsed, states=states)
+        return SearchResult(method="graphpipe", plan=None, search_time_s=elapsed, states=sweep.states,
+                            status=f"no plan fits {gib:.1f} GiB per device on {num_devices} devices at any micro-batch",
+                            alternatives=tuple(bests))
+    best = max(found, key=lambda p: p.predicted.samples_per_s)
+    return SearchResult(method="graphpipe", plan=best, search_time_s=elapsed, states=sweep.states,
+                        alternatives=tuple(bests))
+
+
+class _Sweep:
+    """:func:`graphpipe_search`'s sweep for one cost database: per schedule, micro-batch and
+    data-parallel option, the least-bottleneck stage graphs, each simulated."""
+
+    def __init__(self, db: CostDB, *, num_devices: int, mini_batch: int, space: str, rel_tol: float,
+                 recompute: bool, progress: Callable[[str], None] | None):
+        self.db, self.num_devices, self.mini_batch = db, num_devices, mini_batch
+        self.space, self.rel_tol, self.recompute, self.progress = space, rel_tol, recompute, progress
+        self.tree, self.added = sp_tree(db.graph)
+        self.cm = StageCostModel(db, mini_batch, p2p_devices=num_devices)
+        self.states = 0
+        self.predict_s = 0.0
+        self._priced: dict[int, dict] = {}   # per micro-batch: stage prices shared by every bisection
+
+    def run(self, schedule: str, sizes: Sequence[int]) -> Plan | None:
+        """The fastest plan that fits under ``schedule``, or None."""
+        cm, mini_batch, num_devices = self.cm, self.mini_batch, self.num_devices
+        best: Plan | None = None
+        best_time = math.inf
+        for b in sorted(sizes, reverse=True):
+            # The DP minimises the bottleneck (the paper's objective, Eq. 1), which ignores pipeline
+            # fill and drain; with few micro-batches a shallower plan on one uniform data-parallel
+            # degree can finish sooner. So the full space also tries every uniform degree, and the
+            # simulator picks among the least-bottleneck plans, as it does among micro-batch sizes.
+            uniform = [d for d in _divisors(num_devices) if b % d == 0]
+            options = uniform if self.space == "runtime" else [None] + uniform
+            full_devices = [n for n in _powers_of_two(b) if n <= num_devices]
+            full_tps = None   # the full space's least bottleneck at this b: a floor for its subsets
+            for d in options:
+                # The bottleneck stage alone is busy mini_batch * TPS >= mini_batch * work / devices,
+                # so an option whose perfect balance cannot beat the best plan so far is skipped.
+                if mini_batch * work_fn(cm, b / (d or 1))(cm.full_mask) / num_devices >= best_time:
+                    continue
+                floor = 0.0
+                if d is not None and self.space == "full" and d in full_devices:
+                    if full_tps is None:
+                        continue      # the full space had no plan at this b; neither has its subset
+                    floor = full_tps * (1 - self.rel_tol)
+                    if mini_batch * floor >= best_time:
+                        continue
+                stage_devices = [d] if d is not None else full_devices
+                found = self._least_bottleneck(schedule, b, stage_devices, floor, best_time)
+                if d is None:
+                    full_tps = min((tps for tps, _ in found), default=None)
+                if self.progress is not None:
+                    what = f"micro-batch {b}" + (f", degree {d}" if d else "") + f", {schedule}"
+                    self.progress(f"graphpipe: {what}: " + ("no feasible plan that can beat the best so far"
+                                  if not found else ", ".join(f"{len(st)} stages, bottleneck {tps:.4g} s/sample"
+                                                               for tps, st in found)))
+                for tps, stages in found:
+                    t0 = time.perf_counter()
+                    plan = predict(self._plan(stages, b, tps, schedule), self.db, schedule=schedule)
+                    self.predict_s += time.perf_counter() - t0
+                    if plan.predicted.fits_memory and plan.predicted.iteration_time_s < best_time:
+                        best, best_time = plan, plan.predicted.iteration_time_s
+        return best
+
+    def _least_bottleneck(self, schedule: str, b: int, stage_devices: list[int], floor: float,
+                          best_time: float) -> list[tuple[float, list[tuple[int, int]]]]:
+        # A plan runs B / b micro-batches through its bottleneck stage, so its iteration takes
+        # at least B * TPS: a bottleneck above best_time / B cannot beat the best plan so far.
+        found, visited = schedule_bottleneck_search(
+            self.cm, self.tree, schedule=schedule, num_devices=self.num_devices, micro_batch=b,
+            stage_devices=stage_devices, rel_tol=self.rel_tol, floor=floor, limit=best_time / self.mini_batch,
+            recompute=self.recompute, priced=self._priced.setdefault(b, {}))
+        self.states += visited
+        return found
+
+    def _plan(self, stages: list[tuple[int, int]], b: int, tps: float, schedule: str) -> Plan:
+        return _plan(self.db, self.cm, stages, b, self.mini_batch, tps, self.added, self.space, self.recompute,
+                     schedule)
+
+
+def schedule_bottleneck_search(cm: StageCostModel, tree, *, schedule: str, num_devices: int, micro_batch: int,
+                               stage_devices: Sequence[int], rel_tol: float = _REL_TOL, floor: float = 0.0,
+                               limit: float = math.inf, recompute: bool = False, priced: dict | None = None
+                               ) -> tuple[list[tuple[float, list[tuple[int, int]]]], int]:
+    """:func:`bottleneck_search` with every stage priced with what ``schedule`` stashes: the
+    least-bottleneck ``(tps, stages)`` found (several for the zero-bubble schedules: one per
+    pipeline depth searched; none when nothing fits) and the DP states visited.
+
+    A zero-bubble schedule stashes by the pipeline's depth ``D`` on every stage, at least what
+    1F1B stashes, so 1F1B's least bottleneck is a floor for it and, when 1F1B's plan also fits
+    under it, its optimum. Otherwise every depth ``D`` is searched with each stage priced at
+    ``D`` (a deeper pipeline splits the layers finer but stashes more on every stage)."""
+    kw = dict(num_devices=num_devices, micro_batch=micro_batch, stage_devices=stage_devices, rel_tol=rel_tol,
+              limit=limit, recompute=recompute, priced={} if priced is None else priced)
+    first = "1f1b" if needs_pipeline_depth(schedule) else schedule
+    tps, stages, states = bottleneck_search(cm, tree, floor=floor, schedule=first, **kw)
+    if stages is None or first == schedule or _fits(cm, stages, micro_batch, schedule, recompute):
+        return ([] if stages is None else [(tps, stages)]), states
+    found = []
+    deepest = min(flatten(tree, cm)[-1].depth, num_devices // min(stage_devices))
+    for cap in range(1, deepest + 1):
+        t, st, visited = bottleneck_search(cm, tree, floor=tps * (1 - rel_tol), schedule=schedule, depth_cap=cap, **kw)
+        states += visited
+        if st is not None:
+            found.append((t, st))
+    return found, states
+
+
+def _fits(cm: StageCostModel, stages: list[tuple[int, int]], b: int, schedule: str, recompute: bool) -> bool:
+    """Every stage fits with what ``schedule`` stashes in this stage graph (recomputing where the
+    search may)."""
+    depth = _depths(cm, stages)
+    top, num_mb = max(depth), cm.mini_batch // b
+    limit = cm.db.hardware.memory_bytes
+    for (mask, n), k in zip(stages, depth):
+        stash = schedule_memory(schedule, depth=k, pipeline_depth=top, num_microbatches=num_mb)
+        if cm.stage(mask, b, n).memory(*stash) > limit and not (
+                recompute and cm.stage(mask, b, n, recompute=True).memory(*stash) <= limit):
+            return False
+    return True
+
+
+def _depths(cm: StageCostModel, stages: list[tuple[int, int]]) -> list[int]:
+    """Each stage's depth (stages on its longest path to the output) in the stage graph of
+    ``stages`` (layer masks and degrees, in any order)."""
+    stage_of = {}
+    for s, (mask, _) in enumerate(stages):
+        for i in cm._members(mask):
+            stage_of[i] = s
+    succs = {s: {stage_of[c] for i in cm._members(mask) for c in cm._members(cm.consumers[i])} - {s}
+             for s, (mask, _) in enumerate(stages)}
+    return [stage_in_flight(succs, {s: 1 for s in succs})[s] for s in range(len(stages))]
 
 
 def _plan(db: CostDB, cm: StageCostModel, stages: list[tuple[int, int]], b: int, mini_batch: int, tps: float,
-          added: tuple, space: str, recompute: bool = False) -> Plan:
-    """Stages as a :class:`Plan`, numbered in a topological order of the stage graph."""
+          added: tuple, space: str, recompute: bool = False, schedule: str = "1f1b") -> Plan:
+    """Stages as a :class:`Plan` for ``schedule``, numbered in a topological order of the stage graph."""
     stage_of = {}
     for s, (mask, _) in enumerate(stages):
         for name in cm.names_of(mask):
@@ -192,16 +309,21 @@ def _plan(db: CostDB, cm: StageCostModel, stages: list[tuple[int, int]], b: int,
             if src in stage_of and stage_of[src] != stage_of[c.name]:
                 g.add_edge(stage_of[src], stage_of[c.name])
     order = list(nx.lexicographical_topological_sort(g, key=lambda s: min(cm.index[n] for n in cm.names_of(stages[s][0]))))
-    # Under 1F1B a stage keeps its depth to the sink in flight (Sec. 6); it recomputes exactly
-    # when it would not fit otherwise, which is the choice the DP's feasibility test made.
+    # A stage recomputes exactly when it would not fit with what the schedule stashes at its
+    # depth otherwise, which is the choice the DP's feasibility test made.
     depth = stage_in_flight({s: list(g.successors(s)) for s in g}, {s: 1 for s in g})
-    plan_stages = tuple(PlanStage(layers=cm.names_of(stages[s][0]), devices=stages[s][1],
-                                  recompute=recompute and not cm.fits(stages[s][0], b, stages[s][1], depth[s]))
+    top, limit = max(depth.values()), db.hardware.memory_bytes
+
+    def recomputes(s: int) -> bool:
+        stash = schedule_memory(schedule, depth=depth[s], pipeline_depth=top, num_microbatches=mini_batch // b)
+        return recompute and cm.stage(stages[s][0], b, stages[s][1]).memory(*stash) > limit
+
+    plan_stages = tuple(PlanStage(layers=cm.names_of(stages[s][0]), devices=stages[s][1], recompute=recomputes(s))
                         for s in order)
     notes = {"bottleneck_tps_s": tps, "space": space,
              "sp_added_edges": [list(e) for e in added]}
     return Plan(model=db.model, method="graphpipe", source=db.source, micro_batch=b, mini_batch=mini_batch,
-                stages=plan_stages, notes=notes)
+                stages=plan_stages, notes=notes, schedule=schedule)
 
 
 def _divisors(n: int) -> list[int]:
