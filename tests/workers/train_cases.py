@@ -36,6 +36,8 @@ def ds_config(case, dp):
         cfg["graph_pipeline"]["trace_dir"] = case["trace_dir"]
     if case.get("optimizer") == "adam":
         cfg["optimizer"] = {"type": "Adam", "params": {"lr": case["lr"], "torch_adam": True, "adam_w_mode": False}}
+    elif case.get("optimizer") == "fused_adam":  # DeepSpeed's own Adam (FusedAdam), its default
+        cfg["optimizer"] = {"type": "Adam", "params": {"lr": case["lr"], "adam_w_mode": False}}
     if case.get("bf16"):
         cfg["bf16"] = {"enabled": True}
     # DeepSpeed 0.19.8 clips at 1.0 unless told otherwise; the reference applies the same.
@@ -69,7 +71,7 @@ def build(case, world_size):
                                      activation_checkpoint_interval=case.get("ckpt_interval", 0),
                                      dynamic_shape=bool(mc.seq_lens), stage_degrees=degrees)
     params = [p for p in module.parameters() if p.requires_grad]
-    opt = None if case.get("optimizer") == "adam" else torch.optim.SGD(params, lr=case["lr"], momentum=case.get("momentum", 0.9))
+    opt = None if case.get("optimizer") in ("adam", "fused_adam") else torch.optim.SGD(params, lr=case["lr"], momentum=case.get("momentum", 0.9))
     init = deepspeed.initialize if case.get("deepspeed_module") else gpp_deepspeed.initialize
     data = None
     if case.get("training_data"):  # DeepSpeed's own loader instead of data_iter=
@@ -116,6 +118,7 @@ def run_case(case, out, rank, world_size):
               "ckpt_interval": module.activation_checkpoint_interval}
     if hasattr(engine, "stage_graph"):
         result["depth"] = engine.stage_graph.depth(engine.stage_id)
+        result["reads_batch"] = engine.is_first_stage() or engine.is_last_stage()
     if case.get("checkpoint"):
         ckpt = str(out / f"ckpt_{case['id']}")
         train(engine, mc, case, range(2))
