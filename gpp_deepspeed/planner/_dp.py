@@ -34,6 +34,7 @@ stage either way, so the runtime needs nothing new). Device counts per stage com
 from __future__ import annotations
 
 import bisect
+import functools
 import math
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -145,6 +146,9 @@ class FeasibilityDP:
         self.max_stage = self.stage_devices[-1]
         # Every stage's device count is a multiple of this, so every subgraph's is too.
         self.step = math.gcd(*self.stage_devices)
+        # fewest[n]: the fewest stages whose device counts sum to exactly n. A subgraph of L
+        # layers has at most L stages, so it cannot use n devices when fewest[n] > L.
+        self.fewest = _fewest_stages(self.stage_devices, num_devices)
         self.work = work
         self.num_devices = num_devices
         self.memo: dict = {}
@@ -243,9 +247,9 @@ class FeasibilityDP:
         self.states += 1
         best = None
         rest_mask = node.mask & ~node.prefix[j]
-        if n < self.min_devices(rest_mask):
+        if n < self.min_devices(rest_mask) or self.fewest[n] > rest_mask.bit_count():
             return self._remember(key, None)
-        memo = self.memo
+        memo, fewest = self.memo, self.fewest
         cum = self._cumulative(v)
         tmax, total = self.tmax, cum[m]
         # (a) one stage over children j..k-1 on n1 devices, then the rest of the series. Only a
@@ -261,9 +265,10 @@ class FeasibilityDP:
                 while first < m and n1 + max(1, math.ceil((total - cum[first]) / tmax - 1e-9)) > n:
                     first += 1
             last = min(m, bisect.bisect_right(cum, cum[j] + tmax * n1) - 1)
+            left = fewest[n - n1]
             for k in range(first, last + 1):
-                if k == m and n1 != n:
-                    continue
+                if k == m and n1 != n or k < m and left > node.size - node.prefix[k].bit_count():
+                    continue    # the rest cannot use exactly n - n1 devices
                 mask = node.prefix[k] & ~node.prefix[j]
                 rest = memo.get(("s", node.cls, k, n - n1, d), _MISSING) if k < m else (d, None)
                 if rest is _MISSING:
@@ -321,7 +326,10 @@ class FeasibilityDP:
             tab = [0] * node.depth
             lo = self._up(self.min_devices(node.mask))
             hi = min(self._cap(node.mask).bit_length() - 1, self.max_devices(node))
+            fewest, size = self.fewest, node.size
             for n in range(lo, hi + 1, self.step):
+                if fewest[n] > size:
+                    continue
                 r = self.series(c, 0, n, d)
                 if r is not None:
                     for x in range(r[0] - d - 1, node.depth):
@@ -442,8 +450,11 @@ class FeasibilityDP:
         node = self.nodes[v]
         width = self.num_devices + 1
         found: dict[int, int] = {}
-        lo = self._up(self.min_devices(node.mask & ~node.prefix[k]))
+        rest_mask = node.mask & ~node.prefix[k]
+        lo, size, fewest = self._up(self.min_devices(rest_mask)), rest_mask.bit_count(), self.fewest
         for n_rest in range(lo, n + 1, self.step):
+            if fewest[n_rest] > size:
+                continue
             r = self.series(v, k, n_rest, d)
             if r is not None:
                 found[r[0]] = found.get(r[0], 0) | 1 << (width - 1 - n_rest)
@@ -507,6 +518,20 @@ class FeasibilityDP:
             if n > n1 and rest >> (n - n1) & 1:
                 return self.stages(c, n1, d) + self._parallel_stages(v, i + 1, e, n - n1, d)
         raise AssertionError("a feasible parallel range has no option at its own level")
+
+
+@functools.lru_cache(maxsize=32)
+def _fewest_stages(stage_devices: tuple[int, ...], num_devices: int) -> tuple[float, ...]:
+    """``fewest[n]``: the fewest terms from ``stage_devices`` (repeats allowed) summing to ``n``,
+    for ``n`` up to ``num_devices`` (infinite when none do).
+
+    >>> _fewest_stages((1, 2, 4), 7)
+    (0, 1, 1, 2, 1, 2, 2, 3)
+    """
+    fewest = [0] + [math.inf] * num_devices
+    for n in range(1, num_devices + 1):
+        fewest[n] = 1 + min((fewest[n - c] for c in stage_devices if c <= n), default=math.inf)
+    return tuple(fewest)
 
 
 def _level(tab: list[int], x: int) -> int:

@@ -23,7 +23,7 @@ import networkx as nx
 
 from ..errors import GPPConfigError, InfeasiblePlanError
 from ._dp import FeasibilityDP, flatten, work_fn
-from .costs import CommFit, CostDB, Hardware, LayerCost, StageCostModel, micro_batch_sizes
+from .costs import NO_BOUNDARY, CommFit, CostDB, Hardware, LayerCost, StageCostModel, micro_batch_sizes
 from .inflight import deepest_pipeline, needs_pipeline_depth, schedule_memory, stage_in_flight
 from .plan import Plan, PlanStage, SearchResult
 from .simulate import predict
@@ -34,13 +34,12 @@ __all__ = ["graphpipe_search", "graphpipe_partition", "proxy_costs", "SPACES", "
 
 SPACES = ("full", "runtime")
 _REL_TOL = 1e-3
-_GROWTH = 1.25
 
 
 def bottleneck_search(cm: StageCostModel, tree, *, num_devices: int, micro_batch: int,
                       stage_devices: Sequence[int], rel_tol: float = _REL_TOL, floor: float = 0.0,
                       limit: float = math.inf, recompute: bool = False, schedule: str = "1f1b",
-                      depth_cap: int | None = None, priced: dict | None = None):
+                      depth_cap: int | None = None, priced: dict | None = None, hint: float | None = None):
     """Binary search on ``tmax`` (Alg. 1, lines 1-9): the least feasible bottleneck time per
     sample within ``rel_tol``, its stages, and the DP states visited; ``(None, None, states)``
     when no ``tmax`` is feasible (memory or device counts). ``floor`` is a known lower bound on
@@ -52,7 +51,8 @@ def bottleneck_search(cm: StageCostModel, tree, *, num_devices: int, micro_batch
     (:func:`~gpp_deepspeed.planner.inflight.schedule_memory`). Where that depends on the stage
     graph's depth (``zb1``, ``zb2``), ``depth_cap`` fixes it: every stage is priced as if the
     pipeline were that deep, and only plans at most that deep are found. ``priced`` caches stage
-    prices at this micro-batch across calls."""
+    prices at this micro-batch across calls; ``hint`` is a related search's answer (another
+    micro-batch size's), where the bracketing starts."""
     if needs_pipeline_depth(schedule) and depth_cap is None:
         raise GPPConfigError(f'schedule "{schedule}" stashes by the pipeline\'s depth: give depth_cap')
     nodes = flatten(tree, cm)
@@ -90,32 +90,45 @@ def bottleneck_search(cm: StageCostModel, tree, *, num_devices: int, micro_batch
     if not all(cm.stage(1 << i, micro_batch, widest).memory(*stash(1)) <= cm.db.hardware.memory_bytes
                for i in range(cm.num_layers)):
         return None, None, states
-    lo = max(floor, work(cm.full_mask) / num_devices)   # perfect balance: no plan does better
+    # No plan beats perfect balance, nor the stage that holds the slowest layer: its compute at
+    # least, and the all-reduce of that layer's gradients at least, on the widest stage allowed.
+    lo = max(floor, work(cm.full_mask) / num_devices, _slowest_layer(cm, micro_batch, stage_devices))
     # Every layer as its own single-device stage bounds any stage made of them from above.
     ceiling = 2 * max(lo, sum(cm.time_per_sample(1 << i, micro_batch, 1) for i in range(cm.num_layers)))
     if limit < ceiling:
         if lo >= limit:
             return None, None, states
         ceiling = limit
-    # Bracket the optimum by growing from the lower bound (it is usually within tens of percent
-    # of it), which takes fewer DP runs than bisecting down from the ceiling. When that first
-    # guess fails with one data-parallel degree, where memory often rules out every plan, one DP
-    # at the ceiling (cheap with one degree) says so before doubling towards it.
-    hi = min(_GROWTH * lo, ceiling)
-    best = attempt(hi)
-    if best is not None:
-        hi = min(hi, bottleneck(best))
-    if best is None:
-        lo = hi
-        if (len(stage_devices) == 1 or ceiling == limit) and attempt(ceiling) is None:
-            return None, None, states
-    while best is None and hi < ceiling:
-        hi = min(2 * hi, ceiling)
+    best = None
+    if hint is not None and lo < hint < ceiling:
+        # A related search's optimum (the next micro-batch size's) is usually close: probe just
+        # above and just below it, which brackets the optimum tightly with cheap DP runs.
+        hi = min(hint * (1 + 4 * rel_tol), ceiling)
         best = attempt(hi)
         if best is None:
             lo = hi
         else:
             hi = min(hi, bottleneck(best))
+            if lo < hint * (1 - 4 * rel_tol):
+                below = attempt(hint * (1 - 4 * rel_tol))
+                if below is None:
+                    lo = hint * (1 - 4 * rel_tol)
+                else:
+                    hi, best = min(hint * (1 - 4 * rel_tol), bottleneck(below)), below
+    # Otherwise bracket the optimum by growing from the lower bound in widening steps: a DP run at
+    # a tmax below the optimum is cheap (the device lower bounds prune nearly every state), one
+    # far above it is not (most states are feasible and are all solved). With one data-parallel
+    # degree, where memory often rules out every plan, one cheap DP at the ceiling says so first.
+    step, grown = 0.1, lo
+    while best is None:
+        grown = min(grown * (1 + step), ceiling)
+        best = attempt(grown)
+        if best is not None:
+            hi = min(grown, bottleneck(best))
+        elif grown >= ceiling or (step == 0.1 and len(stage_devices) == 1 and attempt(ceiling) is None):
+            return None, None, states
+        else:
+            lo, step = grown, 2 * step
     if best is None:
         return None, None, states
     while hi - lo > rel_tol * hi:
@@ -126,6 +139,19 @@ def bottleneck_search(cm: StageCostModel, tree, *, num_devices: int, micro_batch
         else:
             hi, best = min(mid, bottleneck(found)), found
     return hi, best, states
+
+
+def _slowest_layer(cm: StageCostModel, b: int, stage_devices: Sequence[int]) -> float:
+    """A lower bound on any plan's bottleneck: every layer sits in some stage, which spends at
+    least the layer's compute on its shard and all-reduces at least the layer's gradients."""
+    bound = 0.0
+    for i in range(cm.num_layers):
+        least = math.inf
+        for n in stage_devices:
+            c = cm.stage(1 << i, b, n, boundary=NO_BOUNDARY)
+            least = min(least, (c.fwd_s + c.bwd_s + c.allreduce_s * b / cm.mini_batch) / b)
+        bound = max(bound, least)
+    return bound
 
 
 def graphpipe_search(db: CostDB, *, num_devices: int, mini_batch: int, micro_batches: Sequence[int] | None = None,
@@ -186,6 +212,7 @@ class _Sweep:
         cm, mini_batch, num_devices = self.cm, self.mini_batch, self.num_devices
         best: Plan | None = None
         best_time = math.inf
+        hints: dict = {}
         for b in sorted(sizes, reverse=True):
             # The DP minimises the bottleneck (the paper's objective, Eq. 1), which ignores pipeline
             # fill and drain; with few micro-batches a shallower plan on one uniform data-parallel
@@ -196,6 +223,7 @@ class _Sweep:
             full_devices = [n for n in _powers_of_two(b) if n <= num_devices]
             full_tps = None   # the full space's least bottleneck at this b: a floor for its subsets
             for d in options:
+                hint = hints.get(d)
                 # The bottleneck stage alone is busy mini_batch * TPS >= mini_batch * work / devices,
                 # so an option whose perfect balance cannot beat the best plan so far is skipped.
                 if mini_batch * work_fn(cm, b / (d or 1))(cm.full_mask) / num_devices >= best_time:
@@ -208,9 +236,12 @@ class _Sweep:
                     if mini_batch * floor >= best_time:
                         continue
                 stage_devices = [d] if d is not None else full_devices
-                found = self._least_bottleneck(schedule, b, stage_devices, floor, best_time)
+                found = self._least_bottleneck(schedule, b, stage_devices, floor, best_time, hint)
+                least = min((tps for tps, _ in found), default=None)
+                if least is not None:
+                    hints[d] = least    # where the next micro-batch size's search starts
                 if d is None:
-                    full_tps = min((tps for tps, _ in found), default=None)
+                    full_tps = least
                 if self.progress is not None:
                     what = f"micro-batch {b}" + (f", degree {d}" if d else "") + f", {schedule}"
                     self.progress(f"graphpipe: {what}: " + ("no feasible plan that can beat the best so far"
@@ -225,13 +256,13 @@ class _Sweep:
         return best
 
     def _least_bottleneck(self, schedule: str, b: int, stage_devices: list[int], floor: float,
-                          best_time: float) -> list[tuple[float, list[tuple[int, int]]]]:
+                          best_time: float, hint: float | None) -> list[tuple[float, list[tuple[int, int]]]]:
         # A plan runs B / b micro-batches through its bottleneck stage, so its iteration takes
         # at least B * TPS: a bottleneck above best_time / B cannot beat the best plan so far.
         found, visited = schedule_bottleneck_search(
             self.cm, self.tree, schedule=schedule, num_devices=self.num_devices, micro_batch=b,
             stage_devices=stage_devices, rel_tol=self.rel_tol, floor=floor, limit=best_time / self.mini_batch,
-            recompute=self.recompute, priced=self._priced.setdefault(b, {}))
+            recompute=self.recompute, priced=self._priced.setdefault(b, {}), hint=hint)
         self.states += visited
         return found
 
@@ -242,8 +273,8 @@ class _Sweep:
 
 def schedule_bottleneck_search(cm: StageCostModel, tree, *, schedule: str, num_devices: int, micro_batch: int,
                                stage_devices: Sequence[int], rel_tol: float = _REL_TOL, floor: float = 0.0,
-                               limit: float = math.inf, recompute: bool = False, priced: dict | None = None
-                               ) -> tuple[list[tuple[float, list[tuple[int, int]]]], int]:
+                               limit: float = math.inf, recompute: bool = False, priced: dict | None = None,
+                               hint: float | None = None) -> tuple[list[tuple[float, list[tuple[int, int]]]], int]:
     """:func:`bottleneck_search` with every stage priced with what ``schedule`` stashes: the
     least-bottleneck ``(tps, stages)`` found (several for the zero-bubble schedules: one per
     pipeline depth searched; none when nothing fits) and the DP states visited.
@@ -255,7 +286,7 @@ def schedule_bottleneck_search(cm: StageCostModel, tree, *, schedule: str, num_d
     kw = dict(num_devices=num_devices, micro_batch=micro_batch, stage_devices=stage_devices, rel_tol=rel_tol,
               limit=limit, recompute=recompute, priced={} if priced is None else priced)
     first = "1f1b" if needs_pipeline_depth(schedule) else schedule
-    tps, stages, states = bottleneck_search(cm, tree, floor=floor, schedule=first, **kw)
+    tps, stages, states = bottleneck_search(cm, tree, floor=floor, schedule=first, hint=hint, **kw)
     if stages is None or first == schedule or _fits(cm, stages, micro_batch, schedule, recompute):
         return ([] if stages is None else [(tps, stages)]), states
     found = []
