@@ -16,6 +16,8 @@ import deepspeed
 import gpp_deepspeed
 from deepspeed.pipe import PipelineModule
 from gpp_deepspeed import GraphPipelineModule
+from gpp_deepspeed.partitioning import parse_partition_method, resolve_partition
+from gpp_deepspeed.spec import layer_graph
 from models import MODELS, ReplicaOrderedDataset, make_batches
 
 
@@ -66,6 +68,13 @@ def build(case, world_size):
             method = mc.partitions[case["stages"]]
         if isinstance(method, str) and method.endswith(".json"):  # a plan file, relative to tests/
             method = str(Path(__file__).resolve().parents[1] / method)
+        if isinstance(method, str) and method.startswith("resolved:"):
+            # Resolved ahead of time, outside the module, as a user may: the stage degrees come to the
+            # module through the resolved partition alone.
+            method = resolve_partition(layer_graph(mc.layers, input_names=mc.input_names),
+                                       parse_partition_method(method.split(":", 1)[1]), num_stages=case["stages"],
+                                       stage_degrees=degrees)
+            degrees = None
         module = GraphPipelineModule(mc.layers, input_names=mc.input_names, num_stages=case["stages"],
                                      loss_fn=nn.CrossEntropyLoss(), partition_method=method,
                                      activation_checkpoint_interval=case.get("ckpt_interval", 0),
