@@ -212,6 +212,18 @@ def test_hf_capture_trains_pipelined_like_the_module_on_one_process(trained, nam
     assert seen == set(state) - unused
 
 
+@pytest.mark.dist
+@pytest.mark.parametrize("name", ["gpt2", "t5"])
+def test_tied_weights_across_stages_train_without_autograd_warnings(trained, name):
+    # GPT-2 ties its embedding (stage 0) to its head (stage 2); T5 ties it across all three stages.
+    # DeepSpeed's broadcast of their initial values ran under autograd, and the first backward
+    # warned "c10d::broadcast_: an autograd kernel was not registered".
+    ranks = [torch.load(trained / f"{name}.rank{r}.pt") for r in range(WORLD_SIZE)]
+    assert sum(bool(r["tied"]) for r in ranks) >= 2   # the tie spans stages
+    for res in ranks:
+        assert not [w for w in res["warnings"] if "autograd kernel" in w], res["warnings"]
+
+
 def test_hf_capture_gpt2_ties_the_embedding_and_the_output_projection_across_layers():
     captured = CASES["gpt2"].capture(CASES["gpt2"].model())
     tied = {s.name: s.key for s in captured.layers if isinstance(s, CapturedTiedLayerSpec)}

@@ -6,6 +6,7 @@ writes ``OUT_DIR/<case>.rank<r>.pt``. One launch runs several cases one after th
 """
 
 import sys
+import warnings
 from pathlib import Path
 
 import torch
@@ -35,7 +36,19 @@ def run_case(name: str, out: Path, rank: int, world_size: int) -> None:
                 # what the last batch ran: each kind of action, transfers with their peer stage
                 "ran": sorted({op.kind.value + ("" if op.peer is None else f"@{op.peer}")
                                for a, _, _ in engine.last_timeline for op in (a.ops or (a, ))}),
-                "frozen": sorted(engine.stage_graph.frozen)}, out / f"{name}.rank{rank}.pt")
+                "frozen": sorted(engine.stage_graph.frozen), "tied": sorted(module.tied_comms)},
+               out / f"{name}.rank{rank}.pt")
+
+
+def run_case_recording_warnings(name: str, out: Path, rank: int, world_size: int) -> None:
+    """:func:`run_case`, with the warnings it raised (construction, training) saved beside its results."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run_case(name, out, rank, world_size)
+    path = out / f"{name}.rank{rank}.pt"
+    result = torch.load(path)
+    result["warnings"] = [str(w.message) for w in caught]
+    torch.save(result, path)
 
 
 def main():
@@ -44,7 +57,7 @@ def main():
     deepspeed.init_distributed(dist_backend="gloo")
     rank, world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
     for name in sys.argv[2:]:
-        run_case(name, out, rank, world_size)
+        run_case_recording_warnings(name, out, rank, world_size)
         torch.distributed.barrier()
     torch.distributed.destroy_process_group()
 
