@@ -48,6 +48,7 @@ re-initialised) and share no parameter with it or with each other.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import difflib
 import functools
 import inspect
@@ -60,6 +61,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 
+from ._batch import BATCH_ARGS, BATCH_DIM, batch_source, mark_batch, substitute_batch
 from ._tracing import META, LeafTracer, model_line, propagate_meta, trace, trace_with_shapes
 from .errors import GPPConfigError, GraphError
 from .graph.ir import TensorRef
@@ -115,7 +117,9 @@ class CapturedModel:
     ``aliases`` maps the name of a tensor the module holds under several names (T5's token
     embedding is ``shared``, ``encoder.embed_tokens`` and ``decoder.embed_tokens``) to all of them;
     ``unused`` names the module's parameters that no layer holds, because the output does not
-    depend on them (they get no gradient in the module either).
+    depend on them (they get no gradient in the module either); ``input_shapes`` gives the shapes
+    the captured code assumes for each graph input (``None``: any size; empty: no shape assumed),
+    see :func:`capture`.
     """
 
     layers: list[CapturedLayerSpec]
@@ -124,6 +128,7 @@ class CapturedModel:
     prefixes: dict[str, str]
     aliases: dict[str, tuple[str, ...]] = field(default_factory=dict)
     unused: tuple[str, ...] = ()
+    input_shapes: dict[str, tuple[int | None, ...]] = field(default_factory=dict)
 
     def graph_model(self, **kwargs: Any):
         """The single-device :class:`~gpp_deepspeed.GraphModel` of the captured layers."""
@@ -158,6 +163,7 @@ def capture(module: nn.Module, *, input_names: Sequence[str] | None = None, laye
     specialised to those shapes: every micro-batch must have them.
     """
     named = _check_layers(module, layers)
+    shapes: list[tuple] = []    # the example inputs' shapes where the graph assumes them
     try:
         graph, consts = trace(module, LeafTracer(named), concrete_args), {}
         if example_inputs is not None and not concrete_args:
@@ -166,6 +172,12 @@ def capture(module: nn.Module, *, input_names: Sequence[str] | None = None, laye
         if example_inputs is None:
             raise
         graph, consts = trace_with_shapes(module, named, concrete_args, example_inputs, plain)
+        shapes = [tuple(x.shape) for x in example_inputs]
+        rows = {s[0] if s else None for s in shapes}
+        if len(rows) == 1 and None not in rows and mark_batch(graph, consts, lambda r: trace_with_shapes(
+                module, named, concrete_args, [x.new_empty((r, *x.shape[1:]), device="meta") for x in example_inputs],
+                plain), rows.pop()):
+            shapes = [(None, *s[1:]) for s in shapes]
     placeholders = _strip_concrete(graph, module, concrete_args or {})
     dropped = _drop_dead_calls(graph)
     if dropped:
@@ -178,7 +190,13 @@ def capture(module: nn.Module, *, input_names: Sequence[str] | None = None, laye
     elif isinstance(input_names, str) or len(input_names) != len(placeholders):
         raise GPPConfigError(f"input_names {input_names!r} must list one name per input of "
                              f"{type(module).__name__}.forward: {[str(p.target) for p in placeholders]}")
-    return _to_layers(module, graph, placeholders, tuple(input_names), consts)
+    captured = _to_layers(module, graph, placeholders, tuple(input_names), consts)
+    if shapes:
+        fixed = dict(zip(captured.input_names, shapes))
+        for spec in captured.layers:
+            spec.input_shapes = fixed
+        captured = dataclasses.replace(captured, input_shapes=fixed)
+    return captured
 
 
 def _check_layers(module: nn.Module, layers: Sequence[str] | None) -> set[str]:
@@ -444,10 +462,19 @@ def _function_layer(module, members, root, inline, is_param, ref, owners, name, 
                          "layers; compute it inside a submodule or from an input")
     keep = set(copied) | member_set
     donors = _metadata_donors(module, external, keep)
+    inputs = [a for a in external if a not in donors]
+    source = None
+    if any(BATCH_ARGS in n.meta for n in keep):
+        # Sizes that follow the rows are computed from the rows of a tensor the layer reads
+        # (else of a graph input, which the layer's stage then loads).
+        source = batch_source(inputs) or batch_source([n for n in root.graph.nodes if n.op == "placeholder"])
+        donors.pop(source, None)
+        inputs += [source] if source not in inputs else []
     sub = fx.Graph()
-    env = {a: sub.placeholder(f"in{i}") for i, a in enumerate(a for a in external if a not in donors)}
+    env = {a: sub.placeholder(f"in{i}") for i, a in enumerate(inputs)}
     for a, donor in donors.items():
         env[a] = env[donor] if isinstance(donor, fx.Node) else sub.get_attr(donor)
+    rows = functools.cache(lambda: sub.call_method("size", (env[source], source.meta[BATCH_DIM])))
     for n in (n for n in root.graph.nodes if n in keep):
         if is_param(n):
             owner = owners.setdefault(n.target, name)
@@ -455,10 +482,11 @@ def _function_layer(module, members, root, inline, is_param, ref, owners, name, 
                 raise GraphError(f'parameter "{n.target}" is read by the glue code of two layers ("{owner}" and '
                                  f'"{name}"){model_line(n)}; move the code that uses it into a submodule')
         env[n] = sub.node_copy(n, lambda a: env[a])
+        substitute_batch(sub, env[n], n, rows)
     sub.output(env[root])
     targets = {n.target for n in sub.nodes if n.op in ("get_attr", "call_module")}
     owner = {t: consts[t] if t in consts else functools.reduce(getattr, t.split("."), module) for t in targets}
-    return fx.GraphModule(owner, sub, class_name=f"Glue_{name}"), [ref(a) for a in external if a not in donors]
+    return fx.GraphModule(owner, sub, class_name=f"Glue_{name}"), [ref(a) for a in inputs]
 
 
 def _metadata_donors(module: nn.Module, external: list[fx.Node], keep: set[fx.Node]) -> dict[fx.Node, Any]:

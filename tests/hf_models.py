@@ -301,6 +301,7 @@ class HFCase:
     # lets sdpa apply it (is_causal=True): the same function through another kernel, whose
     # gradients may differ in the last bits. The forward stays exact.
     masks_materialised: bool = False
+    stage_degrees: tuple[int, ...] | None = None     # ranks per stage (default one each)
 
     def model(self) -> nn.Module:
         torch.manual_seed(0)
@@ -377,12 +378,19 @@ CASES: dict[str, HFCase] = {
     "gpt2": HFCase(GPT2Logits, GPT2_LAYERS, 3, _lm_batches, NextTokenLoss(), shaped=True),
     "bert": HFCase(BertClassifier, BERT_LAYERS, 3, _bert_batches, nn.CrossEntropyLoss(), shaped=True,
                    partition=lambda names: {n: BERT_STAGES.get(n, 2) for n in names}),
+    # Captured at the pipeline's 4 rows; a rank of the 2-rank stage 0 runs 2 of them (the mask
+    # code's sizes follow the rows).
+    "bert_wide": HFCase(BertClassifier, BERT_LAYERS, 3, _bert_batches, nn.CrossEntropyLoss(), shaped=True,
+                        partition=lambda names: {n: BERT_STAGES.get(n, 2) for n in names}, stage_degrees=(2, 1, 1)),
     "ved": HFCase(ImageCaptioner, VED_LAYERS, 3, _caption_batches, NextTokenLoss(), shaped=True,
                   partition=lambda names: {n: VED_STAGES.get(n, 1) for n in names}),
     "llama": HFCase(LlamaLogits, LLAMA_LAYERS, 3, _lm_batches, NextTokenLoss(), shaped=True, masks_materialised=True,
                     partition=lambda names: {n: LLAMA_STAGES.get(n, 2) for n in names}),
     "llava": HFCase(LlavaLogits, LLAVA_LAYERS, 3, _llava_batches, NextTokenLoss(), shaped=True, partition=_llava_stages,
                     masks_materialised=True),
+    # Llava's capture unrolls over the rows, so it fits 4 rows only: refused with 2 on stage 0.
+    "llava_wide": HFCase(LlavaLogits, LLAVA_LAYERS, 3, _llava_batches, NextTokenLoss(), shaped=True,
+                         partition=_llava_stages, masks_materialised=True, stage_degrees=(2, 1, 1)),
     "hidden_sum": HFCase(HiddenStateSum, HIDDEN_SUM_LAYERS, 3, _classify_batches, nn.CrossEntropyLoss()),
     "t5": HFCase(T5Logits, T5_LAYERS, 3, _t5_batches, NextTokenLoss(), shaped=True,
                  partition=lambda names: {n: T5_STAGES.get(n, 0) for n in names}),
