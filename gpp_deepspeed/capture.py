@@ -54,7 +54,7 @@ import functools
 import inspect
 import operator
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -119,7 +119,8 @@ class CapturedModel:
     ``unused`` names the module's parameters that no layer holds, because the output does not
     depend on them (they get no gradient in the module either); ``input_shapes`` gives the shapes
     the captured code assumes for each graph input (``None``: any size; empty: no shape assumed),
-    see :func:`capture`.
+    see :func:`capture`; ``paths`` maps each layer that calls a submodule to that submodule's
+    dotted path in the module (``"llama_model_layers_0"`` -> ``"llama.model.layers.0"``).
     """
 
     layers: list[CapturedLayerSpec]
@@ -129,11 +130,53 @@ class CapturedModel:
     aliases: dict[str, tuple[str, ...]] = field(default_factory=dict)
     unused: tuple[str, ...] = ()
     input_shapes: dict[str, tuple[int | None, ...]] = field(default_factory=dict)
+    paths: dict[str, str] = field(default_factory=dict)
 
     def graph_model(self, **kwargs: Any):
         """The single-device :class:`~gpp_deepspeed.GraphModel` of the captured layers."""
         from .model import GraphModel
         return GraphModel(self.layers, input_names=self.input_names, output=self.output, **kwargs)
+
+    def stage_map(self, stages: Mapping[str, int], *, default: int | None = None) -> dict[str, int]:
+        """``{layer name: stage}`` for ``partition_method=``, from stages given by module path.
+
+        A key of ``stages`` is a submodule's dotted path as in the model (``"llama.model.layers.3"``,
+        or ``"llava.model.vision_tower"`` for every layer inside it; the longest matching key wins)
+        or a layer name. Layers no key covers get ``default``; glue layers (``getitem_9``, ``mul``)
+        that no key names go where the first layer reading them is (or, read by none, where their
+        last input is made), so a map need not name them.
+
+        Raises :class:`~gpp_deepspeed.errors.GPPConfigError` for a key that is neither (naming
+        close ones) and for layers left without a stage when there is no ``default``.
+        """
+        names = [s.name for s in self.layers]
+        known = set(names) | {p for path in self.paths.values() for p in _ancestors(path)}
+        for key in stages:
+            if key not in known:
+                close = difflib.get_close_matches(key, sorted(known), n=5, cutoff=0.5)
+                raise GPPConfigError(f'stage_map: "{key}" is neither a layer nor a submodule holding one; '
+                                     f"close names: {close or sorted(known)[:10]}")
+        stage_of: dict[str, int] = {}
+        for name in names:
+            keys = [name] if name in stages else [p for p in _ancestors(self.paths.get(name, "")) if p in stages]
+            if keys:
+                stage_of[name] = stages[max(keys, key=len)]
+            elif name in self.paths and default is not None:
+                stage_of[name] = default
+        inputs = {s.name: [TensorRef.parse(r).node for r in s.inputs] for s in self.layers}
+        for name in reversed(names):   # readers come after what they read
+            readers = [stage_of[s] for s in names if name in inputs[s] and s in stage_of]
+            if name not in stage_of and readers:
+                stage_of[name] = min(readers)
+        for name in names:
+            made = [stage_of[i] for i in inputs[name] if i in stage_of]
+            if name not in stage_of and made:
+                stage_of[name] = max(made)
+        missing = [n for n in names if n not in stage_of]
+        if missing:
+            raise GPPConfigError(f"stage_map: no stage for layers {missing[:6]}; name them (or a submodule holding "
+                                 "them) or pass default=")
+        return stage_of
 
     def module_state_dict(self, graph_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Rename a GraphModel (or ``graph_state_dict()``) state to the original module's names
@@ -191,12 +234,25 @@ def capture(module: nn.Module, *, input_names: Sequence[str] | None = None, laye
         raise GPPConfigError(f"input_names {input_names!r} must list one name per input of "
                              f"{type(module).__name__}.forward: {[str(p.target) for p in placeholders]}")
     captured = _to_layers(module, graph, placeholders, tuple(input_names), consts)
+    if layers is None and len(captured.paths) == 1:
+        warnings.warn(_one_layer_hint(module, next(iter(captured.paths.values()))), stacklevel=2)
     if shapes:
         fixed = dict(zip(captured.input_names, shapes))
         for spec in captured.layers:
             spec.input_shapes = fixed
         captured = dataclasses.replace(captured, input_shapes=fixed)
     return captured
+
+
+def _one_layer_hint(module: nn.Module, child: str) -> str:
+    """Why a default capture gave one layer, and which submodules to name instead."""
+    blocks = max(((n, m) for n, m in module.named_modules() if isinstance(m, nn.ModuleList)),
+                 key=lambda item: len(item[1]), default=None)
+    example = (f'; for instance the {len(blocks[1])} blocks of "{blocks[0]}" ("{blocks[0]}.0", "{blocks[0]}.1", ...) '
+               "and the modules before and after them" if blocks else "")
+    return (f'capture kept each top-level child of {type(module).__name__} whole (layers=None), and it has one, '
+            f'"{child}": the captured model is one layer and cannot be cut into stages. Name the submodules to '
+            f"keep whole in layers=[...]{example}")
 
 
 def _check_layers(module: nn.Module, layers: Sequence[str] | None) -> set[str]:
@@ -382,7 +438,14 @@ def _to_layers(module: nn.Module, graph: fx.Graph, placeholders: list[fx.Node],
     aliases = _aliases(module)
     held = {prefixes[s.name] + n for s in specs for n, _ in s.module.named_parameters()}
     unused = tuple(n for n, _ in module.named_parameters() if not held & set(aliases.get(n, (n, ))))
-    return CapturedModel(_tie_shared(specs), input_names, name_of[result], prefixes, aliases, unused)
+    paths = {name_of[r]: str(r.target) for r in roots if r.op == "call_module"}
+    return CapturedModel(_tie_shared(specs), input_names, name_of[result], prefixes, aliases, unused, paths=paths)
+
+
+def _ancestors(path: str) -> list[str]:
+    """``"a.b.c"`` -> ``["a", "a.b", "a.b.c"]`` (``""`` -> ``[]``)."""
+    parts = path.split(".") if path else []
+    return [".".join(parts[:i]) for i in range(1, len(parts) + 1)]
 
 
 def _aliases(module: nn.Module) -> dict[str, tuple[str, ...]]:

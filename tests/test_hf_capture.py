@@ -183,6 +183,30 @@ def test_a_structured_value_read_whole_by_another_stage_is_refused_naming_its_le
     assert port_leaves(TensorRef("enc", "pair"), value["pair"]) is value["pair"]
 
 
+def test_hf_capture_of_a_wrapper_with_default_settings_says_it_is_one_layer_and_what_to_name():
+    with pytest.warns(UserWarning, match=r'each top-level child of LlamaLogits whole \(layers=None\), and it has '
+                                         r'one, "llama": the captured model is one layer.*the 2 blocks of '
+                                         r'"llama.model.layers" \("llama.model.layers.0"'):
+        captured = capture(CASES["llama"].model())
+    assert captured.paths == {"llama": "llama"}
+
+
+def test_hf_capture_stage_map_places_layers_by_module_path_and_glue_beside_its_reader():
+    case = CASES["llava"]
+    captured = case.capture(case.model())
+    stage_of = captured.stage_map({"llava.model.vision_tower": 0, "llava.model.multi_modal_projector": 0,
+                                   "llava.model.language_model.embed_tokens": 1}, default=2)
+    assert stage_of["llava_model_vision_tower_encoder_layers_0"] == 0
+    assert stage_of["getitem_1"] == 0           # the vision features' slice, read by the projector
+    assert stage_of["masked_scatter"] == 2      # the merge, read by the decoder
+    assert captured.paths["llava_model_language_model_layers_1"] == "llava.model.language_model.layers.1"
+    with pytest.raises(GPPConfigError, match=r'"llava.model.vision_towr" is neither.*close names: '
+                                             r"\['llava.model.vision_tower'"):
+        captured.stage_map({"llava.model.vision_towr": 0}, default=2)
+    with pytest.raises(GPPConfigError, match=r"no stage for layers \['llava_model_language_model_embed_tokens'"):
+        captured.stage_map({"llava.model.vision_tower": 0})
+
+
 def test_hf_capture_clip_has_a_zero_dim_parameter():
     # What DeepSpeed 0.19.8's _broadcast_model cannot send; the trained CLIP case below covers it.
     assert CASES["clip"].model().clip.logit_scale.dim() == 0
@@ -202,6 +226,22 @@ def test_hf_capture_keeps_the_batch_dimension_symbolic(name):
     for rows in (2, 3):
         few = tuple(x[:rows] for x in inputs)
         torch.testing.assert_close(model(*few), module(*few), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name", ["llava", "llama", "llama_eager", "t5", "bert"])
+def test_hf_capture_in_float32_runs_in_bfloat16_exactly_like_the_module(name):
+    # DeepSpeed's bf16 casts the captured layers as a whole: dtypes the model's code reads from
+    # tensors follow (Llava casts its image features to inputs_embeds.dtype), not the capture's.
+    case = CASES[name]
+    module = case.model()
+    model = case.capture(module).graph_model().to(torch.bfloat16)
+    module = module.to(torch.bfloat16)
+    inputs, _ = case.batches(0)[0]
+    inputs = tuple(x.to(torch.bfloat16) if x.is_floating_point() else x
+                   for x in (inputs if isinstance(inputs, tuple) else (inputs, )))
+    out = model(*inputs)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out, module(*inputs), rtol=0, atol=0)
 
 
 def test_hf_capture_llava_stays_specialised_to_its_rows_and_names_both_shapes():
