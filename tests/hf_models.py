@@ -143,6 +143,55 @@ def _bert_batches(step: int) -> list:
     return batches
 
 
+class T5Logits(nn.Module):
+    """``transformers.T5ForConditionalGeneration`` as it is: its encoder calls one dropout module
+    twice, and the token embedding (``shared``, both stacks' ``embed_tokens``) is tied to the output
+    projection."""
+
+    def __init__(self):
+        super().__init__()
+        from transformers import T5Config, T5ForConditionalGeneration
+        self.t5 = T5ForConditionalGeneration(T5Config(
+            vocab_size=VOCAB, d_model=16, d_kv=8, d_ff=32, num_layers=2, num_decoder_layers=2, num_heads=2,
+            dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0, eos_token_id=1, use_cache=False))
+
+    def forward(self, input_ids, decoder_input_ids):
+        return self.t5(input_ids=input_ids, decoder_input_ids=decoder_input_ids).logits
+
+
+def _t5_batches(step: int) -> list:
+    g = torch.Generator().manual_seed(step)
+    batches = []
+    for _ in range(GAS):
+        source, target = torch.randint(2, VOCAB, (MBS, SEQ), generator=g), torch.randint(2, VOCAB, (MBS, SEQ), generator=g)
+        decoder_input_ids = torch.cat([torch.zeros(MBS, 1, dtype=torch.long), target[:, :-1]], dim=1)
+        batches.append(((source, decoder_input_ids), target))
+    return batches
+
+
+class HiddenStateSum(nn.Module):
+    """A classifier over the sum of every hidden state of ``transformers.BertModel`` (as speech models
+    weigh their layers): transformers 5 collects ``hidden_states`` with forward hooks on the layers."""
+
+    def __init__(self):
+        super().__init__()
+        from transformers import BertConfig, BertModel
+        self.bert = BertModel(BertConfig(vocab_size=VOCAB, max_position_embeddings=SEQ, hidden_dropout_prob=0.0,
+                                         attention_probs_dropout_prob=0.0, **_tiny(num_hidden_layers=2)),
+                              add_pooling_layer=False)
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, input_ids):
+        hidden = self.bert(input_ids=input_ids, output_hidden_states=True).hidden_states
+        return self.head(torch.stack(hidden).sum(dim=0)[:, 0])
+
+
+def _classify_batches(step: int) -> list:
+    g = torch.Generator().manual_seed(step)
+    return [(torch.randint(0, VOCAB, (MBS, SEQ), generator=g), torch.randint(0, 3, (MBS, ), generator=g))
+            for _ in range(GAS)]
+
+
 @dataclass
 class Encoded:
     """A layer output that is a dataclass."""
@@ -234,6 +283,16 @@ BERT_LAYERS = ["bert.bert.embeddings", "bert.bert.encoder.layer.0", "bert.bert.e
 # The attention mask, built from the padding mask on stage 0, is read by the layers of stages 1 and 2.
 BERT_STAGES = {"bert_bert_embeddings": 0, "expand": 0, "bert_bert_encoder_layer_0": 1}
 
+T5_LAYERS = [f"t5.{stack}.block.{i}" for stack in ("encoder", "decoder") for i in range(2)] + [
+    "t5.encoder.final_layer_norm", "t5.decoder.final_layer_norm", "t5.lm_head"]
+# Stage 0: the encoder; stage 1: the target embedding and the first decoder layer; stage 2: the
+# second decoder layer and the head. The embedding is tied to the head across all three stages.
+T5_STAGES = {"t5_decoder_embed_tokens": 1, "t5_decoder_dropout": 1, "t5_decoder_block_0": 1,
+             **{n: 2 for n in ("t5_decoder_block_1", "t5_decoder_final_layer_norm", "t5_decoder_dropout_1", "mul",
+                               "t5_lm_head")}}
+
+HIDDEN_SUM_LAYERS = ["bert.embeddings", "bert.encoder.layer.0", "bert.encoder.layer.1", "head"]
+
 CASES: dict[str, HFCase] = {
     "clip": HFCase(CLIPLogits, CLIP_LAYERS, 3, _clip_batches, ContrastiveLoss()),
     # LiT-style: the image tower and its projection are locked; stage 0 runs forwards only.
@@ -246,6 +305,9 @@ CASES: dict[str, HFCase] = {
                    partition=lambda names: {n: BERT_STAGES.get(n, 2) for n in names}),
     "ved": HFCase(ImageCaptioner, VED_LAYERS, 3, _caption_batches, NextTokenLoss(), shaped=True,
                   partition=lambda names: {n: VED_STAGES.get(n, 1) for n in names}),
+    "hidden_sum": HFCase(HiddenStateSum, HIDDEN_SUM_LAYERS, 3, _classify_batches, nn.CrossEntropyLoss()),
+    "t5": HFCase(T5Logits, T5_LAYERS, 3, _t5_batches, NextTokenLoss(), shaped=True,
+                 partition=lambda names: {n: T5_STAGES.get(n, 0) for n in names}),
 }
 
 

@@ -22,6 +22,7 @@ EXPECTED = {  # case -> words the message must contain
     "unknown_config_key": ["graph_pipeline.scheduel"],
     "plan_wrong_stage_count": ["3 stages", "has 2", "num_stages=3"],
     "plan_file_missing": ['"no/such/plan.json"', "does not exist"],
+    "resolved_for_another_model": ["resolved partition", "another layer graph", "['a', 'b']"],
     "degrees_do_not_divide_world": ["[2, 1]", "3 ranks", "world size (2)"],
     "plan_wrong_world_size": ["3 devices", "[1, 2]", "world size is 2"],
     "micro_batch_not_divisible_by_degree": ["stage 0 runs on 2 ranks", "3 samples"],

@@ -39,7 +39,8 @@ from ..graph.placement import reshard
 from ..graph.stages import derive_partition
 
 __all__ = ["CommFit", "LayerCost", "Hardware", "CostDB", "StageCost", "StageCostModel", "edge_bytes",
-           "micro_batch_sizes", "reshard_messages", "extra_reshard_messages"]
+           "allreduce_time", "allreduce_coefficients", "micro_batch_sizes", "reshard_messages",
+           "extra_reshard_messages"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -339,15 +340,47 @@ class StageCostModel:
 
         In a linear pipeline (DeepSpeed's ``PipelineEngine``, PipeDream) a tensor that skips
         stages is relayed through every stage in between, so the boundary after stage ``k``
-        carries every tensor produced at or before ``k`` and read after it.
+        carries every tensor produced at or before ``k`` and read after it
+        (:meth:`cut_bytes` at the stage boundaries).
         """
-        cuts = []
-        before = 0
-        for k in range(len(masks) - 1):
-            before |= masks[k]
-            cuts.append(float(sum(self.db.layers[i].out_bytes for i in self._members(before)
-                                  if self.consumers[i] & ~before)))
-        return [(cuts[k - 1] if k > 0 else 0.0, cuts[k] if k < len(cuts) else 0.0) for k in range(len(masks))]
+        order = [i for mask in masks for i in self._members(mask)]
+        cut = self.cut_bytes(order)
+        at = [0]
+        for mask in masks:
+            at.append(at[-1] + mask.bit_count())
+        return [(cut[at[k]], cut[at[k + 1]]) for k in range(len(masks))]
+
+    def cut_bytes(self, order: Sequence[int]) -> list[float]:
+        """Bytes per sample crossing each boundary of a linear order of layers (indices into
+        ``db.layers``, producers before readers): ``cut[k]`` is what a chain cut before position
+        ``k`` relays, every tensor produced before ``k`` and read at or after it, each once
+        (``cut[0] = cut[n] = 0``). The one chain kernel: :meth:`chain_boundaries`, PipeDream's
+        prefix sums and Piper's relayed boundaries all price these cuts.
+
+        >>> from gpp_deepspeed.planner.costs import CommFit, CostDB, Hardware, LayerCost
+        >>> link = CommFit(alpha_s=0.0, beta_s_per_byte=0.0)
+        >>> hw = Hardware(name="h", memory_bytes=1, devices_per_node=1, intra=link, inter=link)
+        >>> layer = lambda name, inputs, nbytes: LayerCost(name=name, inputs=inputs, micro_batches=(1,), fwd_s=(1.0,),
+        ...                                                bwd_s=(1.0,), param_bytes=0, out_bytes=nbytes, stash_bytes=0)
+        >>> db = CostDB(model="m", source="hand", input_names=("x",), output="res", hardware=hw,
+        ...             layers=(layer("l1", ("x",), 100), layer("l2", ("l1",), 10), layer("res", ("l2", "l1"), 1)))
+        >>> StageCostModel(db, 1).cut_bytes([0, 1, 2])
+        [0.0, 100.0, 110.0, 0.0]
+        """
+        pos = {layer: k for k, layer in enumerate(order)}
+        # A tensor produced at position p and last read at position q crosses boundaries p+1..q.
+        delta = [0.0] * (len(order) + 2)
+        for p, layer in enumerate(order):
+            readers = [pos[c] for c in self._members(self.consumers[layer]) if c in pos]
+            if readers:
+                nbytes = self.db.layers[layer].out_bytes
+                delta[p + 1] += nbytes
+                delta[max(readers) + 1] -= nbytes
+        cut, running = [], 0.0
+        for k in range(len(order) + 1):
+            running += delta[k]
+            cut.append(running)
+        return cut
 
     def stage(self, mask: int, b: int, n: int, *, boundary: tuple[float, float] | None = None,
               recompute: bool = False, extra_messages: int = 0) -> StageCost:
@@ -386,10 +419,7 @@ class StageCostModel:
         grads_comm = self.link.time(out_b * shard) + self.link.time(in_b * shard) + extra_messages * self.link.alpha_s
         bwd += grads_comm
         grad_in += grads_comm
-        allreduce = 0.0
-        if n > 1 and params > 0:
-            ring = hw.link(n)
-            allreduce = 2 * (n - 1) * ring.alpha_s + 2 * (n - 1) / n * params * ring.beta_s_per_byte
+        allreduce = allreduce_time(hw.link(n), n, params)
         working = 0.0
         if recompute:
             again = sum(rows[i][0] for i in self._members(mask))
@@ -454,6 +484,34 @@ def edge_bytes(db: CostDB, stage_of: dict[str, int], *, relay: bool) -> dict[tup
     partition = derive_partition(db.graph, stage_of, num_stages=max(stage_of.values()) + 1, relay=relay)
     return {(e.src, e.dst): float(sum(db.by_name[n].out_bytes for n in dict.fromkeys(t.node for t in e.tensors)))
             for e in partition.stage_graph.edges}
+
+
+def allreduce_coefficients(link: CommFit, num_devices: int) -> tuple[float, float]:
+    """Latency seconds and seconds per byte of a ring all-reduce among ``num_devices`` devices
+    over ``link``: ``2 (n - 1)`` steps, each moving ``1 / n`` of the bytes (a reduce-scatter and an
+    all-gather; Patarasuk and Yuan, JPDC 2009, the ring NCCL and gloo run). Vectorised planners
+    (PipeDream, Piper) take the coefficients; everything else calls :func:`allreduce_time`.
+
+    >>> allreduce_coefficients(CommFit(alpha_s=1.0, beta_s_per_byte=1.0), 4)
+    (6.0, 1.5)
+    """
+    n = num_devices
+    if n < 2:
+        return 0.0, 0.0
+    return 2 * (n - 1) * link.alpha_s, 2 * (n - 1) / n * link.beta_s_per_byte
+
+
+def allreduce_time(link: CommFit, num_devices: int, nbytes: float) -> float:
+    """Seconds of a ring all-reduce of ``nbytes`` among ``num_devices`` devices over ``link``
+    (:func:`allreduce_coefficients`); nothing to do with one device or no bytes.
+
+    >>> allreduce_time(CommFit(alpha_s=1.0, beta_s_per_byte=1.0), 4, 8.0), allreduce_time(CommFit(alpha_s=1.0, beta_s_per_byte=1.0), 1, 8.0)
+    (18.0, 0.0)
+    """
+    if num_devices < 2 or nbytes <= 0:
+        return 0.0
+    latency, per_byte = allreduce_coefficients(link, num_devices)
+    return latency + per_byte * nbytes
 
 
 def micro_batch_sizes(mini_batch: int, candidates: Sequence[int] | None = None) -> list[int]:

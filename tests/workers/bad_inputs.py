@@ -15,7 +15,9 @@ from torch import nn
 import deepspeed
 import gpp_deepspeed
 from gpp_deepspeed import GraphLayerSpec, GraphPipelineModule
+from gpp_deepspeed.partitioning import BranchBalanced, resolve_partition
 from gpp_deepspeed.planner import Plan, PlanStage
+from gpp_deepspeed.spec import layer_graph
 
 
 def lin(name, *inputs, d=4):
@@ -46,6 +48,8 @@ CASES = {
         stages=(PlanStage(layers=("a",)), PlanStage(layers=("b",)), PlanStage(layers=("c",))))),
     "plan_file_missing": lambda: GraphPipelineModule(GOOD, input_names=["x"], num_stages=2,
                                                      partition_method="no/such/plan.json"),
+    "resolved_for_another_model": lambda: GraphPipelineModule(GOOD, input_names=["x"], partition_method=resolve_partition(
+        layer_graph(GOOD[:2], input_names=["x"]), BranchBalanced(weight="layers"), num_stages=2)),
     "degrees_do_not_divide_world": lambda: GraphPipelineModule(GOOD, input_names=["x"], stage_degrees=[2, 1]),
     "plan_wrong_world_size": lambda: GraphPipelineModule(GOOD, input_names=["x"], partition_method=Plan(
         model="good", method="graphpipe", source="test", micro_batch=2, mini_batch=4,
