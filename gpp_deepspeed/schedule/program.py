@@ -155,6 +155,11 @@ class AsyncProgram:
         if not spec.asynchronous:
             raise GPPConfigError(f'"{spec.name}" is not an asynchronous schedule')
         check_async_microbatches(stage_graph, num_microbatches, spec.weights, name=spec.name)
+        no_grad = [(e.src, e.dst) for e in stage_graph.edges if not e.grad]
+        if stage_graph.frozen or no_grad:
+            raise GPPConfigError(f'schedule "{spec.name}" runs a backward on every stage of every micro-batch; '
+                                 f"this stage graph has frozen stages {sorted(stage_graph.frozen)} and edges without "
+                                 f"gradients {no_grad}")
         self.spec, self.stage_graph, self.num_microbatches = spec, stage_graph, num_microbatches
         self._steady = steady_batch_idx(stage_graph, num_microbatches)
         self._lowered: dict[tuple[int, bool], Schedule] = {}
