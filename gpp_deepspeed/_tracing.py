@@ -29,9 +29,11 @@ import bisect
 import contextlib
 import copy
 import dis
+import functools
 import inspect
 import os
 import re
+import sys
 import traceback
 import warnings
 from collections import OrderedDict
@@ -40,11 +42,14 @@ from typing import Any
 
 import torch
 from torch import fx, nn
-from torch.fx.experimental.meta_tracer import MetaProxy, MetaTracer
+from torch.fx.experimental.meta_tracer import MetaAttribute, MetaProxy, MetaTracer
 
 from .errors import GPPConfigError, GPPError, GraphError
 
-__all__ = ["LeafTracer", "ShapeLeafTracer", "trace", "trace_with_shapes", "model_line"]
+__all__ = ["LeafTracer", "ShapeLeafTracer", "trace", "trace_with_shapes", "propagate_meta", "model_line", "META"]
+
+# node.meta key of the value a node had in the shaped trace (a meta tensor, or a structure of them)
+META = "gpp_meta_value"
 
 
 class LeafTracer(fx.Tracer):
@@ -73,7 +78,8 @@ class LeafTracer(fx.Tracer):
             raise
         if not leaf:
             return out
-        self.hooks_inside += [f"{path}.{name}" for name, sub in m.named_modules() if name and sub._forward_hooks]
+        if _active_collector():
+            self.hooks_inside += [f"{path}.{name}" for name, sub in m.named_modules() if name and sub._forward_hooks]
         for hook_id, hook in list(m._forward_hooks.items()):
             # Hooks that collect outputs append the traced value; a value a hook returns is not
             # used here, because the layer runs the hook again when it calls the module.
@@ -121,6 +127,11 @@ class _SizedProxy(MetaProxy):
         meta = getattr(self, "_tensor_meta", None)
         return meta if torch.is_tensor(meta) else None
 
+    def __getattr__(self, k: str):
+        if k == "_tensor_meta":
+            return self.__getattribute__(k)
+        return _SizedAttribute(self, k)
+
     def _length(self) -> int | None:
         """The length of the traced value where the meta trace knows it: a tuple's, or a tensor's
         first dimension."""
@@ -128,6 +139,19 @@ class _SizedProxy(MetaProxy):
         if isinstance(meta, (tuple, list)):
             return len(meta)
         return meta.shape[0] if torch.is_tensor(meta) and meta.ndim else None
+
+
+class _SizedAttribute(MetaAttribute, _SizedProxy):
+    """An attribute of a traced value (``image_outputs.hidden_states``) whose meta is the attribute
+    of its owner's meta, so that indexing it (``[-2]``) is sized too (torch's ``MetaAttribute`` has none)."""
+
+    @property
+    def _tensor_meta(self):
+        owner = getattr(self.root, "_tensor_meta", None)
+        value = getattr(owner, self.attr, None) if owner is not None else None
+        if value is None or callable(value):
+            raise AttributeError("_tensor_meta")
+        return value
 
 
 class ShapeLeafTracer(LeafTracer, MetaTracer):
@@ -144,10 +168,13 @@ class ShapeLeafTracer(LeafTracer, MetaTracer):
         # (a collector would keep them as the layers' outputs).
         self._sizing_leaf = kind == "call_module"
         try:
-            with _forward_hooks_off(self.root.get_submodule(target) if self._sizing_leaf else None):
-                return super().create_proxy(kind, target, args, kwargs, *rest, **options)
+            with _sizing_as_at_run_time(self.root.get_submodule(target) if self._sizing_leaf else None):
+                proxy = super().create_proxy(kind, target, args, kwargs, *rest, **options)
         finally:
             self._sizing_leaf = False
+        if isinstance(proxy, MetaProxy) and "_tensor_meta" in proxy.__dict__:
+            proxy.node.meta[META] = proxy._tensor_meta
+        return proxy
 
     def call_module(self, m, forward, args, kwargs):
         if self._sizing_leaf:
@@ -160,22 +187,69 @@ class ShapeLeafTracer(LeafTracer, MetaTracer):
 
 
 @contextlib.contextmanager
-def _forward_hooks_off(module: nn.Module | None):
-    """Silence the forward hooks of ``module`` and its submodules while sizing it on meta tensors."""
-    saved = [(m, m._forward_hooks) for m in module.modules()] if module is not None else []
-    for m, _ in saved:
-        m._forward_hooks = OrderedDict()
+def _sizing_as_at_run_time(leaf: nn.Module | None):
+    """Size ``leaf`` on meta tensors as its layer will run it: without an outer module's output
+    collector (traced away; hooks inside the leaf would give it meta tensors) and without the
+    leaf's own forward hooks (:meth:`LeafTracer.call_module` runs those on the traced value)."""
+    if leaf is None:
+        yield
+        return
+    hooks, leaf._forward_hooks = leaf._forward_hooks, OrderedDict()
+    collector = _transformers_collector()
+    token = collector.set(None) if collector is not None else None
     try:
         yield
     finally:
-        for m, hooks in saved:
-            m._forward_hooks = hooks
+        leaf._forward_hooks = hooks
+        if collector is not None:
+            collector.reset(token)
+
+
+def _transformers_collector():
+    """transformers 5's context variable holding the outputs its forward hooks collect, if loaded."""
+    module = sys.modules.get("transformers.utils.output_capturing")
+    return getattr(module, "_active_collector", None)
+
+
+def _active_collector() -> bool:
+    """Whether a transformers output collector is active (a traced-through forward asked for
+    hidden_states or attentions)."""
+    collector = _transformers_collector()
+    return collector is not None and bool(collector.get())
+
+
+@contextlib.contextmanager
+def _checks_on_traced_values_skipped():
+    """While tracing, ``torch._check*`` calls whose condition is a traced value pass: they assert
+    on data (Llava's "image features and image tokens do not match") and record no graph node,
+    so the captured layers do not repeat them."""
+    originals = {name: getattr(torch, name) for name in _CHECKS}
+
+    def skip_traced(original, cond_at):
+        def check(*args, **kwargs):
+            if len(args) > cond_at and isinstance(args[cond_at], fx.Proxy):
+                return None
+            return original(*args, **kwargs)
+        return check
+
+    for name, cond_at in _CHECKS.items():
+        setattr(torch, name, skip_traced(originals[name], cond_at))
+    try:
+        yield
+    finally:
+        for name, original in originals.items():
+            setattr(torch, name, original)
+
+
+# torch's runtime checks -> the position of their condition argument
+_CHECKS = {"_check": 0, "_check_with": 1, "_check_tensor_all": 0, "_check_tensor_all_with": 1}
 
 
 def trace(module: nn.Module, tracer: LeafTracer, concrete_args, *, shaped: bool = False, **meta) -> fx.Graph:
     """``tracer.trace(module)``, its failures turned into a :class:`GraphError` about the model's line."""
     try:
-        return tracer.trace(module, concrete_args=concrete_args, **meta)
+        with _checks_on_traced_values_skipped():
+            return tracer.trace(module, concrete_args=concrete_args, **meta)
     except GPPError:
         raise
     except Exception as exc:
@@ -189,11 +263,7 @@ def trace_with_shapes(module: nn.Module, named: set[str], concrete_args, example
     if len(example_inputs) != len(params):
         raise GPPConfigError(f"example_inputs has {len(example_inputs)} tensors but {type(module).__name__}.forward "
                              f"takes {len(params)} inputs: {params}")
-    memo: dict[int, Any] = {}
-    for t in (*module.parameters(), *module.buffers()):
-        meta = t.detach().to("meta")
-        memo[id(t)] = nn.Parameter(meta, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else meta
-    meta_module = copy.deepcopy(module, memo)  # shares nothing with module, costs no parameter memory
+    meta_module = _meta_copy(module)
     tracer = ShapeLeafTracer(named)
     meta_args = {name: x.to("meta") for name, x in zip(params, example_inputs)}
     with warnings.catch_warnings():
@@ -208,6 +278,50 @@ def trace_with_shapes(module: nn.Module, named: set[str], concrete_args, example
     consts = {n.target: getattr(meta_module, n.target) for n in graph.nodes
               if n.op == "get_attr" and n.target not in known and hasattr(meta_module, n.target)}
     return graph, consts
+
+
+def _meta_copy(module: nn.Module) -> nn.Module:
+    """A deep copy of ``module`` on the meta device: shares nothing with it, costs no parameter memory."""
+    memo: dict[int, Any] = {}
+    for t in (*module.parameters(), *module.buffers()):
+        meta = t.detach().to("meta")
+        memo[id(t)] = nn.Parameter(meta, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else meta
+    return copy.deepcopy(module, memo)
+
+
+def propagate_meta(module: nn.Module, graph: fx.Graph, example_inputs: Sequence[torch.Tensor]) -> None:
+    """Record in ``node.meta[META]`` the value each node of a plain trace takes on meta tensors of
+    the example inputs' shapes (what the shaped trace records while tracing). The graph does not
+    change: nothing is specialised. Stops quietly at the first node that cannot run on meta
+    tensors; the nodes after it have no META (capture then only forgoes what META allows)."""
+    meta_module = _meta_copy(module)
+    inputs = iter(x.to("meta") for x in example_inputs)
+    env: dict[fx.Node, Any] = {}
+
+    def load(a):
+        return fx.node.map_arg(a, lambda n: env[n])
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for node in graph.nodes:
+            try:
+                if node.op == "placeholder":
+                    value = next(inputs)
+                elif node.op == "get_attr":
+                    value = functools.reduce(getattr, node.target.split("."), meta_module)
+                elif node.op == "call_function":
+                    value = node.target(*load(node.args), **load(node.kwargs))
+                elif node.op == "call_method":
+                    self_, *args = load(node.args)
+                    value = getattr(self_, node.target)(*args, **load(node.kwargs))
+                elif node.op == "call_module":
+                    value = meta_module.get_submodule(node.target)(*load(node.args), **load(node.kwargs))
+                else:
+                    continue
+            except Exception:
+                return
+            env[node] = value
+            node.meta[META] = value
 
 
 def _trace_error(module: nn.Module, tracer: LeafTracer, exc: Exception, *, shaped: bool) -> GraphError:

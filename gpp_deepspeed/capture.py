@@ -52,6 +52,7 @@ import difflib
 import functools
 import inspect
 import operator
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -59,7 +60,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from ._tracing import LeafTracer, model_line, trace, trace_with_shapes
+from ._tracing import META, LeafTracer, model_line, propagate_meta, trace, trace_with_shapes
 from .errors import GPPConfigError, GraphError
 from .graph.ir import TensorRef
 from .spec import GraphLayerSpec
@@ -112,7 +113,9 @@ class CapturedModel:
 
     ``prefixes`` maps each layer name to the prefix its parameters have in the original module;
     ``aliases`` maps the name of a tensor the module holds under several names (T5's token
-    embedding is ``shared``, ``encoder.embed_tokens`` and ``decoder.embed_tokens``) to all of them.
+    embedding is ``shared``, ``encoder.embed_tokens`` and ``decoder.embed_tokens``) to all of them;
+    ``unused`` names the module's parameters that no layer holds, because the output does not
+    depend on them (they get no gradient in the module either).
     """
 
     layers: list[CapturedLayerSpec]
@@ -120,6 +123,7 @@ class CapturedModel:
     output: str
     prefixes: dict[str, str]
     aliases: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    unused: tuple[str, ...] = ()
 
     def graph_model(self, **kwargs: Any):
         """The single-device :class:`~gpp_deepspeed.GraphModel` of the captured layers."""
@@ -156,11 +160,19 @@ def capture(module: nn.Module, *, input_names: Sequence[str] | None = None, laye
     named = _check_layers(module, layers)
     try:
         graph, consts = trace(module, LeafTracer(named), concrete_args), {}
+        if example_inputs is not None and not concrete_args:
+            propagate_meta(module, graph, example_inputs)
     except GraphError as plain:
         if example_inputs is None:
             raise
         graph, consts = trace_with_shapes(module, named, concrete_args, example_inputs, plain)
     placeholders = _strip_concrete(graph, module, concrete_args or {})
+    dropped = _drop_dead_calls(graph)
+    if dropped:
+        warnings.warn(f"capture leaves out submodules {dropped[:6]} whose results the output of "
+                      f"{type(module).__name__} does not depend on (their parameters get no gradient in the module "
+                      "either); they are not part of the pipeline nor of its checkpoints (CapturedModel.unused)",
+                      stacklevel=2)
     if input_names is None:
         input_names = [str(p.target) for p in placeholders]
     elif isinstance(input_names, str) or len(input_names) != len(placeholders):
@@ -206,6 +218,22 @@ def _strip_concrete(graph: fx.Graph, module: nn.Module, concrete_args: dict) -> 
     return [p for p in placeholders if p not in fixed or p.users]
 
 
+def _drop_dead_calls(graph: fx.Graph) -> list[str]:
+    """Erase what the output does not depend on (Llava's vision tower runs a last layer whose output
+    it does not read); return the submodules whose calls went."""
+    live: set[fx.Node] = set()
+    stack = [n for n in graph.nodes if n.op == "output"]
+    while stack:
+        node = stack.pop()
+        if node not in live:
+            live.add(node)
+            stack.extend(node.all_input_nodes)
+    dead = [n for n in graph.nodes if n not in live and n.op != "placeholder"]
+    for node in reversed(dead):
+        graph.erase_node(node)
+    return list(dict.fromkeys(str(n.target) for n in dead if n.op == "call_module"))
+
+
 def _is_pure(node: fx.Node) -> bool:
     """Not an in-place op (``x.add_(y)``, ``torch.relu_``, ``inplace=True``): an unused result can go."""
     if node.op in ("placeholder", "output", "call_module"):
@@ -220,6 +248,8 @@ def _selection_step(node: fx.Node) -> int | str | None:
     if node.op != "call_function" or len(node.args) != 2 or node.kwargs:
         return None
     key = node.args[1]
+    if isinstance(node.args[0], fx.Node) and torch.is_tensor(node.args[0].meta.get(META)) and isinstance(key, int):
+        return None   # a row of a tensor (Llava's list(image_features)) is glue, not a selection
     if node.target is operator.getitem and isinstance(key, (int, str)) and not isinstance(key, bool):
         return key
     if node.target is getattr and isinstance(key, str) and not hasattr(torch.Tensor, key):
@@ -331,7 +361,10 @@ def _to_layers(module: nn.Module, graph: fx.Graph, placeholders: list[fx.Node],
         name_of[result] = _fresh(result.name, taken)
         specs.append(CapturedLayerSpec(name_of[result], nn.Identity(), inputs=[ref(result)]))
         prefixes[name_of[result]] = ""
-    return CapturedModel(_tie_shared(specs), input_names, name_of[result], prefixes, _aliases(module))
+    aliases = _aliases(module)
+    held = {prefixes[s.name] + n for s in specs for n, _ in s.module.named_parameters()}
+    unused = tuple(n for n, _ in module.named_parameters() if not held & set(aliases.get(n, (n, ))))
+    return CapturedModel(_tie_shared(specs), input_names, name_of[result], prefixes, aliases, unused)
 
 
 def _aliases(module: nn.Module) -> dict[str, tuple[str, ...]]:
@@ -409,9 +442,12 @@ def _function_layer(module, members, root, inline, is_param, ref, owners, name, 
     if not external:
         raise GraphError(f'layer "{name}" ({root.name}{model_line(root)}) reads no tensor from the inputs or other '
                          "layers; compute it inside a submodule or from an input")
-    sub = fx.Graph()
-    env = {a: sub.placeholder(f"in{i}") for i, a in enumerate(external)}
     keep = set(copied) | member_set
+    donors = _metadata_donors(module, external, keep)
+    sub = fx.Graph()
+    env = {a: sub.placeholder(f"in{i}") for i, a in enumerate(a for a in external if a not in donors)}
+    for a, donor in donors.items():
+        env[a] = env[donor] if isinstance(donor, fx.Node) else sub.get_attr(donor)
     for n in (n for n in root.graph.nodes if n in keep):
         if is_param(n):
             owner = owners.setdefault(n.target, name)
@@ -422,4 +458,47 @@ def _function_layer(module, members, root, inline, is_param, ref, owners, name, 
     sub.output(env[root])
     targets = {n.target for n in sub.nodes if n.op in ("get_attr", "call_module")}
     owner = {t: consts[t] if t in consts else functools.reduce(getattr, t.split("."), module) for t in targets}
-    return fx.GraphModule(owner, sub, class_name=f"Glue_{name}"), [ref(a) for a in external]
+    return fx.GraphModule(owner, sub, class_name=f"Glue_{name}"), [ref(a) for a in external if a not in donors]
+
+
+def _metadata_donors(module: nn.Module, external: list[fx.Node], keep: set[fx.Node]) -> dict[fx.Node, Any]:
+    """The inputs of a function layer that it reads only for their ``.device`` or ``.dtype``, each
+    with a value the layer already holds that answers the same: a node of another input, or the name of
+    a parameter or buffer of a submodule the layer calls. Those inputs then cross no stage edge.
+
+    Rules (``docs/capture.md``): every tensor a stage holds is on the rank's device, so any of its
+    tensors answers ``.device``; tensors whose dtypes were equal at capture are equal at run time
+    (``module.to(dtype)``, DeepSpeed's bf16/fp16 cast everything floating alike), so a value with the
+    same capture-time dtype (known from the example inputs' trace) answers ``.dtype``.
+    """
+    held = [(str(n.target), t) for n in keep if n.op == "call_module"
+            for t in _named_tensors(module.get_submodule(str(n.target)))]
+    donors: dict[fx.Node, Any] = {}
+    for a in external:
+        reads = {u.args[1] for u in a.users if u in keep} if all(
+            u.op == "call_function" and u.target is getattr and u.args[1] in ("device", "dtype")
+            for u in a.users if u in keep) else set()
+        if not reads:
+            continue
+        dtype = _meta_dtype(a)
+        if "dtype" in reads and dtype is None:
+            continue  # its capture-time dtype is unknown: no value can be shown to answer for it
+        others = [b for b in external if b is not a and b not in donors and _meta_dtype(b) is not None
+                  and ("dtype" not in reads or _meta_dtype(b) == dtype)]
+        own = [f"{path}.{t_name}" for path, (t_name, t) in held if "dtype" not in reads or t.dtype == dtype]
+        donor = own[0] if own else others[0] if others else None
+        if donor is not None:
+            donors[a] = donor
+    if len(donors) == len(external):
+        return {}   # keep one input: a layer that reads nothing could not be scheduled
+    return donors
+
+
+def _named_tensors(m: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    return [*m.named_parameters(), *m.named_buffers()]
+
+
+def _meta_dtype(node: fx.Node) -> torch.dtype | None:
+    """The dtype ``node`` had in the trace with the example inputs' shapes, if it is a tensor there."""
+    value = node.meta.get(META)
+    return value.dtype if torch.is_tensor(value) else None

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import os
 import re
+import warnings
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Literal, Mapping, Sequence, Union
@@ -173,7 +174,11 @@ def parse_partition_method(method: Any, *, cost_db: Any = None) -> PartitionOpti
     gpp_deepspeed.errors.PartitionError: unknown partition_method "balanced"; valid: ('parameters', ...)
     """
     option = _parse(method)
-    if cost_db is not None and isinstance(option, GraphPipeSearch):
+    if cost_db is not None and not isinstance(option, GraphPipeSearch):
+        what = "already resolved" if isinstance(option, ResolvedPartition) else _describe(option)
+        warnings.warn(f'cost_db is ignored: only partition_method="graphpipe" prices layers with it, and the '
+                      f"partition here is {what}", stacklevel=2)
+    elif cost_db is not None:
         if option.cost_db is not None:
             raise PartitionError("the cost database is given twice (cost_db= and GraphPipeSearch(cost_db=...)); "
                                  "give it once")

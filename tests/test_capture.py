@@ -249,6 +249,32 @@ def test_capture_refuses_a_submodule_with_buffers_called_twice_naming_both_lines
         capture(TwiceNormed())
 
 
+class ReadsDtype(nn.Module):
+    """Glue that reads another layer's output only for its dtype and device."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.a(x)
+        g = self.b(h)
+        return self.c(g + torch.ones(g.shape[-1], dtype=h.dtype, device=h.device))
+
+
+def test_capture_reads_dtype_and_device_from_a_tensor_the_layer_holds():
+    module = ReadsDtype()
+    x, = _inputs(4)
+    # Without example inputs the dtype of "a" is unknown at capture: the glue keeps reading it.
+    assert {s.name: s.inputs for s in capture(module).layers}["add"] == ("b", "a")
+    # With them, "b" had the same dtype, so the glue reads b's dtype and device and "a" need not cross.
+    captured = capture(module, example_inputs=(x, ))
+    assert {s.name: s.inputs for s in captured.layers}["add"] == ("b", )
+    # The rule holds at run time: cast as a whole (as DeepSpeed's bf16 does), the twin follows.
+    model = captured.graph_model().double()
+    torch.testing.assert_close(model(x.double()), module.double()(x.double()), rtol=0, atol=0)
+
+
 def test_capture_concrete_args_fix_flags_and_drop_their_inputs():
     class Flag(nn.Module):
         def __init__(self):

@@ -99,9 +99,10 @@ def test_a_plan_file_and_a_cost_db_file_are_read_by_the_parser(tmp_path):
         parse_partition_method(GraphPipeSearch(cost_db=db), cost_db=db)
 
 
-def test_the_cost_db_argument_is_not_read_for_a_method_that_does_not_search(tmp_path):
+def test_the_cost_db_argument_is_not_read_for_a_method_that_does_not_search_and_a_warning_says_so(tmp_path):
     # As before options existed: cost_db only matters to "graphpipe", so a missing file is no error.
-    assert parse_partition_method("uniform", cost_db=tmp_path / "absent.json") == BranchBalanced(weight="layers")
+    with pytest.warns(UserWarning, match='cost_db is ignored: .* the partition here is partition_method "uniform"'):
+        assert parse_partition_method("uniform", cost_db=tmp_path / "absent.json") == BranchBalanced(weight="layers")
 
 
 def test_a_manual_option_keeps_its_own_copy_of_the_mapping():

@@ -47,16 +47,17 @@ def test_on_uniform_links_placement_and_simulator_price_resharded_messages_alike
         simulate_plan(plan, db).prediction.iteration_time_s)
 
 
-def test_a_chain_plans_placement_prices_the_skip_tensor_it_relays():
+def test_placement_and_simulator_send_a_tensor_once_per_reading_stage_or_relay_it_in_a_chain():
     from costdbs import synthetic_db
     link = CommFit(alpha_s=0.0, beta_s_per_byte=0.01)
     db = synthetic_db([("l1", ["x"]), ("l2", ["l1"]), ("l3", ["l2"]), ("res", ["l3", "l1"])],
                       out_bytes={"l1": 100, "l2": 10, "l3": 20, "res": 1}, hw=hardware(link=link))
     stages = tuple(PlanStage(layers=(n,)) for n in ("l1", "l2", "l3", "res"))
     topo = Topology(tuple(tuple(link for _ in range(4)) for _ in range(4)))
-    plan = Plan(model="s", method="m", source="", micro_batch=1, mini_batch=4, stages=stages, pipeline="chain")
-    assert placement_time(plan, db, topo, contiguous(plan)) == pytest.approx(
-        simulate_plan(plan, db).prediction.iteration_time_s)
+    for pipeline in ("chain", "graph"):
+        plan = Plan(model="s", method="m", source="", micro_batch=1, mini_batch=4, stages=stages, pipeline=pipeline)
+        assert placement_time(plan, db, topo, contiguous(plan)) == pytest.approx(
+            simulate_plan(plan, db).prediction.iteration_time_s)
 
 
 def test_replicas_of_a_stage_go_where_their_all_reduce_is_fast():

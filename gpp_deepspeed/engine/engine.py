@@ -52,7 +52,7 @@ from .watchdog import start_watchdog
 from .module import GraphPipelineModule
 from .p2p import EdgeTransport, Incoming, Outgoing
 from .reshard import cut_rows, edge_peers, grad_scale, join_rows, warm_up_pairs
-from .split_engine import SplitBackwardMixin, check_split_backward_supported
+from .split_engine import SplitBackwardMixin, check_split_backward_supported, use_split_backward_recompute
 
 __all__ = ["GraphPipelineEngine"]
 
@@ -91,7 +91,9 @@ class GraphPipelineEngine(SplitBackwardMixin, PipelineEngine):
         gpp_config = with_plan_schedule(gpp_config or GraphPipelineConfig(),
                                         getattr(kwargs.get("model"), "plan_schedule", None))
         self.schedule_spec = get_schedule(gpp_config.schedule)
-        check_split_backward_supported(self.schedule_spec, kwargs.get("model"))
+        config_class = kwargs.get("config_class")
+        check_split_backward_supported(self.schedule_spec, kwargs.get("model"),
+                                       config_class.pipeline if config_class is not None else None)
         super().__init__(*args, **kwargs)
         if not isinstance(self.module, GraphPipelineModule):
             raise GPPConfigError("GraphPipelineEngine needs a GraphPipelineModule")
@@ -99,6 +101,7 @@ class GraphPipelineEngine(SplitBackwardMixin, PipelineEngine):
             raise GPPConfigError('"pipeline.pipe_partitioned" and "pipeline.grad_partitioned" (tensor-parallel '
                                  "activation partitioning) are not supported by the graph pipeline; set them false")
         self.gpp_config = gpp_config
+        use_split_backward_recompute(self)
         self.spec = self.module.stage_spec
         self.module.partition = mark_gradient_flow(self.module.partition, self._trainable_layers())
         self.stage_graph = self.module.partition.stage_graph

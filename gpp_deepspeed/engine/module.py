@@ -217,11 +217,13 @@ class GraphPipelineModule(PipelineModule):
                     return outputs._make(rebuilt) if hasattr(outputs, "_make") else type(outputs)(rebuilt)
         return outputs
 
-    def _run(self, env: dict, local_idxs) -> None:
+    def _run(self, env: dict, local_idxs, micro_offset: int | None = None) -> None:
+        # A recomputed chunk runs during a later backward: it seeds with the forward's micro_offset.
+        micro_offset = self.micro_offset if micro_offset is None else micro_offset
         for i in local_idxs:
             entry = self._local_entries[i]
             if self.seed_layers:
-                seed = self.base_seed * (self.micro_offset + 1) + i + self._local_start
+                seed = self.base_seed * (micro_offset + 1) + i + self._local_start
                 (self.seed_fn or torch.manual_seed)(seed)
             args = [resolve(env, TensorRef.parse(r)) for r in entry.inputs]
             env[TensorRef(entry.name)] = call_layer(entry, self.forward_funcs[i], args)
@@ -240,9 +242,10 @@ class GraphPipelineModule(PipelineModule):
             flat_in, in_arity = flatten([resolve(env, r) for r in reads])
             out_arity: list[int] = []
 
-            def run_chunk(*flat, _idxs=idxs, _reads=reads, _writes=writes, _in_arity=in_arity):
+            def run_chunk(*flat, _idxs=idxs, _reads=reads, _writes=writes, _in_arity=in_arity,
+                          _offset=self.micro_offset):
                 local = dict(zip(_reads, unflatten(flat, _in_arity)))
-                self._run(local, _idxs)
+                self._run(local, _idxs, _offset)
                 flat_out, arity = flatten([local[TensorRef(n)] for n in _writes])
                 out_arity[:] = arity
                 return tuple(flat_out)

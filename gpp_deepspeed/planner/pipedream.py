@@ -37,7 +37,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from .costs import StageCostModel, allreduce_coefficients
+from .costs import NO_BOUNDARY, StageCostModel, allreduce_coefficients
 
 __all__ = ["ChainCosts", "pipedream_bottleneck"]
 
@@ -87,7 +87,7 @@ class ChainCosts:
         if hit is None:
             per_layer = []
             for i in self.positions:
-                c = self.model.stage(1 << i, b, r, boundary=(0.0, 0.0))
+                c = self.model.stage(1 << i, b, r, boundary=NO_BOUNDARY)
                 per_layer.append(c.fwd_s + c.bwd_s)
             hit = self._compute[key] = _prefix(per_layer)
         return hit

@@ -41,7 +41,7 @@ from typing import Sequence
 import numpy as np
 
 from ..errors import SearchLimitError
-from .costs import StageCostModel, allreduce_coefficients
+from .costs import NO_BOUNDARY, StageCostModel, allreduce_coefficients
 
 __all__ = ["enumerate_upsets", "piper_bottlenecks"]
 
@@ -169,7 +169,7 @@ class _Combos:
 
 
 def _compute_s(model: StageCostModel, layer: int, b: int, d: int) -> float:
-    c = model.stage(1 << layer, b, d, boundary=(0.0, 0.0))
+    c = model.stage(1 << layer, b, d, boundary=NO_BOUNDARY)
     return c.fwd_s + c.bwd_s
 
 

@@ -35,7 +35,7 @@ from typing import Sequence
 
 from ..errors import GPPConfigError
 from ..graph.placement import reshard
-from .costs import CommFit, CostDB, StageCost, StageCostModel, allreduce_time, edge_bytes
+from .costs import CommFit, CostDB, StageCostModel, allreduce_time, edge_bytes
 from .plan import Plan
 from .simulate import simulate_plan
 
@@ -144,12 +144,8 @@ def placement_time(plan: Plan, db: CostDB, topo: Topology, placement: Sequence[S
     costs = []
     for s, stage in enumerate(plan.stages):
         c = cm.stage(cm.mask_of(stage.layers), plan.micro_batch, stage.devices, recompute=stage.recompute)
-        params = c.weight_bytes / (1 + db.hardware.optimizer_factor)
-        costs.append(StageCost(fwd_s=c.fwd_s + comm[s], bwd_s=c.bwd_s + comm[s],
-                               allreduce_s=_ring_allreduce(topo, placement[s], params),
-                               weight_bytes=c.weight_bytes, stash_bytes=c.stash_bytes,
-                               bwd_input_s=c.bwd_input_s + comm[s], bwd_weight_s=c.bwd_weight_s,
-                               working_bytes=c.working_bytes))
+        costs.append(replace(c, fwd_s=c.fwd_s + comm[s], bwd_s=c.bwd_s + comm[s], bwd_input_s=c.bwd_input_s + comm[s],
+                             allreduce_s=_ring_allreduce(topo, placement[s], c.param_bytes)))
     return simulate_plan(plan, db, stage_costs=costs).prediction.iteration_time_s
 
 

@@ -25,6 +25,11 @@ def lin(name, *inputs, d=4):
 
 
 GOOD = [lin("a", "x"), lin("b", "a"), lin("c", "b")]
+
+
+def my_checkpoint(function, *args):
+    return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=True)
+
 CONFIG = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "steps_per_print": 10**6}
 
 CASES = {
@@ -60,10 +65,16 @@ CASES = {
     "unknown_config_key": lambda: gpp_deepspeed.initialize(
         model=GraphPipelineModule(GOOD, input_names=["x"], num_stages=2, loss_fn=nn.MSELoss()),
         model_parameters=None, config={**CONFIG, "graph_pipeline": {"scheduel": "1f1b"}}),
-    "split_schedule_with_checkpointing": lambda: gpp_deepspeed.initialize(
+    # zb1 recomputes with torch's non-reentrant checkpoint: asking for a reentrant one, or one's own, is refused
+    "split_schedule_with_reentrant_checkpointing": lambda: gpp_deepspeed.initialize(
         model=GraphPipelineModule(GOOD, input_names=["x"], num_stages=2, loss_fn=nn.MSELoss(),
                                   activation_checkpoint_interval=1),
-        model_parameters=None, config={**CONFIG, "graph_pipeline": {"schedule": "zb1"}}),
+        model_parameters=None, config={**CONFIG, "pipeline": {"use_reentrant": True},
+                                       "graph_pipeline": {"schedule": "zb1"}}),
+    "split_schedule_with_own_checkpoint_function": lambda: gpp_deepspeed.initialize(
+        model=GraphPipelineModule(GOOD, input_names=["x"], num_stages=2, loss_fn=nn.MSELoss(),
+                                  activation_checkpoint_interval=1, activation_checkpoint_func=my_checkpoint),
+        model_parameters=None, config={**CONFIG, "graph_pipeline": {"schedule": "zb2"}}),
     # DeepSpeed clips by global norm (1.0) unless told otherwise: per-micro-batch updates cannot.
     "async_with_clipping": lambda: gpp_deepspeed.initialize(
         model=GraphPipelineModule(GOOD, input_names=["x"], num_stages=2, loss_fn=nn.MSELoss()),

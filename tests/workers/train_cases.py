@@ -124,7 +124,8 @@ def run_case(case, out, rank, world_size):
     mc, module, engine = build(case, world_size)
     result = {"stage": engine.stage_id, "dp": replica(engine), "shard": getattr(engine.grid, "stage_idx", 0),
               "schedule": getattr(engine, "gpp_config", None) and engine.gpp_config.schedule,
-              "ckpt_interval": module.activation_checkpoint_interval}
+              "ckpt_interval": module.activation_checkpoint_interval,
+              "ckpt_func": getattr(module.activation_checkpoint_func, "__name__", None)}
     if hasattr(engine, "stage_graph"):
         result["depth"] = engine.stage_graph.depth(engine.stage_id)
         result["reads_batch"] = engine.is_first_stage() or engine.is_last_stage()
