@@ -201,11 +201,15 @@ class GraphPipelineEngine(SplitBackwardMixin, PipelineEngine):
         self.flush()  # an asynchronous pipeline's in-flight updates belong to the saved weights
         if self._async is not None:
             client_state = {**client_state, **self._async.versions.checkpoint_state()}
-        tag = f"global_step{self.global_steps}" if tag is None else tag   # DeepSpeed's default tag
-        out = super().save_checkpoint(save_dir, tag=tag, client_state=client_state, save_latest=save_latest,
-                                      exclude_frozen_parameters=exclude_frozen_parameters)
-        portable.save_extras(self, save_dir, tag)
-        return out
+        tag = f"global_step{self.global_steps}" if tag is None else str(tag)   # DeepSpeed's default tag
+
+        def ds_save(into: str, latest: bool):
+            return super(GraphPipelineEngine, self).save_checkpoint(
+                save_dir, tag=into, client_state=client_state, save_latest=latest,
+                exclude_frozen_parameters=exclude_frozen_parameters)
+
+        with self._watched():
+            return portable.save_checkpoint(self, save_dir, tag, save_latest=save_latest, ds_save=ds_save)
 
     def load_checkpoint(self, load_dir, tag=None, **kwargs):
         """DeepSpeed's ``load_checkpoint``; a checkpoint saved under another layout (partition,

@@ -143,15 +143,23 @@ class GraphPipelineModule(PipelineModule):
     def _build(self):
         # The parent seeds layer i with seed_fn(base_seed + i) when seed_layers is set: route that
         # to each entry's own seed (by name), whatever the user's forward-time seeding settings.
+        # Inside fork_rng: the user's generators come out as they went in, so dropout masks and
+        # whatever random the user does next still follow the user's own seed.
         user = (self.seed_layers, self.seed_fn)
         self.seed_layers, self.seed_fn = True, self._seed_for_build
         try:
-            super()._build()
+            with torch.random.fork_rng(devices=_rng_devices()):
+                super()._build()
         finally:
             self.seed_layers, self.seed_fn = user
 
     def _seed_for_build(self, seed: int) -> None:
-        torch.manual_seed(self._entries[seed - self.base_seed].seed)
+        # Only the generators fork_rng restores: torch.manual_seed would also queue a seed for every
+        # CUDA device not yet initialised, which would land on the user's generators later.
+        seed = self._entries[seed - self.base_seed].seed
+        torch.random.default_generator.manual_seed(seed)
+        for device in _rng_devices():
+            torch.cuda.default_generators[device].manual_seed(seed)
 
     def _index_tied_modules(self):
         """One group per tie key: every rank, of every replica, of every stage holding a copy.
@@ -306,6 +314,12 @@ class GraphPipelineModule(PipelineModule):
             prefix = f"tied.{key}." if key is not None else f"layers.{entry.name}."
             out.update({prefix + k: v for k, v in module.state_dict().items()})
         return out
+
+
+def _rng_devices() -> list[int]:
+    """The CUDA device whose generator building layers may use: this process's current one, if CUDA
+    is initialised (forking every visible device's generator would initialise them all)."""
+    return [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
 
 
 def _pipe_stages(num_stages: int | None, topology, world_size: int) -> int | None:
