@@ -202,8 +202,12 @@ def capture(module: nn.Module, *, input_names: Sequence[str] | None = None, laye
 
     Where plain torch.fx stops at control flow on tensor sizes (``transformers``' mask builders
     check ``batch_size != position_ids.shape[0]``), ``example_inputs`` (one tensor per forward
-    argument, in order) lets capture trace again on meta tensors of their shapes. That graph is
-    specialised to those shapes: every micro-batch must have them.
+    argument, in order: one micro-batch as one rank sees it) lets capture trace again on meta
+    tensors of their shapes. The sizes the code reads are then constants, except the batch
+    dimension where they follow it linearly (see :mod:`gpp_deepspeed._batch`);
+    ``CapturedModel.input_shapes`` says which remain, and a micro-batch of another shape is refused
+    naming both. With a plain trace, ``example_inputs`` only tell capture the dtypes of the values
+    (so that an input read only for its dtype need not cross stages); nothing is specialised.
     """
     named = _check_layers(module, layers)
     shapes: list[tuple] = []    # the example inputs' shapes where the graph assumes them
