@@ -33,7 +33,7 @@ from ..partitioning import (PARTITION_METHODS, GraphPipeSearch, ResolvedPartitio
                             resolve_partition)
 from ..spec import LayerEntry, call_layer, normalize_layers, port_leaves, resolve
 from ..checkpoint import layer_model_file, layer_model_files
-from .compat import pipeline_grid
+from .compat import broadcast_tied_weights, pipeline_grid
 from .flat import flatten, unflatten
 from .shm import release_own_shm
 from .topology import StageGrid, StageTopology
@@ -152,15 +152,23 @@ class GraphPipelineModule(PipelineModule):
     def _build(self):
         # The parent seeds layer i with seed_fn(base_seed + i) when seed_layers is set: route that
         # to each entry's own seed (by name), whatever the user's forward-time seeding settings.
+        # Inside fork_rng: the user's generators come out as they went in, so dropout masks and
+        # whatever random the user does next still follow the user's own seed.
         user = (self.seed_layers, self.seed_fn)
         self.seed_layers, self.seed_fn = True, self._seed_for_build
         try:
-            super()._build()
+            with torch.random.fork_rng(devices=_rng_devices()):
+                super()._build()
         finally:
             self.seed_layers, self.seed_fn = user
 
     def _seed_for_build(self, seed: int) -> None:
-        torch.manual_seed(self._entries[seed - self.base_seed].seed)
+        # Only the generators fork_rng restores: torch.manual_seed would also queue a seed for every
+        # CUDA device not yet initialised, which would land on the user's generators later.
+        seed = self._entries[seed - self.base_seed].seed
+        torch.random.default_generator.manual_seed(seed)
+        for device in _rng_devices():
+            torch.cuda.default_generators[device].manual_seed(seed)
 
     def _index_tied_modules(self):
         """One group per tie key: every rank, of every replica, of every stage holding a copy.
@@ -187,6 +195,11 @@ class GraphPipelineModule(PipelineModule):
                     for p in self.tied_modules[key].parameters():
                         p.ds_pipe_replicated = True
         return tied_comms
+
+    def _synchronize_tied_weights(self):
+        """DeepSpeed's initial broadcast of tied weights, outside autograd (see
+        :func:`~gpp_deepspeed.engine.compat.broadcast_tied_weights`)."""
+        broadcast_tied_weights(self.tied_comms)
 
     # -- stage forward ------------------------------------------------------------------------
 
@@ -324,9 +337,16 @@ def _measured(option: GraphPipeSearch, layers, input_names, output) -> GraphPipe
     from ..profiler import profile_on_ranks
 
     profile = option.profile
-    db = profile_on_ranks(layers, input_names=input_names, output=output, profile=profile,
-                          device=get_accelerator().current_device_name())
+    with torch.random.fork_rng(devices=_rng_devices()):   # building and timing leave the user's RNG alone
+        db = profile_on_ranks(layers, input_names=input_names, output=output, profile=profile,
+                              device=get_accelerator().current_device_name())
     return replace(option, cost_db=db, profile=None, micro_batch=profile.micro_batch or profile.micro_batches[-1])
+
+
+def _rng_devices() -> list[int]:
+    """The CUDA device whose generator building layers may use: this process's current one, if CUDA
+    is initialised (forking every visible device's generator would initialise them all)."""
+    return [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
 
 
 def _pipe_stages(num_stages: int | None, topology, world_size: int) -> int | None:
