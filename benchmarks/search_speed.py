@@ -205,7 +205,7 @@ def markdown(data: dict, before: dict | None) -> str:
     lines += ["", f"Slowest configuration: {worst:.2f} s wall clock, {worst_cpu:.2f} s of CPU (target: under 5 s). "
               "CPU is the process's CPU time for the same call (search and the simulation of its candidates), which "
               "other jobs on the machine do not inflate; compare before and after on it. The wall clock of a run "
-              "depends on the load when it ran (a load average of 40-90 on 2 cores during parts of this run).", "",
+              "depends on the load when it ran (other users' single-process work shared the 2 cores).", "",
               "### CANDLE-Uno, 64 branches, 1,024 A100s, mini-batch 16,384", "",
               "| space | search (s) | search and simulation (s) | its CPU (s) | states | samples/s | stages | "
               "micro-batch | degrees | bubble |" + (f" before ({label}): search and simulation (s), CPU (s) |" if prev_cluster else ""),
