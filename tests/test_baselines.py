@@ -18,22 +18,25 @@ from gpp_deepspeed.planner.piper import enumerate_upsets, piper_bottlenecks
 REL = 1e-9
 
 
-def priced_hardware(memory_bytes: float) -> Hardware:
-    """Two devices per node, a slower link between nodes, Adam-like optimizer state."""
+def priced_hardware(memory_bytes: float, *, split: bool = False) -> Hardware:
+    """Two devices per node, a slower link between nodes, Adam-like optimizer state; ``split``:
+    the links keep each end busy for part of a message only (the rest in flight)."""
     return Hardware(name="test", memory_bytes=int(memory_bytes), devices_per_node=2,
-                    intra=CommFit(alpha_s=0.01, beta_s_per_byte=0.002),
-                    inter=CommFit(alpha_s=0.05, beta_s_per_byte=0.01), optimizer_factor=1.0)
+                    intra=CommFit(alpha_s=0.01, beta_s_per_byte=0.002, overhead_s=0.003 if split else None),
+                    inter=CommFit(alpha_s=0.05, beta_s_per_byte=0.01, overhead_s=0.004 if split else None),
+                    optimizer_factor=1.0)
 
 
-def random_db(layers, rng: random.Random, *, memory: float):
-    """Random costs; ``memory`` is the device memory as a fraction of all weights and optimizer state."""
+def random_db(layers, rng: random.Random, *, memory: float, split: bool = False):
+    """Random costs; ``memory`` is the device memory as a fraction of all weights and optimizer state;
+    ``split``: :func:`priced_hardware`'s."""
     names = [name for name, _ in layers]
     params = {n: rng.choice([0, 50, 400, 2000]) for n in names}
     return synthetic_db(
         layers, fwd={n: rng.uniform(0.5, 2.0) for n in names}, bwd={n: rng.uniform(1.0, 4.0) for n in names},
         param_bytes=params, out_bytes={n: rng.randint(1, 30) for n in names},
         stash_bytes={n: rng.randint(1, 20) for n in names},
-        hw=priced_hardware(memory * 2 * sum(params.values()) + 100))
+        hw=priced_hardware(memory * 2 * sum(params.values()) + 100, split=split))
 
 
 def random_chain_with_skips(n: int, rng: random.Random):
@@ -88,7 +91,7 @@ def test_pipedream_without_replication_gives_equal_chains_equal_stages():
 def test_pipedream_bottleneck_equals_brute_force_over_all_cuts_and_replicas(seed):
     rng = random.Random(seed)
     n, num_devices, b = rng.randint(3, 6), rng.randint(1, 4), rng.choice([2, 4])
-    db = random_db(random_chain_with_skips(n, rng), rng, memory=rng.choice([1e9, 0.8, 0.5]))
+    db = random_db(random_chain_with_skips(n, rng), rng, memory=rng.choice([1e9, 0.8, 0.5]), split=seed % 2 == 1)
     cm = StageCostModel(db, 8, p2p_devices=num_devices)
     costs = ChainCosts.build(cm, db.graph.list_topological_order())
     for replication in (True, False):
@@ -104,9 +107,10 @@ def test_pipedream_bottleneck_equals_brute_force_over_all_cuts_and_replicas(seed
         assert worst == pytest.approx(tps, rel=REL)
 
 
-def test_pipedream_prices_ranges_exactly_as_the_cost_model_with_relayed_skip_tensors():
+@pytest.mark.parametrize("split", [False, True], ids=["blocking-link", "split-link"])
+def test_pipedream_prices_ranges_exactly_as_the_cost_model_with_relayed_skip_tensors(split):
     rng = random.Random(7)
-    db = random_db(random_chain_with_skips(7, rng), rng, memory=1e9)
+    db = random_db(random_chain_with_skips(7, rng), rng, memory=1e9, split=split)
     cm = StageCostModel(db, 16, p2p_devices=4)
     costs = ChainCosts.build(cm, db.graph.list_topological_order())
     for i, j in [(0, 3), (2, 5), (4, 7), (0, 7), (3, 4)]:
@@ -167,7 +171,7 @@ TWO_BRANCHES = [("a1", ["x"]), ("a2", ["a1"]), ("b1", ["x"]), ("b2", ["b1"]), ("
 @pytest.mark.parametrize("num_devices", [2, 3])
 def test_piper_bottleneck_equals_brute_force_over_convex_partitions(shape, seed, num_devices):
     rng = random.Random(seed)
-    db = random_db(shape, rng, memory=rng.choice([1e9, 0.8, 0.5]))
+    db = random_db(shape, rng, memory=rng.choice([1e9, 0.8, 0.5]), split=seed % 2 == 1)
     cm = StageCostModel(db, 8, p2p_devices=num_devices)
     found, _, _ = piper_bottlenecks(cm, enumerate_upsets(cm, limit=10**6), micro_batches=[2, 4],
                                     num_devices=num_devices)

@@ -44,17 +44,52 @@ __all__ = ["CommFit", "LayerCost", "Hardware", "CostDB", "Boundary", "StageCost"
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class CommFit:
-    """An affine link model: sending ``x`` bytes takes ``alpha_s + beta_s_per_byte * x`` seconds.
+    """A link's message model: the affine fit of GraphPipe (Sec. 5), ``alpha_s + beta_s_per_byte * x``
+    seconds for a message of ``x`` bytes, optionally split as LogP splits a message (Culler et al.,
+    "LogP: towards a realistic model of parallel computation", PPoPP 1993) into the time each end
+    is *busy* with it and the time it is *in flight*, when both ends can do other work.
+
+    ``overhead_s`` is what each end spends on one message besides its bytes (posting, packing,
+    completing: LogP's ``o``). Given, a message keeps each end busy ``overhead_s + beta * x`` and
+    is in flight :attr:`latency_s` ``= alpha_s - 2 * overhead_s`` (``alpha_s`` being an isolated
+    message's end-to-end time, ``o + L + o``); the simulator lets that latency overlap other work,
+    so a group of messages posted together pays it once. ``None`` (the default, and the paper's
+    stage time) counts the whole ``alpha_s`` as busy at both ends and nothing in flight.
 
     >>> round(CommFit(alpha_s=1e-5, beta_s_per_byte=1e-9).time(1000), 12)
     1.1e-05
+    >>> link = CommFit(alpha_s=1.0, beta_s_per_byte=0.01, overhead_s=0.25)
+    >>> link.busy(10.0), link.latency_s, CommFit(alpha_s=1.0, beta_s_per_byte=0.01).busy(10.0)
+    (0.35, 0.5, 1.1)
     """
 
     alpha_s: float
     beta_s_per_byte: float
+    overhead_s: float | None = None
+
+    def __post_init__(self):
+        if self.overhead_s is not None and not 0 <= 2 * self.overhead_s <= self.alpha_s:
+            raise GPPConfigError(f"link overhead_s = {self.overhead_s:g} s must be between 0 and half of alpha_s = "
+                                 f"{self.alpha_s:g} s (an isolated message takes alpha_s = overhead + latency + "
+                                 "overhead end to end)")
 
     def time(self, nbytes: float) -> float:
+        """An isolated message's end-to-end seconds (the affine fit)."""
         return 0.0 if nbytes <= 0 else self.alpha_s + self.beta_s_per_byte * nbytes
+
+    @property
+    def busy_s(self) -> float:
+        """Seconds each end is busy per message besides its bytes."""
+        return self.alpha_s if self.overhead_s is None else self.overhead_s
+
+    @property
+    def latency_s(self) -> float:
+        """Seconds a message is in flight once both ends have posted it (overlapping other work)."""
+        return 0.0 if self.overhead_s is None else self.alpha_s - 2 * self.overhead_s
+
+    def busy(self, nbytes: float) -> float:
+        """Seconds one end is busy with one message of ``nbytes`` (none without bytes)."""
+        return 0.0 if nbytes <= 0 else self.busy_s + self.beta_s_per_byte * nbytes
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -286,11 +321,13 @@ class StageCostModel:
     Per micro-batch of ``b`` samples on a stage with ``n`` devices (each device gets ``b / n``):
 
     * compute: ``sum_l fwd_l(b/n) + bwd_l(b/n)`` (profiled or analytic times);
-    * communication: every message entering or leaving the stage costs ``alpha + beta * bytes``
-      forward (activations) and again backward (their gradients): the stage's :class:`Boundary`,
-      its bytes at ``b / n`` samples per rank (affine fit, GraphPipe Sec. 5). A plan's boundaries
-      are exact (:func:`plan_boundaries`); a layer set priced before its neighbours are placed gets
-      :meth:`boundary`'s estimate of the messages;
+    * communication: every message entering or leaving the stage keeps it busy
+      :meth:`CommFit.busy` (``alpha + beta * bytes`` with the paper's affine fit, GraphPipe Sec. 5;
+      the overhead and the bytes when the link splits off a latency in flight, which overlaps
+      other work and is priced by the simulator) forward (activations) and again backward (their
+      gradients): the stage's :class:`Boundary`, its bytes at ``b / n`` samples per rank. A plan's
+      boundaries are exact (:func:`plan_boundaries`); a layer set priced before its neighbours
+      are placed gets :meth:`boundary`'s estimate of the messages;
     * all-reduce: ring, ``2 (n-1)/n * param_bytes`` per device plus ``2 (n-1)`` latencies, once
       per mini-batch (:func:`allreduce_time`); its share per micro-batch is ``b / B`` of it.
     """
@@ -499,8 +536,9 @@ class StageCostModel:
             stash += st
         bd = self.boundary(mask) if boundary is None else boundary
         # Activations arrive before the forward and leave after it; gradients mirror them
-        # (with a split backward, around I: W talks to no one).
-        comm = ((bd.in_messages + bd.out_messages) * self.link.alpha_s
+        # (with a split backward, around I: W talks to no one). Each message keeps the stage busy
+        # (CommFit.busy); its time in flight overlaps other work and is the simulator's.
+        comm = ((bd.in_messages + bd.out_messages) * self.link.busy_s
                 + (bd.in_bytes + bd.out_bytes) * shard * self.link.beta_s_per_byte)
         fwd += comm
         bwd += comm

@@ -106,11 +106,11 @@ class ChainCosts:
         compute, cut, params, stash_sum = self.compute(b, r), self.cut, self.params, self.stash
         hw = self.model.db.hardware
         limit = hw.memory_bytes
-        alpha, beta = self.model.link.alpha_s, self.model.link.beta_s_per_byte
+        busy, beta = self.model.link.busy_s, self.model.link.beta_s_per_byte
         shard = b / r
         share = b / self.model.mini_batch
         ar_alpha, ar_beta = allreduce_coefficients(hw.ring(r), r)
-        comm_in = 2 * self.model.link.time(cut[i] * shard)
+        comm_in = 2 * self.model.link.busy(cut[i] * shard)
         lower = [_INF] * (n + 1)
         tps = [_INF] * (n + 1)
         weight = [0.0] * (i + 1) + [_INF] * (n - i)
@@ -124,7 +124,7 @@ class ChainCosts:
                 break
             p = params[j] - p0
             x = cut[j] * shard
-            comm = comm_in + 2 * (alpha + beta * x) if x > 0 else comm_in
+            comm = comm_in + 2 * (busy + beta * x) if x > 0 else comm_in
             allreduce = ar_alpha + ar_beta * p if p > 0 else 0.0
             lower[j] = work / b
             tps[j] = (work + comm + allreduce * share) / b

@@ -181,7 +181,7 @@ def _price(model: StageCostModel, pairs: _Pairs, combos: _Combos, u: int, sub: n
     in_b, out_b = pairs.boundaries(u, sub)
     params = pairs.params[u] - pairs.params[sub]
     features = np.stack([
-        2 * link.alpha_s * ((in_b > 0).astype(np.float64) + (out_b > 0)),   # latencies, x 1/b
+        2 * link.busy_s * ((in_b > 0).astype(np.float64) + (out_b > 0)),    # per message, x 1/b
         2 * link.beta_s_per_byte * (in_b + out_b),                            # bytes, x b/d / b
         (params > 0).astype(np.float64),
         params])

@@ -4,11 +4,13 @@ The plan's stage graph is lowered into a :class:`~gpp_deepspeed.schedule.Program
 program :class:`~gpp_deepspeed.engine.GraphPipelineEngine` executes, and run through the
 schedule simulator (:func:`~gpp_deepspeed.schedule.simulate`) with each action priced by the
 shared stage cost model: ``F`` and ``B`` take the stage's forward and backward time (compute
-plus the transfers of its edges), ``I`` and ``W`` (the zero-bubble schedules' split backward)
-the input-gradient part with the transfers and the weight-gradient part, ``REDUCE_GRAD`` the
-gradient all-reduce of its data-parallel group, ``STEP`` the hardware's once-per-iteration
-``step_s`` (the optimizer step and the engine's end-of-batch work). Peak in-flight micro-batches per stage are counted on the same timeline, so the memory a
-plan reports is what its schedule stashes, not a formula beside it. An asynchronous schedule
+plus the time its messages keep it busy), ``I`` and ``W`` (the zero-bubble schedules' split
+backward) the input-gradient part with the messages and the weight-gradient part,
+``REDUCE_GRAD`` the gradient all-reduce of its data-parallel group, ``STEP`` the hardware's
+once-per-iteration ``step_s`` (the optimizer step and the engine's end-of-batch work); every
+message is in flight the link's latency once both its ends are posted. Peak in-flight
+micro-batches per stage are counted on the same timeline, so the memory a plan reports is what
+its schedule stashes, not a formula beside it. An asynchronous schedule
 (``pipedream``, ``2bw``, ``pipeoptim``) is priced in steady state, the batch the engine runs once
 the pipeline is full (no warm-up, no flush), with its stashed weight versions in memory.
 """
@@ -42,11 +44,19 @@ class SimulatedPlan:
 
 
 def simulate_plan(plan: Plan, db: CostDB, *, schedule: str | None = None, cluster=None,
-                  train: bool = True, stage_costs: tuple[StageCost, ...] | None = None) -> SimulatedPlan:
+                  train: bool = True, stage_costs: tuple[StageCost, ...] | None = None,
+                  latency_s: float | None = None) -> SimulatedPlan:
     """Simulate one iteration (one mini-batch) of ``plan`` priced by ``db``, under ``schedule``
     (default: the plan's own). With a :class:`~gpp_deepspeed.planner.hetero.Cluster`, each stage
     is priced for its ``device_class``; ``train=False`` runs forwards only (inference);
-    ``stage_costs`` replaces the cost model's prices (a placement on a topology prices its links)."""
+    ``stage_costs`` replaces the cost model's prices and ``latency_s`` the links' time in flight
+    (a placement on a topology prices its own links).
+
+    A message keeps both its stages busy (:meth:`~gpp_deepspeed.planner.costs.CommFit.busy`, in
+    their ``F``/``B`` prices, as the search prices them) and is in flight the link's
+    :attr:`~gpp_deepspeed.planner.costs.CommFit.latency_s` once both ends have posted it, during
+    which both go on with other work: a stage that receives ``k`` messages in one grouped action
+    is busy ``k`` times and waits for the latency once."""
     schedule = schedule or plan.schedule
     names = set(db.by_name)
     planned = [n for s in plan.stages for n in s.layers]
@@ -92,7 +102,9 @@ def simulate_plan(plan: Plan, db: CostDB, *, schedule: str | None = None, cluste
             return step_s[a.stage_idx]
         return 0.0
 
-    timeline = simulate(lists, duration=duration)
+    if latency_s is None:
+        latency_s = max(mdl.link.latency_s for mdl in models)
+    timeline = simulate(lists, duration=duration, latency=latency_s)
     if not (train and is_async(schedule)):
         in_flight = tuple(peak_in_flight(lists[s]) for s in range(plan.num_stages))
     if train:

@@ -12,7 +12,8 @@ does that for our plans:
 * :func:`placement_time`: a plan's iteration time with stage ``s`` on devices ``placement[s]``:
   the stages' compute from the shared cost model (its links priced free), plus every stage edge's
   bytes (:func:`~gpp_deepspeed.planner.costs.edge_bytes`) in the messages the engine sends between
-  the replicas that exchange them, and each stage's ring all-reduce
+  the replicas that exchange them (busy at both ends, in flight the slowest link's latency), and
+  each stage's ring all-reduce
   (:func:`~gpp_deepspeed.planner.costs.allreduce_time`) over its own ring, all run through the
   same schedule simulator as every plan.
 * :func:`place`: the placement of least iteration time: exhaustive when the ordered placements
@@ -82,15 +83,16 @@ class Topology:
 
     @classmethod
     def load(cls, path: str | Path) -> "Topology":
-        """``{"devices": N, "default": {"alpha_s", "beta_s_per_byte"}, "links": [[i, j, alpha_s,
-        beta_s_per_byte], ...]}`` (links symmetric unless both directions are given)."""
+        """``{"devices": N, "default": {"alpha_s", "beta_s_per_byte"[, "overhead_s"]}, "links": [[i, j,
+        alpha_s, beta_s_per_byte[, overhead_s]], ...]}`` (links symmetric unless both directions are
+        given; ``overhead_s``: :class:`~gpp_deepspeed.planner.costs.CommFit`'s)."""
         d = json.loads(Path(path).read_text())
         n, default = d["devices"], CommFit(**d["default"])
         links = [[default] * n for _ in range(n)]
-        for i, j, alpha, beta in d.get("links", ()):
+        for i, j, alpha, beta, *overhead in d.get("links", ()):
             if not (0 <= i < n and 0 <= j < n):
                 raise GPPConfigError(f"topology {path}: link {i}-{j} names a device outside 0..{n - 1}")
-            links[i][j] = links[j][i] = CommFit(alpha_s=alpha, beta_s_per_byte=beta)
+            links[i][j] = links[j][i] = CommFit(alpha_s=alpha, beta_s_per_byte=beta, overhead_s=(overhead or [None])[0])
         return cls(tuple(map(tuple, links)))
 
 
@@ -104,24 +106,28 @@ def contiguous(plan: Plan) -> tuple[tuple[int, ...], ...]:
 
 
 def _edge_times(topo: Topology, placement: Sequence[Sequence[int]], micro_batch: int,
-                edges: dict[tuple[int, int], float]) -> list[float]:
-    """Per stage: seconds its busiest replica spends on one micro-batch's messages, each direction.
+                edges: dict[tuple[int, int], float]) -> tuple[list[float], float]:
+    """Per stage: seconds its busiest replica is busy with one micro-batch's messages, each
+    direction, and the longest time in flight of the links they use.
 
     Every edge moves what the engine sends (:func:`~gpp_deepspeed.graph.placement.reshard`): each
     producer replica sends its own rows to the consumer replicas that hold them, one message per
-    pair, over that pair's link; a replica's messages of one edge go one after the other, and a
-    stage waits for its slowest replica. Activations forward and their gradients backward take
+    pair, over that pair's link (:meth:`~gpp_deepspeed.planner.costs.CommFit.busy` at both ends);
+    a stage waits for its busiest replica. Activations forward and their gradients backward take
     the same time.
     """
     busy = [[0.0] * len(p) for p in placement]
+    latency = 0.0
     for (u, v), nbytes in edges.items():
         a, c = placement[u], placement[v]
         for t in reshard(math.lcm(len(a), len(c)), num_src=len(a), num_dst=len(c)):
             rows = micro_batch * (t.stop - t.start) / math.lcm(len(a), len(c))
-            dt = topo.links[a[t.src_idx]][c[t.dst_idx]].time(nbytes * rows)
+            link = topo.links[a[t.src_idx]][c[t.dst_idx]]
+            dt = link.busy(nbytes * rows)
             busy[u][t.src_idx] += dt
             busy[v][t.dst_idx] += dt
-    return [max(b) for b in busy]
+            latency = max(latency, link.latency_s if nbytes > 0 else 0.0)
+    return [max(b) for b in busy], latency
 
 
 def _ring_allreduce(topo: Topology, ring: Sequence[int], param_bytes: float) -> float:
@@ -140,13 +146,13 @@ def placement_time(plan: Plan, db: CostDB, topo: Topology, placement: Sequence[S
     compute_db = replace(db, hardware=replace(db.hardware, intra=free, inter=free))
     cm = StageCostModel(compute_db, plan.mini_batch, p2p_devices=plan.num_devices)
     edges = edge_bytes(db, plan.stage_of, relay=plan.pipeline == "chain")
-    comm = _edge_times(topo, placement, plan.micro_batch, edges)
+    comm, latency = _edge_times(topo, placement, plan.micro_batch, edges)
     costs = []
     for s, stage in enumerate(plan.stages):
         c = cm.stage(cm.mask_of(stage.layers), plan.micro_batch, stage.devices, recompute=stage.recompute)
         costs.append(replace(c, fwd_s=c.fwd_s + comm[s], bwd_s=c.bwd_s + comm[s], bwd_input_s=c.bwd_input_s + comm[s],
                              allreduce_s=_ring_allreduce(topo, placement[s], c.param_bytes)))
-    return simulate_plan(plan, db, stage_costs=costs).prediction.iteration_time_s
+    return simulate_plan(plan, db, stage_costs=costs, latency_s=latency).prediction.iteration_time_s
 
 
 def _distinct(counts: Sequence[int], n: int) -> int:

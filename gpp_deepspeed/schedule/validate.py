@@ -81,7 +81,9 @@ class _Channels:
         if sent_mb != recv_mb:
             raise ScheduleError(f"message {n} on channel {ch[0]}->{ch[1]} ({ch[2]}) carries micro-batch {sent_mb} "
                                 f"but its receive expects micro-batch {recv_mb}")
-        return max(sent_at + self.latency, recv_at)
+        # A message moves once both ends are posted (NCCL; gloo's TCP pair answers a send posted
+        # before its receive with a "receive ready" notice, and only then sends the data).
+        return max(sent_at, recv_at) + self.latency
 
 
 def simulate(schedule: Schedule, *, duration: Callable[[Action], float] = default_duration,
@@ -99,6 +101,11 @@ def simulate(schedule: Schedule, *, duration: Callable[[Action], float] = defaul
     Raises :class:`ScheduleError` on deadlock (naming the action each stuck stage waits on and
     the transfers nobody posted the other end of) and when the n-th message of a channel carries
     another micro-batch than its n-th receive expects.
+
+    ``latency``: seconds every message is in flight once both its send and its receive are posted
+    (the part of a message's cost that overlaps other work: :attr:`CommFit.latency_s
+    <gpp_deepspeed.planner.costs.CommFit.latency_s>`); a grouped action waits for its last message,
+    so it pays the latency once, not once per message.
     """
     if mode not in MODES:
         raise ScheduleError(f'unknown simulation mode "{mode}"; valid: {list(MODES)}')
