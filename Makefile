@@ -30,6 +30,7 @@ bench: setup
 	$(PY) benchmarks/schedules.py
 	$(PY) benchmarks/async_convergence.py
 	$(PY) benchmarks/planned_runs.py
+	$(PY) benchmarks/large_models.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -35,7 +35,10 @@ tie
 
 Every layer is a :class:`CapturedLayerSpec` whose ``build()`` returns a *deep copy* of the captured
 submodule: models built from the list start from the module's current weights (nothing is
-re-initialised) and share no parameter with it or with each other.
+re-initialised) and share no parameter with it or with each other. A module built on the meta device
+(``with torch.device("meta"): ...``) is captured without memory, and ``build()`` materialises only
+the layer it builds, by the model's own initialisation (:mod:`gpp_deepspeed.meta`) or from a
+checkpoint (:func:`gpp_deepspeed.load_pretrained`), so each pipeline rank allocates only its stage.
 """
 
 from __future__ import annotations
@@ -45,11 +48,12 @@ import difflib
 import functools
 import inspect
 import operator
+import sys
 import traceback
 import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Callable
 
 import torch
 from torch import fx, nn
@@ -57,6 +61,7 @@ from torch.fx.experimental.meta_tracer import MetaProxy, MetaTracer
 
 from .errors import GPPConfigError, GPPError, GraphError
 from .graph.ir import TensorRef
+from .meta import ModuleInit, building_on_meta, check_initializable, is_meta, materialize, meta_copy
 from .spec import GraphLayerSpec
 from deepspeed.runtime.pipe.module import LayerSpec, TiedLayerSpec
 
@@ -67,28 +72,70 @@ _ASSERTS = (torch._assert, torch.fx._symbolic_trace._assert_is_none)
 
 
 class CapturedLayerSpec(GraphLayerSpec):
-    """A ``GraphLayerSpec`` around an already-built module; ``build()`` returns a deep copy of it."""
+    """A ``GraphLayerSpec`` around an already-built module; ``build()`` returns a deep copy of it.
 
-    def __init__(self, name: str, module: nn.Module, *, inputs: Sequence[str]):
+    ``prefix`` is the path of the layer's submodule in the captured module, with a trailing dot
+    (``"model.layers.0."``), or ``""`` for a function layer, whose tensors carry their full paths. A
+    meta module is materialised by ``init`` when built (:mod:`gpp_deepspeed.meta`), or read from
+    ``weights`` (set by :func:`gpp_deepspeed.load_pretrained`).
+    """
+
+    def __init__(self, name: str, module: nn.Module, *, inputs: Sequence[str], prefix: str = "",
+                 init: ModuleInit | None = None):
         super().__init__(name, type(module), inputs=inputs)
         self.module = module
+        self.prefix = prefix
+        self.init = init
+        self.weights = None
 
     def build(self, log=False) -> nn.Module:
-        return copy.deepcopy(self.module)
+        if building_on_meta():   # counting parameters: the structure, no memory
+            return meta_copy(self.module)
+        if self.weights is not None:
+            return self.weights.build(self)
+        module = copy.deepcopy(self.module)
+        if is_meta(module):
+            self.check_buildable()
+            materialize(module, init=self.init, path_of=self.module_path)
+        return module
+
+    def check_buildable(self) -> None:
+        """Raise a :class:`GPPConfigError` now, before any communication, if ``build()`` would leave
+        a meta tensor without a value."""
+        if self.weights is None and isinstance(self.module, nn.Module) and is_meta(self.module):
+            if self.init is None:
+                raise GPPConfigError(f'layer "{self.name}" is on the meta device but was not captured on it; '
+                                     "capture the meta module itself")
+            check_initializable(self.module, init=self.init, path_of=self.module_path, layer=self.name)
+
+    def module_path(self, name: str) -> str:
+        """The path in the captured module of this layer's submodule or tensor ``name``."""
+        return _join(self.prefix, name)
+
+
+def _join(prefix: str, name: str) -> str:
+    return prefix + name if name else prefix[:-1]
 
 
 class CapturedTiedLayerSpec(CapturedLayerSpec, TiedLayerSpec):
     """A captured layer sharing parameters with other layers (GPT-2's output projection and its
     token embedding): a DeepSpeed ``TiedLayerSpec`` whose module holds every layer of the tie
     (``holder[name]``), so each stage that runs one of them has the shared weights and DeepSpeed
-    all-reduces their gradients across those stages."""
+    all-reduces their gradients across those stages. ``prefixes`` gives each member's prefix."""
 
     def __init__(self, name: str, holder: nn.ModuleDict, *, inputs: Sequence[str], key: str,
-                 tied_weight_attr: Sequence[str]):
+                 tied_weight_attr: Sequence[str], prefixes: dict[str, str] | None = None,
+                 init: ModuleInit | None = None):
         LayerSpec.__init__(self, type(holder))
         self.name, self.inputs, self.module = name, tuple(inputs), holder
         self.key, self.tied_weight_attr = key, list(tied_weight_attr)
         self.forward_fn = _Member(name)
+        self.prefixes = dict(prefixes or {})
+        self.prefix, self.init, self.weights = "", init, None
+
+    def module_path(self, name: str) -> str:
+        member, _, rest = name.partition(".")
+        return _join(self.prefixes.get(member, member + "."), rest) if member else ""
 
 
 class _Member:
@@ -106,12 +153,18 @@ class CapturedModel:
     """The result of :func:`capture`: a layer list with its graph inputs and output layer.
 
     ``prefixes`` maps each layer name to the prefix its parameters have in the original module.
+    ``aliases`` maps each name of a tensor that the module holds under several names (tied
+    weights: T5's ``shared.weight`` is also ``encoder.embed_tokens.weight``) to all of them.
+    ``hf`` describes the Hugging Face model inside the module, if there is one
+    (:class:`gpp_deepspeed.pretrained.HFModelInfo`: where it sits, its config, its tied keys).
     """
 
     layers: list[CapturedLayerSpec]
     input_names: tuple[str, ...]
     output: str
     prefixes: dict[str, str]
+    aliases: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    hf: Any = None
 
     def graph_model(self, **kwargs: Any):
         """The single-device :class:`~gpp_deepspeed.GraphModel` of the captured layers."""
@@ -119,13 +172,18 @@ class CapturedModel:
         return GraphModel(self.layers, input_names=self.input_names, output=self.output, **kwargs)
 
     def module_state_dict(self, graph_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Rename a GraphModel (or ``graph_state_dict()``) state to the original module's names."""
+        """Rename a GraphModel (or ``graph_state_dict()``) state to the original module's names,
+        every name of a tied tensor included, so that the module's ``load_state_dict`` takes it
+        strictly."""
         out = {}
         for key, value in graph_state.items():
             kind, layer, rest = key.split(".", 2)
             if kind == "tied":  # tied.<key>.<layer>.<param>
                 layer, rest = rest.split(".", 1)
             out[self.prefixes[layer] + rest] = value
+        for name, value in list(out.items()):
+            for alias in self.aliases.get(name, ()):
+                out.setdefault(alias, value)
         return out
 
 
@@ -142,12 +200,32 @@ class _LeafTracer(fx.Tracer):
         return qualname in self.named or not any(n.startswith(qualname + ".") for n in self.named)
 
     def call_module(self, m, forward, args, kwargs):
+        _check_no_cache(self.path_of_module(m), args, kwargs)
         try:
             return super().call_module(m, forward, args, kwargs)
         except Exception:
             # The innermost traced-through module records itself first.
             self.failed_in = self.failed_in or self.path_of_module(m)
             raise
+
+
+class _CacheArgumentError(GraphError):
+    """A cache object reaches a layer: no tracer gets further, so capture says so at once."""
+
+
+def _check_no_cache(path: str, args: tuple, kwargs: dict) -> None:
+    """A key/value cache (``transformers``' ``DynamicCache``) passed to a layer is generation state
+    that a training pipeline neither traces nor sends between stages: say how to turn it off."""
+    cache_utils = sys.modules.get("transformers.cache_utils")
+    if cache_utils is None:
+        return
+    named = [*((f"argument {i}", a) for i, a in enumerate(args)), *((f"{k}=", v) for k, v in kwargs.items())]
+    for where, value in named:
+        if isinstance(value, cache_utils.Cache):
+            raise _CacheArgumentError(f'submodule "{path}" is called with a {type(value).__name__} ({where}): a key/value cache '
+                             "is generation state that a pipeline cannot capture or send between stages. Build the "
+                             "model with use_cache=False (config.use_cache = False, or "
+                             "capture(..., concrete_args={\"use_cache\": False}) when forward takes use_cache)")
 
 
 class _SizedProxy(MetaProxy):
@@ -188,8 +266,8 @@ class _ShapeLeafTracer(_LeafTracer, MetaTracer):
 
 
 def capture(module: nn.Module, *, input_names: Sequence[str] | None = None, layers: Sequence[str] | None = None,
-            concrete_args: dict[str, Any] | None = None, example_inputs: Sequence[torch.Tensor] | None = None
-            ) -> CapturedModel:
+            concrete_args: dict[str, Any] | None = None, example_inputs: Sequence[torch.Tensor] | None = None,
+            init_fn: Callable[[nn.Module], None] | None = None) -> CapturedModel:
     """Trace ``module`` at module granularity into a :class:`CapturedModel`.
 
     ``input_names`` names the graph inputs (default: the forward's argument names); ``layers``
@@ -200,10 +278,17 @@ def capture(module: nn.Module, *, input_names: Sequence[str] | None = None, laye
     check ``batch_size != position_ids.shape[0]``), ``example_inputs`` (one tensor per forward
     argument, in order) lets capture trace again on meta tensors of their shapes. That graph is
     specialised to those shapes: every micro-batch must have them.
+
+    A module on the meta device costs no memory here; each layer is materialised when built
+    (:mod:`gpp_deepspeed.meta`), by ``init_fn(submodule)`` when given (it fills one submodule's own
+    tensors), else by the Hugging Face model's ``_init_weights`` or the submodule's
+    ``reset_parameters()``, unless :func:`gpp_deepspeed.load_pretrained` gives it a checkpoint.
     """
     named = _check_layers(module, layers)
     try:
         graph, consts = _trace(module, _LeafTracer(named), concrete_args), {}
+    except _CacheArgumentError:
+        raise
     except GraphError as plain:
         if example_inputs is None:
             raise GraphError(f"{plain}; if the control flow only reads tensor sizes, pass example_inputs=(...) "
@@ -215,7 +300,16 @@ def capture(module: nn.Module, *, input_names: Sequence[str] | None = None, laye
     elif isinstance(input_names, str) or len(input_names) != len(placeholders):
         raise GPPConfigError(f"input_names {input_names!r} must list one name per input of "
                              f"{type(module).__name__}.forward: {[str(p.target) for p in placeholders]}")
-    return _to_layers(module, graph, placeholders, tuple(input_names), consts)
+    init = ModuleInit.of(module, init_fn) if is_meta(module) else None
+    return _to_layers(module, graph, placeholders, tuple(input_names), consts, init)
+
+
+def _aliases(module: nn.Module) -> dict[str, tuple[str, ...]]:
+    """Every name of each tensor that ``module.state_dict()`` holds under several names."""
+    names: dict[int, list[str]] = {}
+    for name, t in module.state_dict(keep_vars=True).items():
+        names.setdefault(id(t), []).append(name)
+    return {n: tuple(group) for group in names.values() if len(group) > 1 for n in group}
 
 
 def _trace(module: nn.Module, tracer: _LeafTracer, concrete_args, **meta) -> fx.Graph:
@@ -234,17 +328,15 @@ def _trace_with_shapes(module, named, concrete_args, example_inputs, plain: Grap
     if len(example_inputs) != len(params):
         raise GPPConfigError(f"example_inputs has {len(example_inputs)} tensors but {type(module).__name__}.forward "
                              f"takes {len(params)} inputs: {params}")
-    memo: dict[int, Any] = {}
-    for t in (*module.parameters(), *module.buffers()):
-        meta = t.detach().to("meta")
-        memo[id(t)] = nn.Parameter(meta, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else meta
-    meta_module = copy.deepcopy(module, memo)  # shares nothing with module, costs no parameter memory
+    meta_module = meta_copy(module)  # shares nothing with module, costs no parameter memory
     tracer = _ShapeLeafTracer(named)
     meta_args = {name: x.to("meta") for name, x in zip(params, example_inputs)}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # MetaTracer warns for every op it cannot size; errors say more
         try:
             graph = _trace(meta_module, tracer, concrete_args, meta_args=meta_args)
+        except _CacheArgumentError:
+            raise
         except GraphError as shaped:
             raise GraphError(f"neither torch.fx nor shape-specialised tracing can capture "
                              f"{type(module).__name__}: {shaped}") from plain
@@ -364,7 +456,7 @@ def _classify(nodes: list[fx.Node], result: fx.Node, is_param) -> tuple[set, dic
 
 
 def _to_layers(module: nn.Module, graph: fx.Graph, placeholders: list[fx.Node],
-               input_names: tuple[str, ...], consts: dict[str, torch.Tensor]) -> CapturedModel:
+               input_names: tuple[str, ...], consts: dict[str, torch.Tensor], init: ModuleInit | None) -> CapturedModel:
     nodes = list(graph.nodes)
     result = nodes[-1].args[0]
     if not isinstance(result, fx.Node) or result.op in ("placeholder", "get_attr"):
@@ -409,15 +501,17 @@ def _to_layers(module: nn.Module, graph: fx.Graph, placeholders: list[fx.Node],
             layer, inputs = _function_layer(module, members, root, inline, is_param, ref, owners, name_of[root],
                                             consts)
             prefixes[name_of[root]] = ""
-        specs.append(CapturedLayerSpec(name_of[root], layer, inputs=inputs))
+        specs.append(CapturedLayerSpec(name_of[root], layer, inputs=inputs, prefix=prefixes[name_of[root]], init=init))
     if result in refs:  # forward returns a selection of a layer's output: the loss reads that leaf
         name_of[result] = _fresh(result.name, taken)
         specs.append(CapturedLayerSpec(name_of[result], nn.Identity(), inputs=[ref(result)]))
         prefixes[name_of[result]] = ""
-    return CapturedModel(_tie_shared(specs), input_names, name_of[result], prefixes)
+    from .pretrained import HFModelInfo
+    return CapturedModel(_tie_shared(specs, init), input_names, name_of[result], prefixes, _aliases(module),
+                         HFModelInfo.find(module))
 
 
-def _tie_shared(specs: list[CapturedLayerSpec]) -> list[CapturedLayerSpec]:
+def _tie_shared(specs: list[CapturedLayerSpec], init: ModuleInit | None = None) -> list[CapturedLayerSpec]:
     """Make the layers that share a parameter one tie (copies would train apart)."""
     owner: dict[int, str] = {}
     group = {s.name: s.name for s in specs}
@@ -451,7 +545,8 @@ def _tie_shared(specs: list[CapturedLayerSpec]) -> list[CapturedLayerSpec]:
                              "of them; a tie may hold only shared parameters: keep the layers that share "
                              "weights free of other parameters (or capture them as one layer)")
         out.append(CapturedTiedLayerSpec(spec.name, holder, inputs=spec.inputs, key=f"tie_{tie[0].name}",
-                                         tied_weight_attr=[names[0] for names in users.values()]))
+                                         tied_weight_attr=[names[0] for names in users.values()],
+                                         prefixes={m.name: m.prefix for m in tie}, init=init))
     return out
 
 
