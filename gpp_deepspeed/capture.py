@@ -32,6 +32,13 @@ shape-specialised trace
 tie
     Layers that share a parameter become :class:`CapturedTiedLayerSpec` entries of one DeepSpeed
     tie, so the shared weight stays one weight when they land on different stages.
+repeated call
+    A submodule called more than once (T5's encoder applies one dropout module twice) becomes one
+    layer per call: copies sharing nothing when it has no parameters, one tie when it has. One with
+    buffers is refused (each copy would update its own running statistics).
+
+The tracers themselves (leaves, the shape-specialised trace, forward hooks, errors that quote the
+model's own line) are in :mod:`gpp_deepspeed._tracing`.
 
 Every layer is a :class:`CapturedLayerSpec` whose ``build()`` returns a *deep copy* of the captured
 submodule: models built from the list start from the module's current weights (nothing is
@@ -48,8 +55,6 @@ import difflib
 import functools
 import inspect
 import operator
-import sys
-import traceback
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -57,9 +62,9 @@ from typing import Any, Callable
 
 import torch
 from torch import fx, nn
-from torch.fx.experimental.meta_tracer import MetaProxy, MetaTracer
 
-from .errors import GPPConfigError, GPPError, GraphError
+from ._tracing import META, CacheArgumentError, LeafTracer, model_line, propagate_meta, trace, trace_with_shapes
+from .errors import GPPConfigError, GraphError
 from .graph.ir import TensorRef
 from .meta import ModuleInit, building_on_meta, check_initializable, is_meta, materialize, meta_copy
 from .spec import GraphLayerSpec
@@ -152,11 +157,11 @@ class _Member:
 class CapturedModel:
     """The result of :func:`capture`: a layer list with its graph inputs and output layer.
 
-    ``prefixes`` maps each layer name to the prefix its parameters have in the original module.
-    ``aliases`` maps each name of a tensor that the module holds under several names (tied
-    weights: T5's ``shared.weight`` is also ``encoder.embed_tokens.weight``) to all of them.
-    ``hf`` describes the Hugging Face model inside the module, if there is one
-    (:class:`gpp_deepspeed.pretrained.HFModelInfo`: where it sits, its config, its tied keys).
+    ``prefixes`` maps each layer name to the prefix its parameters have in the original module;
+    ``aliases`` maps the name of a tensor the module holds under several names (T5's token
+    embedding is ``shared``, ``encoder.embed_tokens`` and ``decoder.embed_tokens``) to all of them;
+    ``unused`` names the module's parameters that no layer holds, because the output does not
+    depend on them (they get no gradient in the module either).
     """
 
     layers: list[CapturedLayerSpec]
@@ -164,6 +169,7 @@ class CapturedModel:
     output: str
     prefixes: dict[str, str]
     aliases: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    unused: tuple[str, ...] = ()
     hf: Any = None
 
     def graph_model(self, **kwargs: Any):
@@ -172,97 +178,16 @@ class CapturedModel:
         return GraphModel(self.layers, input_names=self.input_names, output=self.output, **kwargs)
 
     def module_state_dict(self, graph_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Rename a GraphModel (or ``graph_state_dict()``) state to the original module's names,
-        every name of a tied tensor included, so that the module's ``load_state_dict`` takes it
-        strictly."""
+        """Rename a GraphModel (or ``graph_state_dict()``) state to the original module's names
+        (every name of a tensor the module holds under several, as its ``state_dict()`` does)."""
         out = {}
         for key, value in graph_state.items():
             kind, layer, rest = key.split(".", 2)
             if kind == "tied":  # tied.<key>.<layer>.<param>
                 layer, rest = rest.split(".", 1)
-            out[self.prefixes[layer] + rest] = value
-        for name, value in list(out.items()):
-            for alias in self.aliases.get(name, ()):
-                out.setdefault(alias, value)
+            name = self.prefixes[layer] + rest
+            out.update(dict.fromkeys(self.aliases.get(name, (name, )), value))
         return out
-
-
-class _LeafTracer(fx.Tracer):
-    """Keeps as leaves the named submodules and every module that contains none of them."""
-
-    def __init__(self, named: set[str]):
-        super().__init__()
-        self.named = named
-        self.record_stack_traces = True  # so errors about a node can quote its source line
-        self.failed_in: str | None = None
-
-    def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
-        return qualname in self.named or not any(n.startswith(qualname + ".") for n in self.named)
-
-    def call_module(self, m, forward, args, kwargs):
-        _check_no_cache(self.path_of_module(m), args, kwargs)
-        try:
-            return super().call_module(m, forward, args, kwargs)
-        except Exception:
-            # The innermost traced-through module records itself first.
-            self.failed_in = self.failed_in or self.path_of_module(m)
-            raise
-
-
-class _CacheArgumentError(GraphError):
-    """A cache object reaches a layer: no tracer gets further, so capture says so at once."""
-
-
-def _check_no_cache(path: str, args: tuple, kwargs: dict) -> None:
-    """A key/value cache (``transformers``' ``DynamicCache``) passed to a layer is generation state
-    that a training pipeline neither traces nor sends between stages: say how to turn it off."""
-    cache_utils = sys.modules.get("transformers.cache_utils")
-    if cache_utils is None:
-        return
-    named = [*((f"argument {i}", a) for i, a in enumerate(args)), *((f"{k}=", v) for k, v in kwargs.items())]
-    for where, value in named:
-        if isinstance(value, cache_utils.Cache):
-            raise _CacheArgumentError(f'submodule "{path}" is called with a {type(value).__name__} ({where}): a key/value cache '
-                             "is generation state that a pipeline cannot capture or send between stages. Build the "
-                             "model with use_cache=False (config.use_cache = False, or "
-                             "capture(..., concrete_args={\"use_cache\": False}) when forward takes use_cache)")
-
-
-class _SizedProxy(MetaProxy):
-    """A ``MetaProxy`` that also answers ``x.ndim`` from its meta tensor (transformers' mask code
-    asks ``attention_mask.ndim == 2``)."""
-
-    @property
-    def ndim(self):
-        meta = getattr(self, "_tensor_meta", None)
-        if torch.is_tensor(meta):
-            return meta.ndim
-        return self.tracer.create_proxy("call_function", getattr, (self, "ndim"), {})
-
-
-class _ShapeLeafTracer(_LeafTracer, MetaTracer):
-    """The leaf tracer on meta tensors of the example inputs' shapes (torch's ``MetaTracer``, which
-    ``transformers``' own ``HFTracer`` built on before transformers 5 removed it): sizes are known
-    while tracing, so control flow on shapes runs; control flow on values still fails."""
-
-    _sizing_leaf = False
-
-    def proxy(self, node: fx.Node) -> _SizedProxy:
-        return _SizedProxy(node, self)
-
-    def create_proxy(self, kind, target, args, kwargs, *rest, **options):
-        # MetaTracer sizes a leaf's output by running the leaf on meta tensors: its submodules
-        # must run, not be recorded as calls of their own.
-        self._sizing_leaf = kind == "call_module"
-        try:
-            return super().create_proxy(kind, target, args, kwargs, *rest, **options)
-        finally:
-            self._sizing_leaf = False
-
-    def call_module(self, m, forward, args, kwargs):
-        if self._sizing_leaf:
-            return forward(*args, **kwargs)
-        return super().call_module(m, forward, args, kwargs)
 
 
 def capture(module: nn.Module, *, input_names: Sequence[str] | None = None, layers: Sequence[str] | None = None,
@@ -286,15 +211,22 @@ def capture(module: nn.Module, *, input_names: Sequence[str] | None = None, laye
     """
     named = _check_layers(module, layers)
     try:
-        graph, consts = _trace(module, _LeafTracer(named), concrete_args), {}
-    except _CacheArgumentError:
+        graph, consts = trace(module, LeafTracer(named), concrete_args), {}
+        if example_inputs is not None and not concrete_args:
+            propagate_meta(module, graph, example_inputs)
+    except CacheArgumentError:
         raise
     except GraphError as plain:
         if example_inputs is None:
-            raise GraphError(f"{plain}; if the control flow only reads tensor sizes, pass example_inputs=(...) "
-                             "to trace with their shapes") from plain
-        graph, consts = _trace_with_shapes(module, named, concrete_args, example_inputs, plain)
+            raise
+        graph, consts = trace_with_shapes(module, named, concrete_args, example_inputs, plain)
     placeholders = _strip_concrete(graph, module, concrete_args or {})
+    dropped = _drop_dead_calls(graph)
+    if dropped:
+        warnings.warn(f"capture leaves out submodules {dropped[:6]} whose results the output of "
+                      f"{type(module).__name__} does not depend on (their parameters get no gradient in the module "
+                      "either); they are not part of the pipeline nor of its checkpoints (CapturedModel.unused)",
+                      stacklevel=2)
     if input_names is None:
         input_names = [str(p.target) for p in placeholders]
     elif isinstance(input_names, str) or len(input_names) != len(placeholders):
@@ -302,49 +234,6 @@ def capture(module: nn.Module, *, input_names: Sequence[str] | None = None, laye
                              f"{type(module).__name__}.forward: {[str(p.target) for p in placeholders]}")
     init = ModuleInit.of(module, init_fn) if is_meta(module) else None
     return _to_layers(module, graph, placeholders, tuple(input_names), consts, init)
-
-
-def _aliases(module: nn.Module) -> dict[str, tuple[str, ...]]:
-    """Every name of each tensor that ``module.state_dict()`` holds under several names."""
-    names: dict[int, list[str]] = {}
-    for name, t in module.state_dict(keep_vars=True).items():
-        names.setdefault(id(t), []).append(name)
-    return {n: tuple(group) for group in names.values() if len(group) > 1 for n in group}
-
-
-def _trace(module: nn.Module, tracer: _LeafTracer, concrete_args, **meta) -> fx.Graph:
-    try:
-        return tracer.trace(module, concrete_args=concrete_args, **meta)
-    except GPPError:
-        raise
-    except Exception as exc:
-        raise _trace_error(module, tracer.failed_in, exc) from exc
-
-
-def _trace_with_shapes(module, named, concrete_args, example_inputs, plain: GraphError):
-    """Trace a meta-device copy of ``module`` with meta inputs; return the graph and the tensor
-    constants the trace created (``{attribute name: tensor}``), which the real module lacks."""
-    params = [p for p in inspect.signature(module.forward).parameters if p not in (concrete_args or {})]
-    if len(example_inputs) != len(params):
-        raise GPPConfigError(f"example_inputs has {len(example_inputs)} tensors but {type(module).__name__}.forward "
-                             f"takes {len(params)} inputs: {params}")
-    meta_module = meta_copy(module)  # shares nothing with module, costs no parameter memory
-    tracer = _ShapeLeafTracer(named)
-    meta_args = {name: x.to("meta") for name, x in zip(params, example_inputs)}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # MetaTracer warns for every op it cannot size; errors say more
-        try:
-            graph = _trace(meta_module, tracer, concrete_args, meta_args=meta_args)
-        except _CacheArgumentError:
-            raise
-        except GraphError as shaped:
-            raise GraphError(f"neither torch.fx nor shape-specialised tracing can capture "
-                             f"{type(module).__name__}: {shaped}") from plain
-    known = {n for n, _ in module.named_modules()} | {n for n, _ in module.named_parameters()} | {
-        n for n, _ in module.named_buffers()}
-    consts = {n.target: getattr(meta_module, n.target) for n in graph.nodes
-              if n.op == "get_attr" and n.target not in known and hasattr(meta_module, n.target)}
-    return graph, consts
 
 
 def _check_layers(module: nn.Module, layers: Sequence[str] | None) -> set[str]:
@@ -359,22 +248,6 @@ def _check_layers(module: nn.Module, layers: Sequence[str] | None) -> set[str]:
             raise GPPConfigError(f'layers names "{name}", which is not a submodule of {type(module).__name__}; '
                                  f"close names: {close or known[:10]}")
     return set(layers)
-
-
-def _trace_error(module: nn.Module, failed_in: str | None, exc: Exception) -> GraphError:
-    torch_dir = inspect.getfile(torch).rsplit("/", 1)[0]
-    frames = [f for f in traceback.extract_tb(exc.__traceback__) if not f.filename.startswith(torch_dir)]
-    where = f" at {frames[-1].filename}:{frames[-1].lineno}: {frames[-1].line}" if frames else ""
-    if failed_in:
-        fix = (f'mark that submodule as a layer (capture(..., layers=[..., "{failed_in}"])) so it is kept '
-               "whole instead of traced")
-        culprit = f'submodule "{failed_in}"'
-    else:
-        fix = ("move that code into a submodule (which is kept whole), or fix the values it depends on "
-               "with concrete_args")
-        culprit = f"{type(module).__name__}.forward"
-    return GraphError(f"cannot trace {culprit}{where}: {type(exc).__name__}: {exc}. Data-dependent control "
-                      f"flow cannot be captured: {fix}")
 
 
 def _strip_concrete(graph: fx.Graph, module: nn.Module, concrete_args: dict) -> list[fx.Node]:
@@ -395,9 +268,25 @@ def _strip_concrete(graph: fx.Graph, module: nn.Module, concrete_args: dict) -> 
             graph.erase_node(node)
     for node in graph.nodes:
         if node.op in ("call_function", "call_method") and not node.users:
-            raise GraphError(f'the result of glue op "{node.name}" ({node.target}) is unused{_line(node)}; '
+            raise GraphError(f'the result of glue op "{node.name}" ({node.target}) is unused{model_line(node)}; '
                              "in-place ops between submodules cannot be captured: assign the result instead")
     return [p for p in placeholders if p not in fixed or p.users]
+
+
+def _drop_dead_calls(graph: fx.Graph) -> list[str]:
+    """Erase what the output does not depend on (Llava's vision tower runs a last layer whose output
+    it does not read); return the submodules whose calls went."""
+    live: set[fx.Node] = set()
+    stack = [n for n in graph.nodes if n.op == "output"]
+    while stack:
+        node = stack.pop()
+        if node not in live:
+            live.add(node)
+            stack.extend(node.all_input_nodes)
+    dead = [n for n in graph.nodes if n not in live and n.op != "placeholder"]
+    for node in reversed(dead):
+        graph.erase_node(node)
+    return list(dict.fromkeys(str(n.target) for n in dead if n.op == "call_module"))
 
 
 def _is_pure(node: fx.Node) -> bool:
@@ -408,17 +297,14 @@ def _is_pure(node: fx.Node) -> bool:
     return not (name.endswith("_") and not name.endswith("__") or node.kwargs.get("inplace") is True)
 
 
-def _line(node: fx.Node) -> str:
-    lines = (node.stack_trace or "").strip().splitlines()
-    return f" ({lines[-2].strip()}: {lines[-1].strip()})" if len(lines) >= 2 else ""
-
-
 def _selection_step(node: fx.Node) -> int | str | None:
     """The path step of a selection op, ``x[i]``, ``x["key"]`` or ``x.field`` (not a tensor
     attribute such as ``x.shape``): it becomes part of a reference, applied on the producer's stage."""
     if node.op != "call_function" or len(node.args) != 2 or node.kwargs:
         return None
     key = node.args[1]
+    if isinstance(node.args[0], fx.Node) and torch.is_tensor(node.args[0].meta.get(META)) and isinstance(key, int):
+        return None   # a row of a tensor (Llava's list(image_features)) is glue, not a selection
     if node.target is operator.getitem and isinstance(key, (int, str)) and not isinstance(key, bool):
         return key
     if node.target is getattr and isinstance(key, str) and not hasattr(torch.Tensor, key):
@@ -426,20 +312,43 @@ def _selection_step(node: fx.Node) -> int | str | None:
     return None
 
 
+def _check_repeated_calls(module: nn.Module, nodes: list[fx.Node]) -> None:
+    """A submodule called more than once becomes one layer per call (copies of it). Without
+    parameters the copies share nothing (a dropout, an activation); with parameters the copies
+    are one tie (:func:`_tie_shared`), so the weights stay one weight. Buffers (running statistics)
+    would be updated apart by each copy: such a submodule is refused."""
+    first: dict[str, fx.Node] = {}
+    for n in nodes:
+        if n.op != "call_module":
+            continue
+        if n.target not in first:
+            first[n.target] = n
+            continue
+        buffers = [b for b, _ in module.get_submodule(n.target).named_buffers()]
+        if buffers:
+            caller = _caller(n)
+            keep = (f'name the submodule whose forward calls it in layers= ("{caller}") so the calls stay in one layer'
+                    if caller else "call it once in forward")
+            raise GraphError(f'submodule "{n.target}" is called more than once{model_line(first[n.target])}{model_line(n)} '
+                             f"and holds buffers {buffers[:4]}; each call would become a layer of its own, and "
+                             f"copies of those buffers (running statistics) would be updated apart: {keep}, or give "
+                             "each call its own submodule")
+
+
+def _caller(node: fx.Node) -> str:
+    """The traced-through module whose forward made the call ``node`` ("" for the root's forward)."""
+    stack = [path for path, _ in node.meta.get("nn_module_stack", {}).values()]
+    return stack[-2] if len(stack) >= 2 else ""
+
+
 def _classify(nodes: list[fx.Node], result: fx.Node, is_param) -> tuple[set, dict]:
     """Split glue into metadata ops copied into their readers (``inline``) and selections of a
     layer's output (``refs``: node -> (producer, path)), so that only the selected leaves of a
     structured output (a tuple, a dict, a ``ModelOutput``) cross stages."""
-    called: dict[str, fx.Node] = {}
     inline: set[fx.Node] = set()
     refs: dict[fx.Node, tuple[fx.Node, tuple]] = {}
     for n in nodes:
-        if n.op == "call_module":
-            if n.target in called:
-                raise GraphError(f'submodule "{n.target}" is called more than once{_line(n)}; a layer runs once per '
-                                 "forward, so shared weights need one submodule per use (or TiedLayerSpec)")
-            called[n.target] = n
-        elif n.op not in ("placeholder", "output") and not is_param(n):
+        if n.op not in ("placeholder", "output", "call_module") and not is_param(n):
             step, src = _selection_step(n), n.args[0] if n.args else None
             if step is not None and isinstance(src, fx.Node) and (
                     src in refs or src.op in ("call_module", "call_function", "call_method") and src not in inline):
@@ -466,6 +375,7 @@ def _to_layers(module: nn.Module, graph: fx.Graph, placeholders: list[fx.Node],
                          "from its inputs (return extra values from a separate method)")
     params = dict(module.named_parameters())
     is_param = lambda n: n.op == "get_attr" and n.target in params
+    _check_repeated_calls(module, nodes)
     inline, refs = _classify(nodes, result, is_param)
     # Each glue op joins the layer of its only user when that user is glue: a chain ends in one layer.
     group: dict[fx.Node, fx.Node] = {}
@@ -506,9 +416,20 @@ def _to_layers(module: nn.Module, graph: fx.Graph, placeholders: list[fx.Node],
         name_of[result] = _fresh(result.name, taken)
         specs.append(CapturedLayerSpec(name_of[result], nn.Identity(), inputs=[ref(result)]))
         prefixes[name_of[result]] = ""
+    aliases = _aliases(module)
+    held = {prefixes[s.name] + n for s in specs for n, _ in s.module.named_parameters()}
+    unused = tuple(n for n, _ in module.named_parameters() if not held & set(aliases.get(n, (n, ))))
     from .pretrained import HFModelInfo
-    return CapturedModel(_tie_shared(specs, init), input_names, name_of[result], prefixes, _aliases(module),
+    return CapturedModel(_tie_shared(specs, init), input_names, name_of[result], prefixes, aliases, unused,
                          HFModelInfo.find(module))
+
+
+def _aliases(module: nn.Module) -> dict[str, tuple[str, ...]]:
+    """Each name of a tensor that ``module.state_dict()`` holds under more than one name -> all its names."""
+    names: dict[int, list[str]] = {}
+    for name, tensor in module.state_dict(keep_vars=True).items():
+        names.setdefault(id(tensor), []).append(name)
+    return {n: tuple(group) for group in names.values() if len(group) > 1 for n in group}
 
 
 def _tie_shared(specs: list[CapturedLayerSpec], init: ModuleInit | None = None) -> list[CapturedLayerSpec]:
@@ -577,19 +498,65 @@ def _function_layer(module, members, root, inline, is_param, ref, owners, name, 
     for n in members:
         walk(n)
     if not external:
-        raise GraphError(f'layer "{name}" ({root.name}{_line(root)}) reads no tensor from the inputs or other '
+        raise GraphError(f'layer "{name}" ({root.name}{model_line(root)}) reads no tensor from the inputs or other '
                          "layers; compute it inside a submodule or from an input")
-    sub = fx.Graph()
-    env = {a: sub.placeholder(f"in{i}") for i, a in enumerate(external)}
     keep = set(copied) | member_set
+    donors = _metadata_donors(module, external, keep)
+    sub = fx.Graph()
+    env = {a: sub.placeholder(f"in{i}") for i, a in enumerate(a for a in external if a not in donors)}
+    for a, donor in donors.items():
+        env[a] = env[donor] if isinstance(donor, fx.Node) else sub.get_attr(donor)
     for n in (n for n in root.graph.nodes if n in keep):
         if is_param(n):
             owner = owners.setdefault(n.target, name)
             if owner != name:
                 raise GraphError(f'parameter "{n.target}" is read by the glue code of two layers ("{owner}" and '
-                                 f'"{name}"){_line(n)}; move the code that uses it into a submodule')
+                                 f'"{name}"){model_line(n)}; move the code that uses it into a submodule')
         env[n] = sub.node_copy(n, lambda a: env[a])
     sub.output(env[root])
     targets = {n.target for n in sub.nodes if n.op in ("get_attr", "call_module")}
     owner = {t: consts[t] if t in consts else functools.reduce(getattr, t.split("."), module) for t in targets}
-    return fx.GraphModule(owner, sub, class_name=f"Glue_{name}"), [ref(a) for a in external]
+    return fx.GraphModule(owner, sub, class_name=f"Glue_{name}"), [ref(a) for a in external if a not in donors]
+
+
+def _metadata_donors(module: nn.Module, external: list[fx.Node], keep: set[fx.Node]) -> dict[fx.Node, Any]:
+    """The inputs of a function layer that it reads only for their ``.device`` or ``.dtype``, each
+    with a value the layer already holds that answers the same: a node of another input, or the name of
+    a parameter or buffer of a submodule the layer calls. Those inputs then cross no stage edge.
+
+    Rules (``docs/capture.md``): every tensor a stage holds is on the rank's device, so any of its
+    tensors answers ``.device``; tensors whose dtypes were equal at capture are equal at run time
+    (``module.to(dtype)``, DeepSpeed's bf16/fp16 cast everything floating alike), so a value with the
+    same capture-time dtype (known from the example inputs' trace) answers ``.dtype``.
+    """
+    held = [(str(n.target), t) for n in keep if n.op == "call_module"
+            for t in _named_tensors(module.get_submodule(str(n.target)))]
+    donors: dict[fx.Node, Any] = {}
+    for a in external:
+        reads = {u.args[1] for u in a.users if u in keep} if all(
+            u.op == "call_function" and u.target is getattr and u.args[1] in ("device", "dtype")
+            for u in a.users if u in keep) else set()
+        if not reads:
+            continue
+        dtype = _meta_dtype(a)
+        if "dtype" in reads and dtype is None:
+            continue  # its capture-time dtype is unknown: no value can be shown to answer for it
+        others = [b for b in external if b is not a and b not in donors and _meta_dtype(b) is not None
+                  and ("dtype" not in reads or _meta_dtype(b) == dtype)]
+        own = [f"{path}.{t_name}" for path, (t_name, t) in held if "dtype" not in reads or t.dtype == dtype]
+        donor = own[0] if own else others[0] if others else None
+        if donor is not None:
+            donors[a] = donor
+    if len(donors) == len(external):
+        return {}   # keep one input: a layer that reads nothing could not be scheduled
+    return donors
+
+
+def _named_tensors(m: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    return [*m.named_parameters(), *m.named_buffers()]
+
+
+def _meta_dtype(node: fx.Node) -> torch.dtype | None:
+    """The dtype ``node`` had in the trace with the example inputs' shapes, if it is a tensor there."""
+    value = node.meta.get(META)
+    return value.dtype if torch.is_tensor(value) else None

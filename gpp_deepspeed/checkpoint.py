@@ -13,13 +13,17 @@ ZeRO's ``*_optim_states.pt``):
     the layer's ``state_dict()`` (DeepSpeed's per-layer format, written by DeepSpeed's
     ``save_state_dict``);
 ``layer_<name>-optim_states.pt``
-    ``{param name in the layer: optimizer state}`` (``momentum_buffer``, ``exp_avg``, ``step``, ...),
-    written when the optimizer is a torch optimizer over the module's own parameters (ZeRO-0 without
-    bf16/fp16). ZeRO-1 and DeepSpeed's bf16 optimizer keep their state in flat buffers per
-    data-parallel rank, not per layer: that state does not move to another layout;
+    ``{param name in the layer: optimizer state}``, whatever optimizer wrote it (a torch
+    optimizer, DeepSpeed's bf16 optimizer, ZeRO-1/2/3): each state tensor whole, in the
+    parameter's shape (``momentum_buffer``, ``exp_avg``, ``exp_avg_sq``), ``step`` the number of
+    updates the parameter has had (an int), and ``"fp32"`` the fp32 master weight when the model's
+    weights are lower precision (bf16). ZeRO and the bf16 optimizer hold these in flat partitions
+    per data-parallel rank; the engine gathers each parameter's whole state with DeepSpeed's
+    tensor-fragment API to write them and scatters them back under the new layout
+    (:mod:`gpp_deepspeed.engine.portable`);
 ``graph_layout.json``
-    the layout it was saved under (``stage_of``, ``num_stages``, ``data_parallel``) and the
-    engine's counters (``global_steps``, ``global_samples``, ``skipped_steps``);
+    the layout it was saved under (``stage_of``, ``num_stages``, ``data_parallel``, ``zero_stage``,
+    ``bf16``) and the engine's counters (``global_steps``, ``global_samples``, ``skipped_steps``);
 ``graph_lr_scheduler.pt``
     the learning-rate scheduler's state, if there is one.
 
@@ -39,9 +43,11 @@ import torch
 
 __all__ = ["LAYOUT_FILE", "LR_SCHEDULER_FILE", "layer_model_file", "layer_model_files", "layer_optim_file",
            "read_layout", "write_layout", "latest_tag", "optimizer_state_by_name", "load_optimizer_state_by_name",
+           "load_master_weights_by_name", "step_value", "MASTER_KEY",
            "save_graph_model", "load_graph_model"]
 
 LAYOUT_FILE = "graph_layout.json"
+MASTER_KEY = "fp32"   # a parameter's fp32 master weight in its optimizer state file (DeepSpeed's universal name)
 LR_SCHEDULER_FILE = "graph_lr_scheduler.pt"
 
 
@@ -77,12 +83,11 @@ def _check_name(name: str) -> None:
         raise ValueError(f'layer name "{name}" cannot name a checkpoint file; rename the layer')
 
 
-def write_layout(ckpt_dir: str, *, stage_of: dict[str, int], num_stages: int, data_parallel: int,
-                 counters: dict[str, int]) -> None:
+def write_layout(ckpt_dir: str, *, counters: dict[str, int], **layout: Any) -> None:
+    """Write ``graph_layout.json``: the ``layout`` (``stage_of``, ``num_stages``, ...) and ``counters``."""
     os.makedirs(ckpt_dir, exist_ok=True)
     with open(os.path.join(ckpt_dir, LAYOUT_FILE), "w") as f:
-        json.dump({"stage_of": stage_of, "num_stages": num_stages, "data_parallel": data_parallel,
-                   "counters": counters}, f, indent=1)
+        json.dump({**layout, "counters": counters}, f, indent=1)
 
 
 def read_layout(ckpt_dir: str) -> dict[str, Any] | None:
@@ -103,23 +108,55 @@ def latest_tag(load_dir: str) -> str | None:
         return f.read().strip()
 
 
-def optimizer_state_by_name(optimizer: torch.optim.Optimizer, module: torch.nn.Module) -> dict[str, dict]:
-    """``{param name in module: a copy of optimizer.state[param]}`` for the params that have state."""
+def optimizer_state_by_name(optimizer: torch.optim.Optimizer, module: torch.nn.Module, *,
+                            step_of=None) -> dict[str, dict]:
+    """``{param name in module: a copy of optimizer.state[param]}`` for the params that have state,
+    in the portable form: tensors on the CPU, ``step`` a Python int (``step_of(param)`` instead of
+    the parameter's own count where the optimizer counts steps per group)."""
     out = {}
     for name, p in module.named_parameters():
         state = optimizer.state.get(p)
         if state:
-            out[name] = {k: v.detach().clone() if torch.is_tensor(v) else v for k, v in state.items()}
+            copy = {k: v.detach().cpu().clone() if torch.is_tensor(v) else v for k, v in state.items()}
+            if "step" in copy:
+                copy["step"] = int(step_of(p) if step_of is not None else copy["step"])
+            out[name] = copy
     return out
+
+
+def step_value(optimizer: torch.optim.Optimizer, step: int):
+    """``step`` as ``optimizer`` keeps it: a float32 0-dim tensor for torch's optimizers (what
+    ``torch.optim.Optimizer.load_state_dict`` makes of it; Adam increments it in place), else an int.
+
+    >>> step_value(torch.optim.Adam([torch.zeros(1, requires_grad=True)]), 3)
+    tensor(3.)
+    """
+    if type(optimizer).__module__.startswith("torch.optim"):
+        return torch.tensor(float(step), dtype=torch.float32)
+    return int(step)
 
 
 def load_optimizer_state_by_name(optimizer: torch.optim.Optimizer, module: torch.nn.Module,
                                  states: dict[str, dict]) -> None:
-    """Put ``states`` (from :func:`optimizer_state_by_name`) back on ``module``'s parameters."""
+    """Put ``states`` (from :func:`optimizer_state_by_name`) back on ``module``'s parameters.
+
+    A saved fp32 master weight (``"fp32"``, see :data:`MASTER_KEY`) is not optimizer state: see
+    :func:`load_master_weights_by_name`."""
     params = dict(module.named_parameters())
     for name, state in states.items():
         p = params[name]
-        optimizer.state[p] = {k: v.to(p.device) if torch.is_tensor(v) and v.dim() else v for k, v in state.items()}
+        optimizer.state[p] = {k: step_value(optimizer, v) if k == "step" else v.to(p.device) if torch.is_tensor(v) else v
+                              for k, v in state.items() if k != MASTER_KEY}
+
+
+def load_master_weights_by_name(module: torch.nn.Module, states: dict[str, dict]) -> None:
+    """Copy the saved fp32 master weights into ``module``'s fp32 parameters (a run in bf16 saved
+    them; its model files hold the weights rounded to bf16)."""
+    params = dict(module.named_parameters())
+    with torch.no_grad():
+        for name, state in states.items():
+            if MASTER_KEY in state and params[name].dtype == torch.float32:
+                params[name].copy_(state[MASTER_KEY].view_as(params[name]))
 
 
 def _graph_model_layers(model):
@@ -166,7 +203,10 @@ def load_graph_model(model, load_dir: str, tag: str | None = None, *,
                              "GraphModel reads unsplit layers only")
         module.load_state_dict(torch.load(files[0], map_location="cpu", weights_only=False))
         optim = layer_optim_file(ckpt_dir, name)
-        if optimizer is not None and os.path.isfile(optim):
-            load_optimizer_state_by_name(optimizer, module, torch.load(optim, weights_only=False))
+        if os.path.isfile(optim):
+            states = torch.load(optim, weights_only=False)
+            load_master_weights_by_name(module, states)
+            if optimizer is not None:
+                load_optimizer_state_by_name(optimizer, module, states)
     layout = read_layout(ckpt_dir)
     return dict(layout.get("counters", {})) if layout else {}

@@ -12,9 +12,12 @@ Synopsis::
     gpp compare COSTS --devices N --mini-batch B [--methods graphpipe,pipedream,...] [--space full|runtime]
                       [--micro-batches 1,2,4] [--schedules 1f1b,zb1,zb2]
 
-``plan`` and ``compare`` take ``--schedules``: ``plan`` keeps the fastest listed training schedule
-whose memory fits (the plan JSON carries it, and the engine runs it unless the DeepSpeed config's
-``graph_pipeline.schedule`` says otherwise); ``compare`` prices every method's plan under each. The asynchronous schedules (``pipedream``,
+``plan`` and ``compare`` take ``--schedules``. GraphPipe searches under each listed training
+schedule, pricing every candidate stage graph with the memory and the simulated time of that
+schedule, so each schedule may get another partition; other planners' plans are priced under each.
+``plan`` keeps the fastest plan whose memory fits (the plan JSON carries its schedule, and the
+engine runs it unless the DeepSpeed config's ``graph_pipeline.schedule`` says otherwise);
+``compare`` shows every method's best plan per schedule side by side. The asynchronous schedules (``pipedream``,
 ``2bw``, ``pipeoptim``) are priced in steady state: one batch with the pipeline full before and
 after it (no warm-up, no flush), their stashed weight versions counted in memory.
 
@@ -149,7 +152,9 @@ def _plan(args) -> None:
     if plan is None:
         raise GPPError(f"{args.method} found no plan for {db.model} on {args.devices} devices, mini-batch "
                        f"{args.mini_batch}: {result.status}")
-    if args.schedules:  # the schedule becomes part of the plan: the fastest that fits memory
+    if args.schedules and not result.alternatives:
+        # GraphPipe searched under every schedule; another planner's plan is priced under each, and
+        # the schedule becomes part of the plan: the fastest that fits memory.
         plan = choose_schedule(plan, db, schedules=args.schedules)
     if args.topology:
         plan = _placed(plan, db, args)
@@ -374,21 +379,30 @@ def _method(name: str) -> Callable[..., SearchResult]:
 
 
 def _search(method: str, db: CostDB, args) -> SearchResult:
-    """Run planner ``method`` with the command line's devices, mini-batch, sweep and space."""
+    """Run planner ``method`` with the command line's devices, mini-batch, sweep and space
+    (GraphPipe searches under every schedule of ``--schedules``)."""
     search = _method(method)
-    kw = {"space": args.space or "full", "recompute": args.recompute} if method == "graphpipe" else {}
+    kw = {}
+    if method == "graphpipe":
+        kw = {"space": args.space or "full", "recompute": args.recompute, "schedules": args.schedules or ("1f1b",)}
     _say(args, f"{method}: searching {db.model} on {args.devices} devices, mini-batch {args.mini_batch}")
     return search(db, num_devices=args.devices, mini_batch=args.mini_batch,
                            micro_batches=args.micro_batches, progress=None if args.quiet else _stderr, **kw)
 
 
 def _per_schedule(results: list[SearchResult], db: CostDB, schedules: Sequence[str]) -> list[SearchResult]:
-    """One row per method and schedule: each method's plan priced under every schedule."""
+    """One row per method and schedule: GraphPipe's best plan under each schedule (it searched
+    under each), every other method's plan priced under each."""
     rows = []
     for r in results:
-        for name in schedules:
-            plan = None if r.plan is None else predict(r.plan, db, schedule=name)
-            rows.append(dataclasses.replace(r, method=f"{r.method}/{name}", plan=plan))
+        for i, name in enumerate(schedules):
+            if r.alternatives:
+                plan = r.alternatives[i]
+                status = r.status if plan is not None else f"no plan fits under {name}"
+            else:
+                plan = None if r.plan is None else predict(r.plan, db, schedule=name)
+                status = r.status
+            rows.append(dataclasses.replace(r, method=f"{r.method}/{name}", plan=plan, status=status))
     return rows
 
 
@@ -518,8 +532,9 @@ def _parser() -> argparse.ArgumentParser:
     search.add_argument("--recompute", action="store_true", help="graphpipe: a stage that would not fit "
                         "may recompute its activations in the backward (the plan marks it; the engine checkpoints it)")
     search.add_argument("--schedules", type=_schedule_names, metavar="1f1b,zb1,zb2",
-                        help="training schedules to price each plan with (default: 1f1b); plan keeps the "
-                        "fastest that fits memory, compare shows one row per method and schedule")
+                        help="training schedules (default: 1f1b): graphpipe searches under each, other "
+                        "methods' plans are priced under each; plan keeps the fastest that fits memory, compare "
+                        "shows one row per method and schedule")
 
     p = sub.add_parser("profile", parents=[common, sweep], help="write a model's cost database")
     p.add_argument("model", metavar="MODEL", help=f"one of {', '.join(sorted(BUILDERS))}")

@@ -67,6 +67,24 @@ class GraphModel(nn.Module):
             env[TensorRef(name)] = call_layer(entry, self._funcs[name], args)
         return env[TensorRef(self.graph.output)]
 
+    @torch.no_grad()
+    def edge_bytes(self, partition, *inputs: torch.Tensor) -> dict[tuple[int, int], int]:
+        """Bytes that each stage edge ``(src, dst)`` of ``partition`` (a
+        :class:`~gpp_deepspeed.graph.stages.Partition` of this model's graph) carries for the
+        micro-batch ``inputs``: the tensors the engine sends forward, measured on this forward
+        (their gradients return as many bytes)."""
+        from .spec import port_leaves
+        env: dict[TensorRef, Any] = {TensorRef(n): x for n, x in zip(self.graph.input_names, inputs)}
+        for name in self.graph.order:
+            entry = self._by_name[name]
+            env[TensorRef(name)] = call_layer(entry, self._funcs[name],
+                                              [resolve(env, TensorRef.parse(r)) for r in entry.inputs])
+        sizes = {}
+        for edge in partition.stage_graph.edges:
+            leaves = [port_leaves(ref, resolve(env, ref)) for ref in edge.tensors]
+            sizes[(edge.src, edge.dst)] = sum(t.numel() * t.element_size() for t in _tensors(leaves))
+        return sizes
+
     def load_pipeline_checkpoint(self, load_dir: str, tag: str | None = None, *,
                                  optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
         """Load a checkpoint the pipeline engine wrote (any partition), and the per-layer optimizer
@@ -81,6 +99,14 @@ class GraphModel(nn.Module):
         ``engine.load_checkpoint`` loads under any partition; returns its folder."""
         from .checkpoint import save_graph_model
         return save_graph_model(self, save_dir, tag, optimizer=optimizer, global_steps=global_steps)
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    if torch.is_tensor(value):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in _tensors(v)]
+    return []
 
 
 def _bind(forward_fn, module):

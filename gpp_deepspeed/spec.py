@@ -26,10 +26,10 @@ from torch.utils._pytree import tree_flatten_with_path
 from deepspeed.runtime.pipe.module import LayerSpec, TiedLayerSpec
 
 from .errors import GraphError
-from .graph.ir import TensorRef
+from .graph.ir import LayerGraph, TensorRef, build_layer_graph
 
-__all__ = ["GraphLayerSpec", "LayerEntry", "normalize_layers", "layer_seed", "call_layer", "build_entry", "resolve",
-           "port_leaves"]
+__all__ = ["GraphLayerSpec", "LayerEntry", "normalize_layers", "layer_graph", "layer_seed", "call_layer", "build_entry",
+           "resolve", "port_leaves"]
 
 
 class GraphLayerSpec(LayerSpec):
@@ -107,6 +107,20 @@ def normalize_layers(layers: Sequence[Any], input_names: Sequence[str], *, base_
         entries.append(entry)
         previous = (entry.name, )
     return entries
+
+
+def layer_graph(layers: Sequence[Any], *, input_names: Sequence[str] = ("input", ),
+                output: str | None = None) -> LayerGraph:
+    """The layer DAG of a layer list, as :class:`~gpp_deepspeed.GraphPipelineModule` derives it,
+    without building any layer: what :func:`~gpp_deepspeed.partitioning.resolve_partition` cuts
+    when a partition is resolved ahead of time.
+
+    >>> g = layer_graph([GraphLayerSpec("a", nn.Linear, 2, 2, inputs=["x"]), nn.ReLU()], input_names=["x"])
+    >>> [(n.name, [str(r) for r in n.inputs]) for n in g.nodes]
+    [('a', ['x']), ('layer1', ['a'])]
+    """
+    entries = normalize_layers(layers, input_names, base_seed=0)  # seeds play no part in the graph
+    return build_layer_graph(input_names, [(e.name, e.inputs) for e in entries], output=output)
 
 
 def build_entry(entry: LayerEntry) -> Any:

@@ -143,6 +143,102 @@ def _bert_batches(step: int) -> list:
     return batches
 
 
+class T5Logits(nn.Module):
+    """``transformers.T5ForConditionalGeneration`` as it is: its encoder calls one dropout module
+    twice, and the token embedding (``shared``, both stacks' ``embed_tokens``) is tied to the output
+    projection."""
+
+    def __init__(self):
+        super().__init__()
+        from transformers import T5Config, T5ForConditionalGeneration
+        self.t5 = T5ForConditionalGeneration(T5Config(
+            vocab_size=VOCAB, d_model=16, d_kv=8, d_ff=32, num_layers=2, num_decoder_layers=2, num_heads=2,
+            dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0, eos_token_id=1, use_cache=False))
+
+    def forward(self, input_ids, decoder_input_ids):
+        return self.t5(input_ids=input_ids, decoder_input_ids=decoder_input_ids).logits
+
+
+def _t5_batches(step: int) -> list:
+    g = torch.Generator().manual_seed(step)
+    batches = []
+    for _ in range(GAS):
+        source, target = torch.randint(2, VOCAB, (MBS, SEQ), generator=g), torch.randint(2, VOCAB, (MBS, SEQ), generator=g)
+        decoder_input_ids = torch.cat([torch.zeros(MBS, 1, dtype=torch.long), target[:, :-1]], dim=1)
+        batches.append(((source, decoder_input_ids), target))
+    return batches
+
+
+class LlamaLogits(nn.Module):
+    """``transformers.LlamaForCausalLM`` as it is: every decoder layer's mask and positions are
+    built from ``inputs_embeds.device``, which capture reads on the layer's own stage instead."""
+
+    def __init__(self):
+        super().__init__()
+        from transformers import LlamaConfig, LlamaForCausalLM
+        self.llama = LlamaForCausalLM(LlamaConfig(**_tiny(num_hidden_layers=2, vocab_size=VOCAB, num_key_value_heads=1,
+                                                          max_position_embeddings=SEQ, use_cache=False)))
+
+    def forward(self, input_ids):
+        return self.llama(input_ids=input_ids).logits
+
+
+IMAGE_TOKEN = VOCAB - 1
+IMAGE_TOKENS = (IMAGE // PATCH)**2              # one per patch
+
+
+class LlavaLogits(nn.Module):
+    """``transformers.LlavaForConditionalGeneration`` as it is: a CLIP vision tower whose
+    second-to-last hidden state (collected by forward hooks) is projected into the image tokens'
+    places among a Llama decoder's token embeddings (``list(image_features)`` splits the batch)."""
+
+    def __init__(self):
+        super().__init__()
+        from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
+        vision = CLIPVisionConfig(**_tiny(num_hidden_layers=2, image_size=IMAGE, patch_size=PATCH))
+        text = LlamaConfig(**_tiny(num_hidden_layers=2, vocab_size=VOCAB, num_key_value_heads=1,
+                                   max_position_embeddings=4 * SEQ, use_cache=False))
+        self.llava = LlavaForConditionalGeneration(LlavaConfig(vision_config=vision, text_config=text,
+                                                               image_token_id=IMAGE_TOKEN))
+
+    def forward(self, input_ids, pixel_values):
+        return self.llava(input_ids=input_ids, pixel_values=pixel_values).logits
+
+
+def _llava_batches(step: int) -> list:
+    g = torch.Generator().manual_seed(step)
+    batches = []
+    for _ in range(GAS):
+        text = torch.randint(0, IMAGE_TOKEN, (MBS, SEQ), generator=g)
+        ids = torch.cat([torch.full((MBS, IMAGE_TOKENS), IMAGE_TOKEN), text], dim=1)   # image first, then text
+        labels = torch.cat([torch.full((MBS, IMAGE_TOKENS), -100), text[:, 1:], torch.full((MBS, 1), -100)], dim=1)
+        batches.append(((ids, torch.randn(MBS, 3, IMAGE, IMAGE, generator=g)), labels))
+    return batches
+
+
+class HiddenStateSum(nn.Module):
+    """A classifier over the sum of every hidden state of ``transformers.BertModel`` (as speech models
+    weigh their layers): transformers 5 collects ``hidden_states`` with forward hooks on the layers."""
+
+    def __init__(self):
+        super().__init__()
+        from transformers import BertConfig, BertModel
+        self.bert = BertModel(BertConfig(vocab_size=VOCAB, max_position_embeddings=SEQ, hidden_dropout_prob=0.0,
+                                         attention_probs_dropout_prob=0.0, **_tiny(num_hidden_layers=2)),
+                              add_pooling_layer=False)
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, input_ids):
+        hidden = self.bert(input_ids=input_ids, output_hidden_states=True).hidden_states
+        return self.head(torch.stack(hidden).sum(dim=0)[:, 0])
+
+
+def _classify_batches(step: int) -> list:
+    g = torch.Generator().manual_seed(step)
+    return [(torch.randint(0, VOCAB, (MBS, SEQ), generator=g), torch.randint(0, 3, (MBS, ), generator=g))
+            for _ in range(GAS)]
+
+
 @dataclass
 class Encoded:
     """A layer output that is a dataclass."""
@@ -201,6 +297,10 @@ class HFCase:
     loss_fn: nn.Module
     partition: Any = "parameters"
     shaped: bool = False                     # trace on meta tensors of the first batch's shapes
+    # Traced, transformers materialises the causal mask of a Llama-style decoder where the module
+    # lets sdpa apply it (is_causal=True): the same function through another kernel, whose
+    # gradients may differ in the last bits. The forward stays exact.
+    masks_materialised: bool = False
 
     def model(self) -> nn.Module:
         torch.manual_seed(0)
@@ -234,6 +334,39 @@ BERT_LAYERS = ["bert.bert.embeddings", "bert.bert.encoder.layer.0", "bert.bert.e
 # The attention mask, built from the padding mask on stage 0, is read by the layers of stages 1 and 2.
 BERT_STAGES = {"bert_bert_embeddings": 0, "expand": 0, "bert_bert_encoder_layer_0": 1}
 
+T5_LAYERS = [f"t5.{stack}.block.{i}" for stack in ("encoder", "decoder") for i in range(2)] + [
+    "t5.encoder.final_layer_norm", "t5.decoder.final_layer_norm", "t5.lm_head"]
+# Stage 0: the encoder; stage 1: the target embedding and the first decoder layer; stage 2: the
+# second decoder layer and the head. The embedding is tied to the head across all three stages.
+T5_STAGES = {"t5_decoder_embed_tokens": 1, "t5_decoder_dropout": 1, "t5_decoder_block_0": 1,
+             **{n: 2 for n in ("t5_decoder_block_1", "t5_decoder_final_layer_norm", "t5_decoder_dropout_1", "mul",
+                               "t5_lm_head")}}
+
+LLAMA_LAYERS = ["llama.model.embed_tokens", "llama.model.rotary_emb", "llama.model.layers.0", "llama.model.layers.1",
+                "llama.model.norm", "llama.lm_head"]
+# Stage 0: the embedding and the rotary tables; stage 1: the first decoder layer; stage 2: the rest.
+LLAMA_STAGES = {"llama_model_embed_tokens": 0, "llama_model_rotary_emb": 0, "llama_model_layers_0": 1}
+
+LLAVA_VISION = "llava.model.vision_tower"
+LLAVA_TEXT = "llava.model.language_model"
+LLAVA_LAYERS = [f"{LLAVA_VISION}.{n}" for n in ("embeddings", "pre_layrnorm", "encoder.layers.0", "encoder.layers.1")] + [
+    "llava.model.multi_modal_projector", f"{LLAVA_TEXT}.embed_tokens", f"{LLAVA_TEXT}.layers.0", f"{LLAVA_TEXT}.layers.1",
+    f"{LLAVA_TEXT}.norm", "llava.lm_head"]
+
+
+# Stage 0: the vision tower (its glue "getitem": the pooled CLS token, "getitem_1": the patch
+# features of the second-to-last layer) and the projector; stage 1: the token embedding,
+# concurrently; stage 2: the merge (masked_scatter), the decoder and the head.
+LLAVA_STAGES = {"getitem": 0, "getitem_1": 0, "llava_model_multi_modal_projector": 0,
+                f"{LLAVA_TEXT.replace('.', '_')}_embed_tokens": 1}
+
+
+def _llava_stages(names: list[str]) -> dict[str, int]:
+    return {n: 0 if n.startswith(LLAVA_VISION.replace(".", "_")) else LLAVA_STAGES.get(n, 2) for n in names}
+
+
+HIDDEN_SUM_LAYERS = ["bert.embeddings", "bert.encoder.layer.0", "bert.encoder.layer.1", "head"]
+
 CASES: dict[str, HFCase] = {
     "clip": HFCase(CLIPLogits, CLIP_LAYERS, 3, _clip_batches, ContrastiveLoss()),
     # LiT-style: the image tower and its projection are locked; stage 0 runs forwards only.
@@ -246,6 +379,13 @@ CASES: dict[str, HFCase] = {
                    partition=lambda names: {n: BERT_STAGES.get(n, 2) for n in names}),
     "ved": HFCase(ImageCaptioner, VED_LAYERS, 3, _caption_batches, NextTokenLoss(), shaped=True,
                   partition=lambda names: {n: VED_STAGES.get(n, 1) for n in names}),
+    "llama": HFCase(LlamaLogits, LLAMA_LAYERS, 3, _lm_batches, NextTokenLoss(), shaped=True, masks_materialised=True,
+                    partition=lambda names: {n: LLAMA_STAGES.get(n, 2) for n in names}),
+    "llava": HFCase(LlavaLogits, LLAVA_LAYERS, 3, _llava_batches, NextTokenLoss(), shaped=True, partition=_llava_stages,
+                    masks_materialised=True),
+    "hidden_sum": HFCase(HiddenStateSum, HIDDEN_SUM_LAYERS, 3, _classify_batches, nn.CrossEntropyLoss()),
+    "t5": HFCase(T5Logits, T5_LAYERS, 3, _t5_batches, NextTokenLoss(), shaped=True,
+                 partition=lambda names: {n: T5_STAGES.get(n, 0) for n in names}),
 }
 
 

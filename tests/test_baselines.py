@@ -122,7 +122,8 @@ def test_pipedream_prices_ranges_exactly_as_the_cost_model_with_relayed_skip_ten
 
 def brute_force_piper(cm: StageCostModel, *, b: int, num_devices: int) -> float:
     """Least bottleneck over every sequence of stages whose prefixes are closed under producers,
-    with every data-parallel degree per stage (at most ``num_devices`` devices in all)."""
+    with every data-parallel degree per stage (at most ``num_devices`` devices in all), each
+    stage priced with the boundaries of the chain pipeline that runs it (skip tensors relayed)."""
     everything = cm.full_mask
 
     def closed(mask: int) -> bool:
@@ -147,11 +148,11 @@ def brute_force_piper(cm: StageCostModel, *, b: int, num_devices: int) -> float:
             if sum(ds) > num_devices:
                 continue
             worst = 0.0
-            for k, (mask, d) in enumerate(zip(stages, ds)):
+            for k, (mask, d, bd) in enumerate(zip(stages, ds, cm.chain_boundaries(stages))):
                 if not cm.fits(mask, b, d, math.ceil(sum(ds[k:]) / d)):
                     worst = math.inf
                     break
-                worst = max(worst, cm.time_per_sample(mask, b, d))
+                worst = max(worst, cm.time_per_sample(mask, b, d, boundary=bd))
             best = min(best, worst)
     return best
 
@@ -177,7 +178,9 @@ def test_piper_bottleneck_equals_brute_force_over_convex_partitions(shape, seed,
             continue
         tps, stages = found[b]
         assert tps == pytest.approx(expected, rel=REL)
-        assert max(cm.time_per_sample(m, b, d) for m, d in stages) == pytest.approx(tps, rel=REL)
+        bounds = cm.chain_boundaries([m for m, _ in stages])
+        assert max(cm.time_per_sample(m, b, d, boundary=bd) for (m, d), bd in zip(stages, bounds)) == \
+            pytest.approx(tps, rel=REL)
         assert sum(d for _, d in stages) <= num_devices
 
 

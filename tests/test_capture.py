@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from dist import launch
-from gpp_deepspeed.capture import CapturedLayerSpec, capture
+from gpp_deepspeed.capture import CapturedLayerSpec, CapturedTiedLayerSpec, capture
 from gpp_deepspeed.errors import GPPConfigError, GraphError
 from workers.capture_worker import GAS, LR, STEPS, TwoTower, batches, make_model
 
@@ -197,17 +197,82 @@ def test_capture_rejects_a_forward_that_does_not_return_one_tensor():
         capture(Pair())
 
 
-def test_capture_rejects_a_submodule_called_twice():
-    class Twice(nn.Module):
+class Twice(nn.Module):
+    """A weighted submodule applied twice (shared weights, as ALBERT shares its layers)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(2, 2)
+        self.head = nn.Linear(2, 2)
+
+    def forward(self, x):
+        return self.head(self.a(torch.tanh(self.a(x))))
+
+
+class SharedActivation(nn.Module):
+    """One parameter-free submodule called on two branches (T5's encoder calls its dropout twice)."""
+
+    def __init__(self):
+        super().__init__()
+        self.left, self.right = nn.Linear(3, 4), nn.Linear(3, 4)
+        self.act = nn.GELU()
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.head(self.act(self.left(x)) * self.act(self.right(x)))
+
+
+def test_capture_copies_a_parameter_free_submodule_called_twice_one_layer_per_call():
+    captured = _assert_same_function(SharedActivation, None, (3, ))
+    inputs = {s.name: s.inputs for s in captured.layers}
+    assert inputs["act"] == ("left", ) and inputs["act_1"] == ("right", )
+    assert not any(isinstance(s, CapturedTiedLayerSpec) for s in captured.layers)
+
+
+def test_capture_ties_the_layers_of_a_weighted_submodule_called_twice():
+    captured = _assert_same_function(Twice, None, (2, ))
+    tied = {s.name: s.key for s in captured.layers if isinstance(s, CapturedTiedLayerSpec)}
+    assert tied == {"a": "tie_a", "a_1": "tie_a"}
+
+
+def test_capture_refuses_a_submodule_with_buffers_called_twice_naming_both_lines():
+    class TwiceNormed(nn.Module):
         def __init__(self):
             super().__init__()
-            self.a = nn.Linear(2, 2)
+            self.norm = nn.BatchNorm1d(2)
 
         def forward(self, x):
-            return self.a(self.a(x))
+            return self.norm(self.norm(x))
 
-    with pytest.raises(GraphError, match='"a" is called more than once'):
-        capture(Twice())
+    with pytest.raises(GraphError, match=r'"norm" is called more than once \(at .*test_capture.py:\d+: return '
+                                         r"self.norm\(self.norm\(x\)\)\).*buffers \['running_mean'.*updated apart"):
+        capture(TwiceNormed())
+
+
+class ReadsDtype(nn.Module):
+    """Glue that reads another layer's output only for its dtype and device."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.a(x)
+        g = self.b(h)
+        return self.c(g + torch.ones(g.shape[-1], dtype=h.dtype, device=h.device))
+
+
+def test_capture_reads_dtype_and_device_from_a_tensor_the_layer_holds():
+    module = ReadsDtype()
+    x, = _inputs(4)
+    # Without example inputs the dtype of "a" is unknown at capture: the glue keeps reading it.
+    assert {s.name: s.inputs for s in capture(module).layers}["add"] == ("b", "a")
+    # With them, "b" had the same dtype, so the glue reads b's dtype and device and "a" need not cross.
+    captured = capture(module, example_inputs=(x, ))
+    assert {s.name: s.inputs for s in captured.layers}["add"] == ("b", )
+    # The rule holds at run time: cast as a whole (as DeepSpeed's bf16 does), the twin follows.
+    model = captured.graph_model().double()
+    torch.testing.assert_close(model(x.double()), module.double()(x.double()), rtol=0, atol=0)
 
 
 def test_capture_concrete_args_fix_flags_and_drop_their_inputs():

@@ -155,15 +155,18 @@ def test_gpp_bad_input_exits_2_with_a_message_naming_the_problem(costs, tmp_path
         assert word in err, err
 
 
-def test_gpp_compare_prices_every_plan_under_each_schedule(costs, capsys):
-    assert gpp("compare", costs, "--devices", DEVICES, "--mini-batch", MINI_BATCH, "--methods", "graphpipe",
+def test_gpp_compare_shows_graphpipes_best_plan_under_each_schedule_and_prices_the_baselines_under_each(costs, capsys):
+    assert gpp("compare", costs, "--devices", DEVICES, "--mini-batch", MINI_BATCH, "--methods", "graphpipe,ds-uniform",
                "--schedules", "1f1b,zb1,zb2", "--json", "--quiet") == 0
     rows = {r["method"]: r for r in json.loads(capsys.readouterr().out)["rows"]}
-    assert sorted(rows) == ["graphpipe/1f1b", "graphpipe/zb1", "graphpipe/zb2"]
-    # One plan, three schedules: the same stages, the split backward never slower than 1F1B.
-    assert len({rows[k]["stages"] for k in rows}) == 1
+    assert sorted(rows) == ["ds-uniform/1f1b", "ds-uniform/zb1", "ds-uniform/zb2",
+                            "graphpipe/1f1b", "graphpipe/zb1", "graphpipe/zb2"]
+    # GraphPipe searched under each schedule: a schedule's row is at least as fast as the 1F1B
+    # row's plan would be under it, and the split backward never slower than 1F1B here.
     assert rows["graphpipe/zb1"]["iteration_time_s"] <= rows["graphpipe/1f1b"]["iteration_time_s"]
     assert rows["graphpipe/zb2"]["iteration_time_s"] <= rows["graphpipe/zb1"]["iteration_time_s"]
+    # the baseline's one plan, priced three ways
+    assert len({rows[f"ds-uniform/{s}"]["stages"] for s in ("1f1b", "zb1", "zb2")}) == 1
 
 
 def test_gpp_plan_keeps_the_fastest_schedule_and_the_plan_file_carries_it(costs, tmp_path, capsys):

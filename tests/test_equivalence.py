@@ -53,6 +53,12 @@ FUZZ = {2: [case("fuzz:0", 2, 0, partition="explicit")],
         4: [case(f"fuzz:{seed}", 4, seed % 2, partition="explicit") for seed in (3, 4, 5, 6)]
         + [case("fuzz:7", 2, 1, partition="explicit"), case("fuzz:8", 4, 0, partition="parameters"),
            case("fuzz:9", 4, 1, partition="sequential")]}
+# Recomputation under the split backward (torch's non-reentrant checkpoint, recomputing in I and W):
+# every layer its own chunk, two-layer chunks in pipe 2 x data 2, and a plan's per-stage recompute mark.
+RECOMPUTE_ZB = [case("four_branch", 4, 0, ckpt_interval=1, schedule="zb1"),
+                case("skip", 2, 1, ckpt_interval=2, schedule="zb2"),
+                case("four_branch", 4, 0, partition="golden/plan_four_branch_s4_recompute.json", recompute=4,
+                     schedule="zb1")]
 # Zero-bubble schedules (split backward, I then W): DAG shapes of the golden test, ZeRO-0/1, pipe x data.
 WORLDS = {
     2: golden(2) + [case("chain", 2, 1, schedule="zb2")] + FUZZ[2],
@@ -73,6 +79,7 @@ WORLDS = {
        case("four_branch", 4, 1, partition="golden/plan_four_branch_s4_zb1.json"),  # runs the plan's zb1
        # the plan marks stage 2 (four layers) to recompute: checkpointing there only
        case("four_branch", 4, 0, partition="golden/plan_four_branch_s4_recompute.json", recompute=4)]
+    + RECOMPUTE_ZB
     + GLUE + DATA + FUZZ[4],
 }
 # The schedule each case must have run: the config's, else its plan file's, else 1f1b.
@@ -96,6 +103,8 @@ def test_pipeline_training_matches_single_device_model(run_cases, world, c):
         assert res["eval"] == pytest.approx(ref.eval_loss, rel=1e-5), f"rank {r} (stage {res['stage']})"
         if "recompute" in c:
             assert res["ckpt_interval"] == (c["recompute"] if res["stage"] == 2 else 0), f"rank {r}"
+        if res["ckpt_interval"] and c.get("schedule") in ("zb1", "zb2"):
+            assert res["ckpt_func"] == "recompute", f"rank {r}: the split backward recomputes non-reentrantly"
     logits = {res["dp"]: res["logits"] for res in ranks if res["logits"] is not None}
     assert sorted(logits) == list(range(dp)), "the output stage of every replica returns logits"
     for d, value in logits.items():
@@ -130,3 +139,13 @@ def test_training_data_feeds_each_pipeline_the_same_samples_and_each_replica_its
                 assert torch.equal(y, ey) and all(torch.equal(a, b) for a, b in zip(xs, ex)), f"stage {res['stage']}"
     readers = sorted(res["stage"] for res in ranks if res["seen"] and res["dp"] == 0)
     assert readers == list(range(c["stages"])), "every stage of this model reads the batch"
+
+
+def test_zero_bubble_with_recomputation_computes_what_1f1b_with_recomputation_computes(run_cases):
+    out = run_cases("golden_w4", 4, WORLDS[4])
+    zb, one_f_one_b = RECOMPUTE_ZB[0], case("four_branch", 4, 0, ckpt_interval=1)
+    for zb_rank, ref_rank in zip(_load(out, zb, 4), _load(out, one_f_one_b, 4)):
+        assert zb_rank["ckpt_interval"] == ref_rank["ckpt_interval"] == 1
+        assert zb_rank["losses"] == pytest.approx(ref_rank["losses"], rel=1e-6)
+        for name, value in zb_rank["state"].items():
+            torch.testing.assert_close(value, ref_rank["state"][name], rtol=1e-6, atol=1e-7, msg=name)

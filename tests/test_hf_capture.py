@@ -27,7 +27,7 @@ from hf_models import CASES, train_module  # noqa: E402
 
 WORKER = Path(__file__).resolve().parent / "workers" / "hf_cases.py"
 WORLD_SIZE = 3
-TRAINED = ["clip", "clip_frozen", "structured", "gpt2", "ved", "bert"]
+TRAINED = ["clip", "clip_frozen", "structured", "gpt2", "ved", "bert", "t5", "llama", "llava"]
 
 
 def _captured_equals_module(name: str):
@@ -44,13 +44,95 @@ def _captured_equals_module(name: str):
     grads = captured.module_state_dict({n: p.grad for n, p in model.named_parameters()})
     for n, p in module.named_parameters():
         if p.requires_grad:
-            torch.testing.assert_close(grads[n], p.grad, rtol=0, atol=0, msg=n)
+            # A weight read in several places (T5's embedding: both stacks and the head) sums its
+            # gradient contributions in autograd's order, which may differ in the last bit.
+            rtol, atol = (1e-5, 1e-6) if case.masks_materialised else (1e-6 if n in captured.aliases else 0, 0)
+            if n in captured.unused:
+                assert p.grad is None, n
+            else:
+                torch.testing.assert_close(grads[n], p.grad, rtol=rtol, atol=atol, msg=n)
     return captured
 
 
-@pytest.mark.parametrize("name", TRAINED)
+@pytest.mark.parametrize("name", [*TRAINED, "hidden_sum"])
 def test_hf_capture_graph_model_equals_the_module_with_gradients(name):
     _captured_equals_module(name)
+
+
+def _stage_edges(name: str, captured) -> dict[tuple[int, int], list[str]]:
+    graph = build_layer_graph(captured.input_names, [(s.name, s.inputs) for s in captured.layers],
+                              output=captured.output)
+    partition = derive_partition(graph, CASES[name].partition_method(captured), num_stages=CASES[name].stages)
+    return partition, {(e.src, e.dst): [str(t) for t in e.tensors] for e in partition.stage_graph.edges}
+
+
+def test_hf_capture_llama_sends_the_embedding_only_to_the_first_decoder_layer():
+    # Every Llama decoder layer builds its mask and positions from inputs_embeds.device: the layers
+    # read it from their own weights, so the embedding crosses to stage 1 only (not to stage 2).
+    captured = _captured_equals_module("llama")
+    _, edges = _stage_edges("llama", captured)
+    assert edges == {(0, 1): ["llama_model_embed_tokens", "llama_model_rotary_emb"],
+                     (0, 2): ["llama_model_rotary_emb"], (1, 2): ["llama_model_layers_0"]}
+    layer = {s.name: s for s in captured.layers}["llama_model_layers_1"]
+    assert layer.inputs == ("llama_model_layers_0", "llama_model_rotary_emb")
+
+
+@pytest.mark.parametrize("device", ["meta", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a GPU"))])
+def test_hf_capture_llama_runs_on_the_device_that_holds_its_weights(device):
+    # Captured on the CPU; the layers build their masks and positions where their weights are
+    # (the rank's device at run time), never on the capture device.
+    case = CASES["llama"]
+    module = case.model()
+    model = case.capture(module).graph_model().to(device)
+    ids = case.batches(0)[0][0].to(device)
+    out = model(ids)
+    assert out.device.type == device
+    if device != "meta":
+        torch.testing.assert_close(out, module.to(device)(ids), rtol=1e-5, atol=1e-6)
+
+
+def test_hf_capture_llava_runs_its_vision_tower_beside_the_text_embedding():
+    captured = _captured_equals_module("llava")
+    partition, edges = _stage_edges("llava", captured)
+    # Stages 0 (vision tower, projector) and 1 (token embedding) both feed stage 2 and not each other.
+    assert edges == {(0, 2): ["llava_model_multi_modal_projector"], (1, 2): ["llava_model_language_model_embed_tokens"]}
+    assert partition.stage_graph.depth(0) == partition.stage_graph.depth(1) and partition.stage_graph.pipeline_depth == 2
+    # list(image_features) splits the batch dimension: rows are glue on the merging stage, and the
+    # projector's output crosses as one tensor.
+    assert {s.name: s.inputs for s in captured.layers}["masked_scatter"] == (
+        "llava_model_multi_modal_projector", "llava_model_language_model_embed_tokens", "input_ids")
+
+
+def test_hf_capture_llava_leaves_out_the_vision_layer_whose_output_it_does_not_read():
+    case = CASES["llava"]
+    with pytest.warns(UserWarning, match=r"leaves out submodules \['llava.model.vision_tower.encoder.layers.1', "
+                                         r"'llava.model.vision_tower.post_layernorm'\]"):
+        captured = case.capture(case.model())
+    assert captured.unused[0] == "llava.model.vision_tower.encoder.layers.1.self_attn.k_proj.weight"
+    assert {n.split(".")[3] for n in captured.unused} == {"encoder", "post_layernorm"}
+
+
+def test_hf_capture_llava_without_example_inputs_says_the_batch_split_needs_them():
+    case = CASES["llava"]
+    with pytest.raises(GraphError, match=r"modeling_llava.py:\d+: image_features = list\(image_features\).*"
+                                         r"iterating over a dimension\), pass example_inputs="):
+        capture(case.model(), layers=case.layers)
+
+
+def test_hf_capture_runs_the_hooks_that_collect_hidden_states_on_the_traced_layers():
+    captured = _captured_equals_module("hidden_sum")
+    # The sum reads the embedding and both layers' outputs, which the layers' hooks collected.
+    glue = {s.name: s.inputs for s in captured.layers}["getitem_2"]   # stack, sum, [:, 0]
+    assert glue == ("bert_embeddings", "bert_encoder_layer_0", "bert_encoder_layer_1")
+
+
+def test_hf_capture_names_hooks_that_cannot_run_inside_a_whole_layer():
+    module = CASES["hidden_sum"].model()
+    with pytest.raises(GraphError, match=r"at .*hf_models.py:\d+: return self.head\(torch.stack\(hidden\).*"
+                                         r"Forward hooks of \['bert.encoder.layer.0', 'bert.encoder.layer.1'\] did "
+                                         r"not run while tracing.*name the hooked submodules in layers="):
+        capture(module, layers=["bert.embeddings", "bert.encoder", "head"])
 
 
 def test_hf_capture_clip_towers_send_their_pooled_vector_not_their_output_object():
@@ -80,15 +162,13 @@ def test_hf_capture_bert_sends_its_boolean_attention_mask_to_both_encoder_stages
     case = CASES["bert"]
     captured = case.capture(case.model())
     spec = {s.name: s for s in captured.layers}["expand"]
-    assert spec.inputs == ("attention_mask", "bert_bert_embeddings")
+    assert spec.inputs == ("attention_mask", )   # it reads the embedding's device from the mask itself
     graph = build_layer_graph(captured.input_names, [(s.name, s.inputs) for s in captured.layers],
                               output=captured.output)
     edges = derive_partition(graph, case.partition_method(captured), num_stages=3).stage_graph.edges
     assert [(e.src, e.dst) for e in edges if "expand" in map(str, e.tensors)] == [(0, 1), (0, 2)]
-    model = captured.graph_model()
-    (ids, mask), _ = case.batches(0)[0]
-    embedded = model.layers["bert_bert_embeddings"](ids)
-    assert not model.layers["expand"](mask, embedded).is_floating_point()   # it carries no gradient
+    (_, mask), _ = case.batches(0)[0]
+    assert not captured.graph_model().layers["expand"](mask).is_floating_point()   # it carries no gradient
 
 
 def test_hf_capture_reads_dict_tuple_and_dataclass_leaves_by_path():
@@ -120,6 +200,7 @@ def trained(tmp_path_factory):
 @pytest.mark.parametrize("name", TRAINED)
 def test_hf_capture_trains_pipelined_like_the_module_on_one_process(trained, name):
     losses, state = train_module(CASES[name])
+    unused = set(CASES[name].capture(CASES[name].model()).unused)   # never trained, in neither run
     ranks = [torch.load(trained / f"{name}.rank{r}.pt") for r in range(WORLD_SIZE)]
     assert sorted(r["stage"] for r in ranks) == list(range(WORLD_SIZE))
     seen = set()
@@ -128,7 +209,7 @@ def test_hf_capture_trains_pipelined_like_the_module_on_one_process(trained, nam
         for key, value in res["state"].items():
             torch.testing.assert_close(value, state[key], rtol=1e-5, atol=1e-6, msg=key)
             seen.add(key)
-    assert seen == set(state)
+    assert seen == set(state) - unused
 
 
 def test_hf_capture_gpt2_ties_the_embedding_and_the_output_projection_across_layers():

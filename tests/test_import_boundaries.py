@@ -5,11 +5,14 @@ Each check runs in a fresh interpreter so that modules imported by other tests d
 
 from __future__ import annotations
 
+import ast
 import json
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
+
+import pytest
 
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -57,5 +60,88 @@ def test_importing_gpp_deepspeed_graph_and_schedule_imports_no_torch_nor_deepspe
 def test_the_planner_imports_no_torch_nor_deepspeed():
     loaded = loaded_heavy_modules("""
         import gpp_deepspeed.planner.search, gpp_deepspeed.planner.simulate, gpp_deepspeed.planner.sp
+    """)
+    assert loaded == []
+
+
+# ---------------------------------------------------------------------------------------------
+# engine/ never imports the planner: partitions are resolved in gpp_deepspeed.partitioning.
+
+PACKAGE_ROOT = REPO_ROOT / "gpp_deepspeed"
+
+
+def imported_modules(source: str, module: str) -> set[str]:
+    """Every module an ``import`` statement of ``source`` names, anywhere in the file (function
+    bodies included), relative imports resolved as if ``source`` were the module ``module``;
+    ``from P import name`` counts both ``P`` and ``P.name`` (``name`` may be a submodule)."""
+    package = module.rsplit(".", 1)[0]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parent = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                base = f"{parent}.{base}" if base else parent
+            found.add(base)
+            found.update(f"{base}.{alias.name}" for alias in node.names)
+    return found
+
+
+def planner_imports_in(directory: Path, *, root: Path = REPO_ROOT) -> dict[str, list[str]]:
+    """``{file: [planner modules it imports]}`` for the Python files under ``directory``, module
+    names taken from their paths below ``root``."""
+    out = {}
+    for path in sorted(directory.rglob("*.py")):
+        module = ".".join(path.relative_to(root).with_suffix("").parts)
+        hits = sorted(m for m in imported_modules(path.read_text(), module)
+                      if m == "gpp_deepspeed.planner" or m.startswith("gpp_deepspeed.planner."))
+        if hits:
+            out[str(path.relative_to(root))] = hits
+    return out
+
+
+def test_the_engine_imports_nothing_from_the_planner():
+    assert sorted(PACKAGE_ROOT.joinpath("engine").glob("*.py")), "no engine module found: the scan would pass vacuously"
+    assert planner_imports_in(PACKAGE_ROOT / "engine") == {}
+
+
+@pytest.mark.parametrize("line", [
+    "from ..planner.costs import CostDB",
+    "from ..planner import Plan",
+    "from .. import planner",
+    "import gpp_deepspeed.planner.search",
+    "from gpp_deepspeed.planner.plan import Plan as P",
+    "def f():\n    from ..planner.search import graphpipe_partition\n",
+])
+def test_the_planner_import_scan_catches_an_injected_import(tmp_path, line):
+    engine = tmp_path / "gpp_deepspeed" / "engine"
+    engine.mkdir(parents=True)
+    (engine / "module.py").write_text("import os\nfrom ..graph.ir import LayerGraph\n" + line + "\n")
+    assert list(planner_imports_in(engine, root=tmp_path)) == ["gpp_deepspeed/engine/module.py"]
+
+
+def test_the_planner_import_scan_flags_the_engine_as_it_was_before_partitions_moved_out(tmp_path):
+    engine = tmp_path / "gpp_deepspeed" / "engine"
+    engine.mkdir(parents=True)
+    (engine / "module.py").write_text("from ..planner.costs import CostDB\nfrom ..planner.plan import Plan\n"
+                                      "from ..planner.search import graphpipe_partition, proxy_costs\n")
+    assert planner_imports_in(engine, root=tmp_path)["gpp_deepspeed/engine/module.py"] == [
+        "gpp_deepspeed.planner.costs", "gpp_deepspeed.planner.costs.CostDB", "gpp_deepspeed.planner.plan",
+        "gpp_deepspeed.planner.plan.Plan", "gpp_deepspeed.planner.search",
+        "gpp_deepspeed.planner.search.graphpipe_partition", "gpp_deepspeed.planner.search.proxy_costs"]
+
+
+def test_the_planner_import_scan_resolves_relative_imports_against_the_file():
+    assert imported_modules("from ..planner import Plan", "gpp_deepspeed.engine.module") >= {
+        "gpp_deepspeed.planner", "gpp_deepspeed.planner.Plan"}
+    assert imported_modules("from .planner import x", "gpp_deepspeed.engine.module") == {
+        "gpp_deepspeed.engine.planner", "gpp_deepspeed.engine.planner.x"}
+
+
+def test_the_partition_options_import_no_torch_nor_deepspeed():
+    loaded = loaded_heavy_modules("""
+        import gpp_deepspeed.partitioning
     """)
     assert loaded == []

@@ -1,4 +1,4 @@
-"""The README's launch commands, run for real on 4 local CPU ranks (each bounded by a timeout)."""
+"""The launch commands of README.md and launch/README.md, run for real on 4 local CPU ranks (with timeouts)."""
 
 import os
 import subprocess

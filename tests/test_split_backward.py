@@ -3,7 +3,8 @@
 The reference is one ``torch.autograd.backward(outputs, grads)`` on an identical copy of each
 graph; every input gradient and every parameter gradient must match, on graphs chosen for their
 traps: weights used twice on the input path, outputs that do not depend on the inputs, a stage
-with no input needing a gradient, tuple-valued layers, a scalar loss, a non-reentrant checkpoint (a reentrant one refuses ``inputs=``: the engine refuses it), and
+with no input needing a gradient, tuple-valued layers, a scalar loss, a non-reentrant checkpoint (a reentrant one refuses ``inputs=``: the engine recomputes with torch's
+non-reentrant one under a split schedule), and
 gradients accumulated over several micro-batches with ``W`` run out of order.
 """
 

@@ -34,6 +34,32 @@ def test_on_uniform_links_the_placement_time_is_the_simulators():
         simulate_plan(plan, db).prediction.iteration_time_s)
 
 
+def test_on_uniform_links_placement_and_simulator_price_resharded_messages_alike():
+    # Stage degrees 1 -> 2 -> 4: each narrower rank sends one message per wider peer that holds
+    # its rows, a latency each, as the engine does; both models count the same messages.
+    link = CommFit(alpha_s=0.25, beta_s_per_byte=0.01)
+    db = chain(3, param_bytes={"l0": 40, "l1": 40, "l2": 40}, out_bytes={"l0": 6, "l1": 6}, hw=hardware(link=link))
+    plan = Plan(model="c", method="m", source="", micro_batch=4, mini_batch=8,
+                stages=(PlanStage(layers=("l0",)), PlanStage(layers=("l1",), devices=2),
+                        PlanStage(layers=("l2",), devices=4)))
+    topo = Topology(tuple(tuple(link for _ in range(7)) for _ in range(7)))
+    assert placement_time(plan, db, topo, contiguous(plan)) == pytest.approx(
+        simulate_plan(plan, db).prediction.iteration_time_s)
+
+
+def test_placement_and_simulator_send_a_tensor_once_per_reading_stage_or_relay_it_in_a_chain():
+    from costdbs import synthetic_db
+    link = CommFit(alpha_s=0.0, beta_s_per_byte=0.01)
+    db = synthetic_db([("l1", ["x"]), ("l2", ["l1"]), ("l3", ["l2"]), ("res", ["l3", "l1"])],
+                      out_bytes={"l1": 100, "l2": 10, "l3": 20, "res": 1}, hw=hardware(link=link))
+    stages = tuple(PlanStage(layers=(n,)) for n in ("l1", "l2", "l3", "res"))
+    topo = Topology(tuple(tuple(link for _ in range(4)) for _ in range(4)))
+    for pipeline in ("chain", "graph"):
+        plan = Plan(model="s", method="m", source="", micro_batch=1, mini_batch=4, stages=stages, pipeline=pipeline)
+        assert placement_time(plan, db, topo, contiguous(plan)) == pytest.approx(
+            simulate_plan(plan, db).prediction.iteration_time_s)
+
+
 def test_replicas_of_a_stage_go_where_their_all_reduce_is_fast():
     # NVLink pairs {0, 2} and {1, 3}; everything else slow. Contiguous puts stage 0 on {0, 1}: its
     # all-reduce of 100 bytes crosses a slow link. Placed on {0, 2} and {1, 3}, both all-reduces are

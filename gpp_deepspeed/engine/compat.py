@@ -10,6 +10,13 @@ Two things DeepSpeed does not let a caller choose through its public API:
   group is a whole replica of the stage DAG, where a stage of ``n`` ranks would be counted ``n``
   times; :func:`count_each_stage_once` makes only one rank per stage contribute to sums.
 
+Optimizer state that moves between layouts (:mod:`.portable`) reads and writes each parameter's
+whole state through DeepSpeed's public tensor-fragment API (``deepspeed.utils.safe_get_full_*``);
+what that API leaves out is here: which flat partition holds a parameter's group
+(:func:`flat_optimizer_groups`), the base optimizer's per-group state such as Adam's step count
+(:func:`base_optimizer_state`), and linking the fragments to state created before the first step
+(:func:`link_fragment_state`).
+
 ``tests/test_placement.py`` pins the DeepSpeed version these were written against.
 """
 
@@ -18,11 +25,14 @@ from __future__ import annotations
 import contextlib
 from typing import Callable
 
+import torch
+
 import deepspeed
 from deepspeed import comm as dist
 import deepspeed.runtime.pipe.module as _ds_pipe_module
 
-__all__ = ["DEEPSPEED_VERSION", "pipeline_grid", "count_each_stage_once"]
+__all__ = ["DEEPSPEED_VERSION", "pipeline_grid", "count_each_stage_once", "flat_optimizer_groups",
+           "base_optimizer", "base_optimizer_state", "link_fragment_state"]
 
 DEEPSPEED_VERSION = "0.19.8"  # the version whose internals this module reaches into
 
@@ -52,6 +62,37 @@ def count_each_stage_once(optimizer, *, is_stage_leader: bool, group) -> None:
         dist.all_reduce(tensor=tensor, op=op, group=group)
 
     optimizer._model_parallel_all_reduce = reduce
+
+
+def flat_optimizer_groups(optimizer) -> list[tuple[list, "torch.Tensor"]] | None:
+    """For an optimizer that keeps fp32 state in flat partitions (ZeRO-1/2's
+    ``DeepSpeedZeroOptimizer``, DeepSpeed's ``BF16_Optimizer``): per parameter group, the model
+    parameters of the group and this rank's flat fp32 partition (the base optimizer's parameter).
+    None for any other optimizer."""
+    for lp_name, hp_name in (("bit16_groups", "single_partition_of_fp32_groups"),
+                             ("bf16_groups", "fp32_groups_flat_partition")):
+        if hasattr(optimizer, lp_name) and hasattr(optimizer, hp_name):
+            return list(zip(getattr(optimizer, lp_name), getattr(optimizer, hp_name)))
+    return None
+
+
+def base_optimizer(optimizer) -> torch.optim.Optimizer:
+    """The torch optimizer a ZeRO or bf16 optimizer steps over its flat fp32 partitions."""
+    return optimizer.optimizer
+
+
+def base_optimizer_state(optimizer, flat) -> dict:
+    """The base (torch) optimizer's state of the flat partition ``flat``: ``exp_avg`` ... over the
+    partition and ``step``, created empty if the optimizer has not stepped yet."""
+    return base_optimizer(optimizer).state[flat]
+
+
+def link_fragment_state(optimizer) -> None:
+    """Point every parameter's fragment at the base optimizer's current flat state tensors, as
+    DeepSpeed does after its first step (``_lazy_init_hp_params_optimizer_state``), so
+    ``safe_set_full_optimizer_state`` writes into state made before any step."""
+    optimizer._hp_optimizer_states_linked = False
+    optimizer._lazy_init_hp_params_optimizer_state()
 
 
 def installed_version() -> str:

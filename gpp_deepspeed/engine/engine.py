@@ -33,6 +33,7 @@ from deepspeed import comm as dist
 from deepspeed.runtime.pipe import schedule as ds
 from deepspeed.runtime.pipe.engine import (PIPE_RECV_GRAD_TIMER, PIPE_RECV_INPUT_TIMER, PIPE_SEND_GRAD_TIMER,
                                             PIPE_SEND_OUTPUT_TIMER, PipelineEngine)
+from deepspeed.runtime.dataloader import RepeatingLoader
 from deepspeed.utils import logger
 
 from ..config import GraphPipelineConfig, with_plan_schedule
@@ -54,7 +55,7 @@ from .memory import MemoryReport, memory_report
 from .module import GraphPipelineModule
 from .p2p import EdgeTransport, Incoming, Outgoing
 from .reshard import cut_rows, edge_peers, grad_scale, join_rows, warm_up_pairs
-from .split_engine import SplitBackwardMixin, check_split_backward_supported
+from .split_engine import SplitBackwardMixin, check_split_backward_supported, use_split_backward_recompute
 
 __all__ = ["GraphPipelineEngine"]
 
@@ -91,7 +92,9 @@ class GraphPipelineEngine(SplitBackwardMixin, PipelineEngine):
         # The config's schedule wins over the one a loaded plan was priced with (see config.py).
         gpp_config = with_plan_schedule(gpp_config or GraphPipelineConfig(),
                                         getattr(kwargs.get("model"), "plan_schedule", None))
-        check_split_backward_supported(gpp_config.schedule, kwargs.get("model"))
+        config_class = kwargs.get("config_class")
+        check_split_backward_supported(gpp_config.schedule, kwargs.get("model"),
+                                       config_class.pipeline if config_class is not None else None)
         super().__init__(*args, **kwargs)
         if not isinstance(self.module, GraphPipelineModule):
             raise GPPConfigError("GraphPipelineEngine needs a GraphPipelineModule")
@@ -99,6 +102,7 @@ class GraphPipelineEngine(SplitBackwardMixin, PipelineEngine):
             raise GPPConfigError('"pipeline.pipe_partitioned" and "pipeline.grad_partitioned" (tensor-parallel '
                                  "activation partitioning) are not supported by the graph pipeline; set them false")
         self.gpp_config = gpp_config
+        use_split_backward_recompute(self)
         self.spec = self.module.stage_spec
         self.module.partition = mark_gradient_flow(self.module.partition, self._trainable_layers())
         self.stage_graph = self.module.partition.stage_graph
@@ -135,12 +139,6 @@ class GraphPipelineEngine(SplitBackwardMixin, PipelineEngine):
             _async.check_async_options(self)
             self._async = _async.AsyncPipeline(self)
         if self.training_data:
-            if any(n > 1 for n in self.placement.degrees):
-                # DeepSpeed's loader shards samples over a stage's data-parallel ranks, but the ranks of
-                # a stage of several need the same samples as the single ranks of the others.
-                raise GPPConfigError(f"training_data= with per-stage degrees {list(self.placement.degrees)} is not "
-                                     "supported: pass the batches to train_batch(data_iter=...), every rank of a "
-                                     "replica the same micro-batches")
             self._place_data_iter()
         if self.gpp_config.print_stage_graph and self.global_rank == 0:
             print(self.module.partition.describe(), flush=True)
@@ -168,14 +166,31 @@ class GraphPipelineEngine(SplitBackwardMixin, PipelineEngine):
             for p in scalars:
                 p.data = p.data.view(())
 
+    def _build_data_iter(self, dataset):
+        """DeepSpeed's pipeline loader, sharded over replicas of the stage DAG rather than over a
+        stage's data-parallel group.
+
+        DeepSpeed's own (``PipelineEngine._build_data_iter``) samples over the data-parallel group
+        with batches of this rank's micro-batch size. With per-stage degrees the ranks of a stage of
+        several take row shards of one micro-batch, so every rank of a replica reads the same
+        micro-batches of ``b`` rows (a ``DistributedSampler`` over the replicas, unshuffled) and
+        ``_exec_load_micro_batch`` keeps this rank's rows. With one rank per stage the replicas are
+        the data-parallel group and this is DeepSpeed's loader exactly."""
+        placement = self.module.placement
+        sampler = torch.utils.data.distributed.DistributedSampler(dataset, num_replicas=placement.replicas,
+                                                                  rank=self.grid.replica_id,
+                                                                  shuffle=False)
+        rows = self.train_micro_batch_size_per_gpu() * placement.degrees[self.stage_id]
+        self.set_dataloader(RepeatingLoader(self.deepspeed_io(dataset, batch_size=rows, data_sampler=sampler)))
+
     def _place_data_iter(self) -> None:
         """Give ``training_data=``'s loader to the stages that read batches in the DAG.
 
         DeepSpeed's constructor built it for the linear stages 0 and S-1 (``is_first/last_stage``
         were linear then). Every stage that reads graph inputs, and the output stage (labels), needs
-        DeepSpeed's own loader: a ``DistributedSampler`` over the data-parallel replicas, unshuffled,
-        so the stages of one pipeline read the same samples in the same order and the replicas read
-        disjoint shards, as on a chain."""
+        the loader of :meth:`_build_data_iter`: a ``DistributedSampler`` over the replicas of the
+        stage DAG, unshuffled, so the stages of one pipeline read the same samples in the same order
+        and the replicas read disjoint shards, as on a chain."""
         if self.is_first_stage() or self.is_last_stage():
             if self.data_iterator is None:
                 self._build_data_iter(self.training_data)

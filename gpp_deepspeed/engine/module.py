@@ -15,9 +15,7 @@ Representative signature of a stage's forward (called by :class:`GraphPipelineEn
 from __future__ import annotations
 
 import os
-import re
-from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Sequence
 
 import torch
 from torch import nn
@@ -28,12 +26,9 @@ from deepspeed.runtime.pipe.module import LayerSpec, PipelineModule, TiedLayerSp
 
 from ..errors import GPPError, PartitionError
 from ..graph.ir import LayerGraph, TensorRef, build_layer_graph
-from ..graph.partition import balanced_partition, sequential_partition
-from ..planner.costs import CostDB
-from ..planner.plan import Plan
-from ..planner.search import graphpipe_partition, proxy_costs
 from ..graph.placement import Placement
-from ..graph.stages import Partition, StageSpec, derive_partition
+from ..graph.stages import Partition, StageSpec
+from ..partitioning import PARTITION_METHODS, ResolvedPartition, parse_partition_method, resolve_partition
 from ..spec import LayerEntry, call_layer, normalize_layers, port_leaves, resolve
 from ..checkpoint import layer_model_file, layer_model_files
 from .compat import pipeline_grid
@@ -43,12 +38,6 @@ from .shm import release_own_shm
 from .topology import StageGrid, StageTopology
 
 __all__ = ["GraphPipelineModule", "PARTITION_METHODS"]
-
-PARTITION_METHODS = ("parameters", "uniform", "sequential", "graphpipe", "type:<regex>", "<plan.json>",
-                     "{layer_name: stage_idx}")
-# How much heavier than the least possible heaviest stage a balanced cut may be when that keeps
-# branches apart (a shallower stage graph); GraphPipe's planner replaces this rule of thumb.
-BRANCH_SLACK = 0.1
 
 
 class GraphPipelineModule(PipelineModule):
@@ -61,18 +50,21 @@ class GraphPipelineModule(PipelineModule):
     output
         The layer whose output goes to ``loss_fn`` (default: the last layer of the list).
     partition_method
-        ``"parameters"`` (default) or ``"uniform"``: balanced by parameter or layer count, keeping
-        independent branches on separate stages (accepting a heaviest stage up to 10% above the
-        least possible one when that makes the stage graph shallower); ``"sequential"``: the chain baseline, the list order
-        cut into contiguous stages as DeepSpeed does and run as a chain (a tensor that skips stages
-        is relayed through every stage in between, as DeepSpeed's ``PipelineEngine`` carries it); ``"type:<regex>"``: balance the layers whose
-        class matches; ``"graphpipe"``: GraphPipe's search (:mod:`gpp_deepspeed.planner`) for the
-        least-bottleneck stage graph, priced by ``cost_db`` (a :class:`~gpp_deepspeed.planner.CostDB`
-        or the path of one ``gpp profile`` wrote; without one, time is taken as proportional to
-        parameters); a plan (a :class:`~gpp_deepspeed.planner.plan.Plan` or the path of a JSON file
-        ``gpp plan`` wrote), whose stages must match the pipeline's stage count (a plan priced as a
-        chain, ``"pipeline": "chain"``, runs as a chain with relays); or an explicit
-        ``{layer_name: stage_idx}`` mapping. Every rank computes or loads the same partition.
+        How the layers are cut into stages; :func:`~gpp_deepspeed.partitioning.resolve_partition`
+        resolves it, and every rank computes or loads the same partition. The names DeepSpeed users
+        write map through :data:`~gpp_deepspeed.partitioning.PARTITION_ALIASES`: ``"parameters"``
+        (default) or ``"uniform"``, the branch-aware cut balanced by parameter or layer count
+        (independent branches on separate stages, accepting a heaviest stage up to 10% above the
+        least possible one when that makes the stage graph shallower); ``"sequential"``, the chain
+        baseline (the list order cut as DeepSpeed cuts it, run as a chain that relays a tensor
+        through every stage it skips); ``"type:<regex>"``, the branch-aware cut counting the layers
+        whose class matches; ``"graphpipe"``, GraphPipe's search priced by ``cost_db`` (time
+        proportional to parameters without one). Also: a plan (a :class:`~gpp_deepspeed.planner.Plan`
+        or the path of the JSON file ``gpp plan`` wrote), whose stage count must be the pipeline's,
+        whose devices per stage are the stage degrees and which runs as a chain if priced as one
+        (``"pipeline": "chain"``); a ``{layer_name: stage_idx}`` mapping; a partition option
+        (:class:`~gpp_deepspeed.partitioning.BranchBalanced`, ...); or a
+        :class:`~gpp_deepspeed.partitioning.ResolvedPartition`.
     cost_db
         The cost database ``partition_method="graphpipe"`` plans with.
     stage_degrees
@@ -93,14 +85,16 @@ class GraphPipelineModule(PipelineModule):
         _check_buildable(entries)
         if not dist.is_initialized():
             dist.init_distributed(dist_backend=get_accelerator().communication_backend_name())
-        plan = _as_plan(partition_method)
-        placement = _placement(num_stages, topology, stage_degrees, plan, dist.get_world_size())
-        stages = placement.num_stages
-        method = plan.stage_of if plan is not None else partition_method
-        partition = derive_partition(graph, _assign(graph, entries, stages, method, cost_db),
-                                     num_stages=stages, relay=_runs_as_chain(partition_method))
-        _check_fits(entries, partition, placement)
+        world_size = dist.get_world_size()
         by_name = {e.name: e for e in entries}
+        resolved = resolve_partition(graph, parse_partition_method(partition_method, cost_db=cost_db),
+                                     num_stages=_pipe_stages(num_stages, topology, world_size),
+                                     stage_degrees=stage_degrees, world_size=world_size,
+                                     param_count=lambda name: _count_params(by_name[name]),
+                                     layer_type=lambda name: _type_name(by_name[name].layer))
+        placement = _placement(resolved, world_size)
+        partition = resolved.partition
+        _check_fits(entries, partition, placement)
         # Plain attributes may be set before nn.Module.__init__; the parent's __init__ needs them.
         self.graph: LayerGraph = graph
         self.partition: Partition = partition
@@ -111,8 +105,9 @@ class GraphPipelineModule(PipelineModule):
         self.in_arity: list[int] | None = None
         self.engine_attached = False
         self.placement: Placement = placement
+        self.resolved_partition: ResolvedPartition = resolved
         # The schedule a plan was priced with; the engine runs it unless its config names one.
-        self.plan_schedule: str | None = plan.schedule if plan is not None else None
+        self.plan_schedule: str | None = resolved.schedule
         # The first communication: every rank has passed init_distributed, so each can unlink its
         # DeepSpeed shm file now (the memory stays mapped) and nothing is left in /dev/shm.
         release_own_shm()
@@ -125,7 +120,7 @@ class GraphPipelineModule(PipelineModule):
                              checkpointable_layers=checkpointable_layers, dynamic_shape=dynamic_shape)
         self.stage_spec: StageSpec = partition.stages[self.stage_id]
         self._local_entries = self._entries[self._local_start:self._local_stop]
-        if activation_checkpoint_interval == 0 and _recomputes(plan, self.stage_spec.layers):
+        if activation_checkpoint_interval == 0 and self.stage_id in resolved.recompute:
             # The plan chose recomputation for this stage (PipeDream-2BW's planner): its layers
             # run as one checkpointed chunk here, and every other stage keeps its activations.
             self.activation_checkpoint_interval = len(self._local_entries)
@@ -228,11 +223,13 @@ class GraphPipelineModule(PipelineModule):
                     return outputs._make(rebuilt) if hasattr(outputs, "_make") else type(outputs)(rebuilt)
         return outputs
 
-    def _run(self, env: dict, local_idxs) -> None:
+    def _run(self, env: dict, local_idxs, micro_offset: int | None = None) -> None:
+        # A recomputed chunk runs during a later backward: it seeds with the forward's micro_offset.
+        micro_offset = self.micro_offset if micro_offset is None else micro_offset
         for i in local_idxs:
             entry = self._local_entries[i]
             if self.seed_layers:
-                seed = self.base_seed * (self.micro_offset + 1) + i + self._local_start
+                seed = self.base_seed * (micro_offset + 1) + i + self._local_start
                 (self.seed_fn or torch.manual_seed)(seed)
             args = [resolve(env, TensorRef.parse(r)) for r in entry.inputs]
             env[TensorRef(entry.name)] = call_layer(entry, self.forward_funcs[i], args)
@@ -251,9 +248,10 @@ class GraphPipelineModule(PipelineModule):
             flat_in, in_arity = flatten([resolve(env, r) for r in reads])
             out_arity: list[int] = []
 
-            def run_chunk(*flat, _idxs=idxs, _reads=reads, _writes=writes, _in_arity=in_arity):
+            def run_chunk(*flat, _idxs=idxs, _reads=reads, _writes=writes, _in_arity=in_arity,
+                          _offset=self.micro_offset):
                 local = dict(zip(_reads, unflatten(flat, _in_arity)))
-                self._run(local, _idxs)
+                self._run(local, _idxs, _offset)
                 flat_out, arity = flatten([local[TensorRef(n)] for n in _writes])
                 out_arity[:] = arity
                 return tuple(flat_out)
@@ -360,112 +358,28 @@ def _layer_bytes(entry: LayerEntry) -> int:
                for t in tensors)
 
 
-def _placement(num_stages: int | None, topology, stage_degrees, plan: Plan | None, world_size: int) -> Placement:
-    """Which ranks run which stage: from ``stage_degrees``, the plan's devices per stage, DeepSpeed's
-    ``topology`` (one rank per stage) or ``num_stages`` (one rank per stage), checked against the
-    world size before any communication."""
+def _pipe_stages(num_stages: int | None, topology, world_size: int) -> int | None:
+    """The pipeline's stage count: DeepSpeed's ``topology`` (its ``pipe`` axis) when given, checked
+    against the world size before any communication, else ``num_stages``."""
+    if topology is None:
+        return num_stages
+    if set(topology.get_axis_names()) - {"pipe", "data"}:
+        raise PartitionError(f"the topology has axes {topology.get_axis_names()}; a GraphPipelineModule supports "
+                             "'pipe' and 'data' only (no tensor slicing)")
+    if topology.world_size() != world_size:
+        raise PartitionError(f"the topology has {topology.world_size()} ranks but the world size is {world_size}")
+    return topology.get_dim("pipe")
+
+
+def _placement(resolved: ResolvedPartition, world_size: int) -> Placement:
+    """Which ranks run which stage: ``resolved.stage_degrees`` ranks per stage in every copy of the
+    stage DAG, stage blocks packed into nodes of ``LOCAL_SIZE`` ranks."""
     local_size = int(os.environ.get("LOCAL_SIZE", world_size))
-    if plan is not None and plan.placement:
+    if resolved.keep_stage_order:
         # A topology-aware plan was mapped to devices assuming stage blocks in stage order
         # (planner.topology.rank_order); the launcher permutes ranks, so keep that order.
         local_size = world_size
-    if topology is not None:
-        if set(topology.get_axis_names()) - {"pipe", "data"}:
-            raise PartitionError(f"the topology has axes {topology.get_axis_names()}; a GraphPipelineModule supports "
-                                 "'pipe' and 'data' only (no tensor slicing)")
-        if topology.world_size() != world_size:
-            raise PartitionError(f"the topology has {topology.world_size()} ranks but the world size is {world_size}")
-        num_stages = topology.get_dim("pipe")
-    if plan is not None:
-        if num_stages is not None and plan.num_stages != num_stages:
-            raise PartitionError(f"plan {plan.method} for {plan.model} has {plan.num_stages} stages but the pipeline "
-                                 f"has {num_stages}; launch with {plan.num_stages} pipeline stages "
-                                 f"(num_stages={plan.num_stages})")
-        devices = tuple(s.devices for s in plan.stages)
-        if stage_degrees is not None and tuple(stage_degrees) != devices:
-            raise PartitionError(f"stage_degrees={list(stage_degrees)} disagrees with the plan's devices per stage "
-                                 f"{list(devices)}; drop stage_degrees to run the plan as planned")
-        if world_size % plan.num_devices:
-            raise PartitionError(f"plan {plan.method} for {plan.model} places its {plan.num_stages} stages on "
-                                 f"{plan.num_devices} devices {list(devices)}, but the world size is {world_size}; "
-                                 f"launch {plan.num_devices} ranks (or a multiple for data-parallel replicas)")
-        return Placement.build(devices, world_size=world_size, local_size=local_size)
-    if stage_degrees is not None:
-        degrees = tuple(stage_degrees)
-        if num_stages is not None and len(degrees) != num_stages:
-            raise PartitionError(f"stage_degrees={list(degrees)} gives {len(degrees)} stages but num_stages is "
-                                 f"{num_stages}")
-        return Placement.build(degrees, world_size=world_size, local_size=local_size)
-    if num_stages is None:
-        raise PartitionError("give num_stages, stage_degrees, a plan or topology")
-    if not isinstance(num_stages, int) or num_stages < 1:
-        raise PartitionError(f"num_stages must be a positive integer, got {num_stages!r}")
-    if world_size % num_stages:
-        raise PartitionError(f"num_stages ({num_stages}) must divide the world size ({world_size}): each "
-                             "pipeline replica needs one rank per stage")
-    return Placement.build((1, ) * num_stages, world_size=world_size, local_size=local_size)
-
-
-def _assign(graph: LayerGraph, entries: list[LayerEntry], num_stages: int, method: Any,
-            cost_db: Any = None) -> dict[str, int]:
-    if isinstance(method, Mapping):
-        return dict(method)
-    if not isinstance(method, str):
-        raise PartitionError(f"partition_method must be one of {PARTITION_METHODS}, got {method!r}")
-    name = method.lower()
-    if name == "graphpipe":
-        db = _cost_db(graph, entries, cost_db)
-        return graphpipe_partition(db, num_stages=num_stages)
-    if name == "uniform":
-        weights = [1] * len(entries)
-    elif name in ("parameters", "sequential"):
-        weights = [_count_params(e) for e in entries]
-    elif name.startswith("type:"):
-        pattern = re.compile(method.split(":", 1)[1], re.IGNORECASE)
-        weights = [int(bool(pattern.search(_type_name(e.layer)))) for e in entries]
-        if not any(weights):
-            raise PartitionError(f'partition_method "{method}" matches no layer class')
-    else:
-        raise PartitionError(f'unknown partition_method "{method}"; valid: {PARTITION_METHODS}')
-    if name == "sequential":
-        return sequential_partition(graph, num_stages, weights=weights)
-    return balanced_partition(graph, num_stages, weights=weights, slack=BRANCH_SLACK)
-
-
-def _as_plan(method: Any) -> Plan | None:
-    """The plan ``partition_method`` names (a Plan or the path of its JSON file), else None."""
-    if isinstance(method, Plan):
-        return method
-    if isinstance(method, os.PathLike) or isinstance(method, str) and method.endswith(".json"):
-        path = Path(method)
-        if not path.is_file():
-            raise PartitionError(f'partition_method names plan file "{method}", which does not exist')
-        return Plan.load(path)
-    return None
-
-
-def _recomputes(plan: Plan | None, layers: Sequence[str]) -> bool:
-    return plan is not None and any(s.recompute and set(s.layers) == set(layers) for s in plan.stages)
-
-
-def _runs_as_chain(method: Any) -> bool:
-    """Whether the partition is a chain that relays skip tensors: ``"sequential"`` (DeepSpeed's cut)
-    and plans priced as chains (``"pipeline": "chain"``: the PipeDream, Piper and DeepSpeed baselines)."""
-    if isinstance(method, str) and method.lower() == "sequential":
-        return True
-    plan = _as_plan(method)
-    return plan is not None and plan.pipeline == "chain"
-
-
-def _cost_db(graph: LayerGraph, entries: list[LayerEntry], cost_db: Any) -> CostDB:
-    if cost_db is None:
-        return proxy_costs(graph, [_count_params(e) for e in entries])
-    db = cost_db if isinstance(cost_db, CostDB) else CostDB.load(cost_db)
-    if set(db.by_name) != set(graph.names):
-        missing, extra = sorted(set(graph.names) - set(db.by_name)), sorted(set(db.by_name) - set(graph.names))
-        raise PartitionError(f"cost_db {db.model} does not describe this model's layers: missing {missing[:5]}, "
-                             f"unknown {extra[:5]}")
-    return db
+    return Placement.build(resolved.stage_degrees, world_size=world_size, local_size=local_size)
 
 
 def _count_params(entry: LayerEntry) -> int:

@@ -21,9 +21,17 @@ Every DeepSpeed-private name the split backward touches is in this module (pinne
 ``clear_lp_grads`` / ``update_hp_grads``, and the engine's backward-graph tracker that tells
 DeepSpeed's output hooks a loss was already scaled.
 
-Activation checkpointing: DeepSpeed's checkpoint is reentrant, and a reentrant checkpoint refuses
-an autograd pass restricted to some inputs (``inputs=``), which is what ``I`` is. The engine
-therefore refuses ``activation_checkpoint_interval > 0`` with a split schedule at construction.
+Activation checkpointing: DeepSpeed's default checkpoint is reentrant, and a reentrant checkpoint
+refuses an autograd pass restricted to some inputs (``inputs=``), which is what ``I`` is; so does
+DeepSpeed's ``non_reentrant_checkpoint`` (it checks ``torch.autograd._is_checkpoint_valid()``
+before recomputing). Under a split schedule a stage that recomputes (``activation_checkpoint_interval
+> 0``, or a plan's recompute mark) runs its chunks under torch's non-reentrant checkpoint
+(:func:`recompute`): the forward keeps each chunk's inputs only, and the first saved tensor that
+``I`` needs recomputes the chunk. ``W`` is another autograd pass and recomputes again, as far as
+the tensors it reads (torch recomputes once per backward call): up to two recomputations of a
+micro-batch instead of 1F1B's one, and between ``I`` and ``W`` nothing more than what ``W`` reads
+stays alive. A configuration that asks for the reentrant function (``"pipeline": {"use_reentrant":
+true}``) or a checkpoint function of its own is refused at construction.
 """
 
 from __future__ import annotations
@@ -32,6 +40,7 @@ from contextlib import contextmanager
 
 import torch
 from deepspeed.runtime import engine as ds_engine
+from deepspeed.runtime.activation_checkpointing import checkpointing
 from deepspeed.runtime.pipe import schedule as ds
 from deepspeed.runtime.base_optimizer import ZeROOptimizer
 
@@ -40,7 +49,7 @@ from .flat import flatten
 from .split_backward import backward_input
 
 __all__ = ["BackwardInputPass", "BackwardWeightPass", "SplitBackwardMixin", "SPLIT_SCHEDULES",
-           "check_split_backward_supported"]
+           "check_split_backward_supported", "recompute", "use_split_backward_recompute"]
 
 SPLIT_SCHEDULES = frozenset({"zb1", "zb2"})
 _FUSED = "fused"  # marker: this micro-batch's W runs the whole backward
@@ -65,14 +74,41 @@ class BackwardWeightPass(ds.BufferOpInstruction):
     """
 
 
-def check_split_backward_supported(schedule: str, module) -> None:
-    """Refuse, before any communication, what a split backward cannot run."""
-    interval = getattr(module, "activation_checkpoint_interval", 0)
-    if schedule in SPLIT_SCHEDULES and interval > 0:
+def recompute(function, *args):
+    """Torch's non-reentrant activation checkpoint, with the signature of DeepSpeed's
+    ``activation_checkpoint_func``: the one a split backward can run (see the module docstring)."""
+    return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False)
+
+
+def check_split_backward_supported(schedule: str, module, pipeline_config: dict | None = None) -> None:
+    """Refuse, before any communication, what a split backward cannot run: activation
+    checkpointing with a reentrant or user-supplied checkpoint function."""
+    pipeline_config = pipeline_config or {}
+    interval = max(getattr(module, "activation_checkpoint_interval", 0),
+                   pipeline_config.get("activation_checkpoint_interval", 0) or 0)
+    if schedule not in SPLIT_SCHEDULES or interval <= 0:
+        return
+    if pipeline_config.get("use_reentrant") is True:
         raise GPPConfigError(
-            f'graph_pipeline.schedule "{schedule}" splits the backward into input and weight gradients, which '
-            f"DeepSpeed's (reentrant) activation checkpointing cannot do; set activation_checkpoint_interval=0 "
-            f'(it is {interval}) or use schedule "1f1b"')
+            f'graph_pipeline.schedule "{schedule}" splits the backward into input and weight gradients, which a '
+            'reentrant activation checkpoint cannot do; drop "pipeline.use_reentrant": true (the stage then '
+            f"recomputes with torch's non-reentrant checkpoint) or use schedule \"1f1b\"")
+    func = getattr(module, "activation_checkpoint_func", checkpointing.checkpoint)
+    if func not in (checkpointing.checkpoint, checkpointing.non_reentrant_checkpoint, recompute):
+        raise GPPConfigError(
+            f'graph_pipeline.schedule "{schedule}" recomputes activations with torch\'s non-reentrant checkpoint '
+            f"(the only kind an input-gradient-only backward can run), not with activation_checkpoint_func="
+            f"{getattr(func, '__qualname__', func)!r}; leave activation_checkpoint_func at its default or use "
+            'schedule "1f1b"')
+
+
+def use_split_backward_recompute(engine) -> None:
+    """Make a stage that recomputes under a split schedule use :func:`recompute` (once the
+    parent constructor has set the module's interval and function from the config)."""
+    module = engine.module
+    if engine.gpp_config.schedule in SPLIT_SCHEDULES and module.activation_checkpoint_interval > 0:
+        module.activation_checkpoint_func = recompute
+        module._precompute_checkpointable_values()
 
 
 class SplitBackwardMixin:
@@ -115,6 +151,12 @@ class SplitBackwardMixin:
             self._backward_epilogue()
         elif self.using_bf16_optimizer and not self._config.bfloat16_config.immediate_grad_update:
             self.optimizer.update_hp_grads(clear_lp_grads=False)
+
+    def _reentrant_activation_checkpointing(self):
+        """Whether loaded inputs must require grad for the checkpoint function: only for a
+        reentrant one (DeepSpeed counts every function but its own non-reentrant one as such)."""
+        return (self.module.activation_checkpoint_interval > 0
+                and self.module.activation_checkpoint_func not in (checkpointing.non_reentrant_checkpoint, recompute))
 
     # -- DeepSpeed 0.19.8 internals ----------------------------------------------------------------
 

@@ -244,10 +244,11 @@ def derive_partition(graph: LayerGraph, stage_of: Mapping[str, int], *, num_stag
     output_stage = stage_of[graph.output]
 
     stages = []
+    nodes = {n.name: n for n in graph.nodes}   # graph.node() rebuilds this map on every call
     for s in range(num_stages):
         layers = tuple(n for n in graph.order if stage_of[n] == s)
         loads = tuple(i for i in graph.input_names
-                      if any(graph.is_input(r) and r.node == i for n in layers for r in graph.node(n).inputs))
+                      if any(graph.is_input(r) and r.node == i for n in layers for r in nodes[n].inputs))
         received = tuple(t for e in edges if e.dst == s for t in e.tensors)
         sent = sorted({t for e in edges if e.src == s for t in e.tensors}, key=ref_key)
         stages.append(StageSpec(stage_idx=s, layers=layers, loads=loads,

@@ -29,17 +29,17 @@ import bisect
 import json
 import math
 from dataclasses import asdict, dataclass, field
-from functools import cached_property
+from functools import cached_property, lru_cache
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Iterable, Mapping, Sequence
 
 from ..errors import GPPConfigError
 from ..graph.ir import LayerGraph, build_layer_graph
 from ..graph.placement import reshard
 from ..graph.stages import derive_partition
 
-__all__ = ["CommFit", "LayerCost", "Hardware", "CostDB", "StageCost", "StageCostModel", "edge_bytes",
-           "micro_batch_sizes", "reshard_messages", "extra_reshard_messages"]
+__all__ = ["CommFit", "LayerCost", "Hardware", "CostDB", "Boundary", "StageCost", "StageCostModel", "edge_bytes",
+           "plan_boundaries", "allreduce_time", "allreduce_coefficients", "micro_batch_sizes", "reshard_messages"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -212,6 +212,36 @@ class CostDB:
 
 
 @dataclass(frozen=True, slots=True)
+class Boundary:
+    """What one rank of a stage exchanges with other stages per micro-batch, each way.
+
+    Bytes per sample it receives and sends (activations forward; their gradients backward cross
+    the same edges the other way), and the messages they travel in: the engine sends one message
+    per stage edge and peer rank (``engine/p2p.py``: an edge's tensors are packed into one
+    buffer), so a fan-in stage receives one message per in-edge, a tensor read by several stages
+    is sent once to each, and an edge between stages of different degrees costs the narrower
+    side's ranks one message per peer that holds their rows (:func:`reshard_messages`).
+    """
+
+    in_bytes: float = 0.0
+    out_bytes: float = 0.0
+    in_messages: int = 0
+    out_messages: int = 0
+
+    @classmethod
+    def chain(cls, in_bytes: float, out_bytes: float) -> "Boundary":
+        """A stage of a linear pipeline: one message from its predecessor, one to its successor.
+
+        >>> Boundary.chain(8.0, 0.0)
+        Boundary(in_bytes=8.0, out_bytes=0.0, in_messages=1, out_messages=0)
+        """
+        return cls(in_bytes, out_bytes, int(in_bytes > 0), int(out_bytes > 0))
+
+
+NO_BOUNDARY = Boundary()
+
+
+@dataclass(frozen=True, slots=True)
 class StageCost:
     """The priced parts of one stage at one micro-batch size and data-parallel degree."""
 
@@ -223,12 +253,14 @@ class StageCost:
     bwd_input_s: float = 0.0   # split backward: input gradients plus the gradient transfers (I)
     bwd_weight_s: float = 0.0  # split backward: weight gradients (W)
     working_bytes: float = 0.0  # recomputed stage: one micro-batch's activations during its backward
+    param_bytes: float = 0.0    # one copy of the parameters (an asynchronous schedule stashes versions)
 
-    def memory(self, in_flight: int) -> float:
-        """Peak bytes per device with ``in_flight`` micro-batches stashed (GraphPipe Sec. 3, Eq. 2;
-        a recomputed stage stashes only its inputs and rebuilds one micro-batch's activations
-        at a time, PipeDream-2BW Sec. 3.3)."""
-        return self.weight_bytes + in_flight * self.stash_bytes + self.working_bytes
+    def memory(self, in_flight: int, versions: int = 0) -> float:
+        """Peak bytes per device with ``in_flight`` micro-batches and ``versions`` extra copies of
+        the weights stashed (GraphPipe Sec. 3, Eq. 2; a recomputed stage stashes only its inputs
+        and rebuilds one micro-batch's activations at a time, PipeDream-2BW Sec. 3.3; the stash
+        counts of each schedule: :func:`~gpp_deepspeed.planner.inflight.schedule_memory`)."""
+        return self.weight_bytes + in_flight * self.stash_bytes + self.working_bytes + versions * self.param_bytes
 
 
 @dataclass
@@ -242,15 +274,13 @@ class StageCostModel:
     Per micro-batch of ``b`` samples on a stage with ``n`` devices (each device gets ``b / n``):
 
     * compute: ``sum_l fwd_l(b/n) + bwd_l(b/n)`` (profiled or analytic times);
-    * communication: every tensor entering the stage is received forward and its gradient sent
-      backward; every tensor leaving it is sent forward and its gradient received backward:
-      ``comm(bytes * b / n)`` each (affine fit, GraphPipe Sec. 5);
+    * communication: every message entering or leaving the stage costs ``alpha + beta * bytes``
+      forward (activations) and again backward (their gradients): the stage's :class:`Boundary`,
+      its bytes at ``b / n`` samples per rank (affine fit, GraphPipe Sec. 5). A plan's boundaries
+      are exact (:func:`plan_boundaries`); a layer set priced before its neighbours are placed gets
+      :meth:`boundary`'s estimate of the messages;
     * all-reduce: ring, ``2 (n-1)/n * param_bytes`` per device plus ``2 (n-1)`` latencies, once
-      per mini-batch; its share per micro-batch is ``b / B`` of it.
-    * resharding: between stages of different degrees a rank's rows come from (or go to) several
-      ranks of the peer stage, the bytes unchanged (each rank moves only its own rows, as the
-      engine does); each message beyond the first costs one more link latency
-      (``extra_messages``, see :func:`extra_reshard_messages`).
+      per mini-batch (:func:`allreduce_time`); its share per micro-batch is ``b / B`` of it.
     """
 
     db: CostDB
@@ -275,6 +305,15 @@ class StageCostModel:
             self.producers.append(mask)
         self.index = index
         self.link = self.db.hardware.link(self.p2p_devices)
+        # Bitmasks of every layer's ancestors and descendants (db.layers is a topological order).
+        self.ancestors = [0] * len(layers)
+        for i in range(len(layers)):
+            for j in self._members(self.producers[i]):
+                self.ancestors[i] |= self.ancestors[j] | 1 << j
+        self.descendants = [0] * len(layers)
+        for i in reversed(range(len(layers))):
+            for j in self._members(self.consumers[i]):
+                self.descendants[i] |= self.descendants[j] | 1 << j
 
     def mask_of(self, names: Iterable[str]) -> int:
         m = 0
@@ -315,53 +354,120 @@ class StageCostModel:
                                       for t, c in zip(self.layer_times(shard), self.db.layers)]
         return hit
 
-    def boundary_bytes(self, mask: int) -> tuple[float, float]:
-        """Bytes per sample entering and leaving a layer set (each outside producer once, each
-        inside producer with an outside reader once)."""
+    def boundary(self, mask: int) -> Boundary:
+        """The :class:`Boundary` of layer set ``mask`` as one stage of a stage DAG, before its
+        neighbours are placed.
+
+        Bytes received are exact: each outside producer's output once. How many stages send them
+        and how many read the stage's outputs depend on how the neighbours are cut, which a search
+        does not know yet. The estimate takes neighbours in series (a path between them) to share a
+        stage and neighbours in parallel (none) to have stages of their own: one message from each
+        outside producer that no other outside producer follows, one to each outside reader that no
+        other precedes, and each output sent once to each of its own such readers. That is exact
+        for a stage inside a chain, a fork into branches that are stages of their own and a merge
+        of them; :func:`plan_boundaries` prices a plan's stages exactly.
+        """
         key = ("bnd", mask)
         hit = self._cache.get(key)
         if hit is not None:
             return hit
         layers = self.db.layers
-        inside = self._members(mask)
-        outside_producers = 0
+        producers = readers = 0
         out_b = 0.0
-        for i in inside:
-            outside_producers |= self.producers[i] & ~mask
-            if self.consumers[i] & ~mask:
-                out_b += layers[i].out_bytes
-        in_b = float(sum(layers[j].out_bytes for j in self._members(outside_producers)))
-        self._cache[key] = (in_b, out_b)
-        return in_b, out_b
+        for i in self._members(mask):
+            producers |= self.producers[i] & ~mask
+            outside = self.consumers[i] & ~mask
+            if outside:
+                readers |= outside
+                out_b += layers[i].out_bytes * self._first(outside, self.ancestors)
+        in_b = float(sum(layers[j].out_bytes for j in self._members(producers)))
+        hit = self._cache[key] = Boundary(in_b, out_b, self._first(producers, self.descendants) if in_b > 0 else 0,
+                                          self._first(readers, self.ancestors) if out_b > 0 else 0)
+        return hit
 
-    def chain_boundaries(self, masks: Sequence[int]) -> list[tuple[float, float]]:
+    def _first(self, group: int, before: list[int]) -> int:
+        """Members of ``group`` with no other member in ``before[member]`` (no other member precedes
+        it, for ``before = ancestors``; none follows it, for ``descendants``)."""
+        return sum(1 for i in self._members(group) if not before[i] & group)
+
+    def chain_boundaries(self, masks: Sequence[int]) -> list[Boundary]:
         """Bytes per sample into and out of each stage of a *chain* pipeline.
 
         In a linear pipeline (DeepSpeed's ``PipelineEngine``, PipeDream) a tensor that skips
         stages is relayed through every stage in between, so the boundary after stage ``k``
-        carries every tensor produced at or before ``k`` and read after it.
+        carries every tensor produced at or before ``k`` and read after it
+        (:meth:`cut_bytes` at the stage boundaries).
         """
-        cuts = []
-        before = 0
-        for k in range(len(masks) - 1):
-            before |= masks[k]
-            cuts.append(float(sum(self.db.layers[i].out_bytes for i in self._members(before)
-                                  if self.consumers[i] & ~before)))
-        return [(cuts[k - 1] if k > 0 else 0.0, cuts[k] if k < len(cuts) else 0.0) for k in range(len(masks))]
+        order = [i for mask in masks for i in self._members(mask)]
+        cut = self.cut_bytes(order)
+        at = [0]
+        for mask in masks:
+            at.append(at[-1] + mask.bit_count())
+        return [Boundary.chain(cut[at[k]], cut[at[k + 1]]) for k in range(len(masks))]
 
-    def stage(self, mask: int, b: int, n: int, *, boundary: tuple[float, float] | None = None,
-              recompute: bool = False, extra_messages: int = 0) -> StageCost:
+    def stage_boundaries(self, masks: Sequence[int], degrees: Sequence[int], *, relay: bool = False) -> list[Boundary]:
+        """The exact :class:`Boundary` of every stage of a plan (layer sets ``masks`` on
+        ``degrees`` ranks): :func:`plan_boundaries` of the plan's :func:`edge_bytes`, on bitmasks
+        (tests hold the two equal). ``relay``: the stages form a chain in list order that relays
+        skip tensors (:meth:`chain_boundaries`)."""
+        if relay:
+            cuts = self.chain_boundaries(masks)
+            edges = {(k, k + 1): cuts[k].out_bytes for k in range(len(masks) - 1)}
+        else:
+            stage_of = {}
+            for s, mask in enumerate(masks):
+                for i in self._members(mask):
+                    stage_of[i] = s
+            edges = {}
+            for i, s in stage_of.items():
+                readers = {stage_of[c] for c in self._members(self.consumers[i])} - {s}
+                for t in readers:    # a layer's output is sent once to each stage that reads it
+                    edges[(s, t)] = edges.get((s, t), 0.0) + self.db.layers[i].out_bytes
+        return plan_boundaries(edges, degrees)
+
+    def cut_bytes(self, order: Sequence[int]) -> list[float]:
+        """Bytes per sample crossing each boundary of a linear order of layers (indices into
+        ``db.layers``, producers before readers): ``cut[k]`` is what a chain cut before position
+        ``k`` relays, every tensor produced before ``k`` and read at or after it, each once
+        (``cut[0] = cut[n] = 0``). The one chain kernel: :meth:`chain_boundaries`, PipeDream's
+        prefix sums and Piper's relayed boundaries all price these cuts.
+
+        >>> from gpp_deepspeed.planner.costs import CommFit, CostDB, Hardware, LayerCost
+        >>> link = CommFit(alpha_s=0.0, beta_s_per_byte=0.0)
+        >>> hw = Hardware(name="h", memory_bytes=1, devices_per_node=1, intra=link, inter=link)
+        >>> layer = lambda name, inputs, nbytes: LayerCost(name=name, inputs=inputs, micro_batches=(1,), fwd_s=(1.0,),
+        ...                                                bwd_s=(1.0,), param_bytes=0, out_bytes=nbytes, stash_bytes=0)
+        >>> db = CostDB(model="m", source="hand", input_names=("x",), output="res", hardware=hw,
+        ...             layers=(layer("l1", ("x",), 100), layer("l2", ("l1",), 10), layer("res", ("l2", "l1"), 1)))
+        >>> StageCostModel(db, 1).cut_bytes([0, 1, 2])
+        [0.0, 100.0, 110.0, 0.0]
+        """
+        pos = {layer: k for k, layer in enumerate(order)}
+        # A tensor produced at position p and last read at position q crosses boundaries p+1..q.
+        delta = [0.0] * (len(order) + 2)
+        for p, layer in enumerate(order):
+            readers = [pos[c] for c in self._members(self.consumers[layer]) if c in pos]
+            if readers:
+                nbytes = self.db.layers[layer].out_bytes
+                delta[p + 1] += nbytes
+                delta[max(readers) + 1] -= nbytes
+        cut, running = [], 0.0
+        for k in range(len(order) + 1):
+            running += delta[k]
+            cut.append(running)
+        return cut
+
+    def stage(self, mask: int, b: int, n: int, *, boundary: Boundary | None = None,
+              recompute: bool = False) -> StageCost:
         """Price layer set ``mask`` as one stage with micro-batch ``b`` on ``n`` devices.
 
-        ``boundary`` overrides the bytes per sample entering and leaving the stage (a chain
-        pipeline relays skip tensors, see :meth:`chain_boundaries`). ``recompute``: the stage
-        checkpoints its activations, PipeDream-2BW's per-stage choice (arXiv 2006.09503, Sec. 3.3):
-        the backward runs the forward again first, and a micro-batch in flight stashes only the
-        stage's inputs. ``extra_messages`` is the number of additional messages a rank of the stage
-        exchanges per micro-batch and direction because its neighbours have other degrees
-        (:func:`extra_reshard_messages`).
+        ``boundary`` gives the stage's messages when its neighbours are known (a plan's,
+        :func:`plan_boundaries`; a chain's, :meth:`chain_boundaries`); by default the estimate
+        of :meth:`boundary`. ``recompute``: the stage checkpoints its activations, PipeDream-2BW's
+        per-stage choice (arXiv 2006.09503, Sec. 3.3): the backward runs the forward again first,
+        and a micro-batch in flight stashes only the stage's inputs.
         """
-        key = (mask, b, n, boundary, recompute, extra_messages)
+        key = (mask, b, n, boundary, recompute)
         hit = self._cache.get(key)
         if hit is not None:
             return hit
@@ -379,30 +485,28 @@ class StageCostModel:
             grad_w += gw
             params += p
             stash += st
-        in_b, out_b = self.boundary_bytes(mask) if boundary is None else boundary
+        bd = self.boundary(mask) if boundary is None else boundary
         # Activations arrive before the forward and leave after it; gradients mirror them
-        # (with a split backward, around I: W talks to no one). Resharding adds latencies only.
-        fwd += self.link.time(in_b * shard) + self.link.time(out_b * shard) + extra_messages * self.link.alpha_s
-        grads_comm = self.link.time(out_b * shard) + self.link.time(in_b * shard) + extra_messages * self.link.alpha_s
-        bwd += grads_comm
-        grad_in += grads_comm
-        allreduce = 0.0
-        if n > 1 and params > 0:
-            ring = hw.link(n)
-            allreduce = 2 * (n - 1) * ring.alpha_s + 2 * (n - 1) / n * params * ring.beta_s_per_byte
+        # (with a split backward, around I: W talks to no one).
+        comm = ((bd.in_messages + bd.out_messages) * self.link.alpha_s
+                + (bd.in_bytes + bd.out_bytes) * shard * self.link.beta_s_per_byte)
+        fwd += comm
+        bwd += comm
+        grad_in += comm
+        allreduce = allreduce_time(hw.link(n), n, params)
         working = 0.0
         if recompute:
             again = sum(rows[i][0] for i in self._members(mask))
             bwd += again
             grad_in += again
-            working, stash = stash, in_b
+            working, stash = stash, bd.in_bytes
         cost = StageCost(fwd_s=fwd, bwd_s=bwd, allreduce_s=allreduce,
                          weight_bytes=params * (1 + hw.optimizer_factor), stash_bytes=stash * shard,
-                         bwd_input_s=grad_in, bwd_weight_s=grad_w, working_bytes=working * shard)
+                         bwd_input_s=grad_in, bwd_weight_s=grad_w, working_bytes=working * shard, param_bytes=params)
         self._cache[key] = cost
         return cost
 
-    def time_per_sample(self, mask: int, b: int, n: int, *, boundary: tuple[float, float] | None = None,
+    def time_per_sample(self, mask: int, b: int, n: int, *, boundary: Boundary | None = None,
                         recompute: bool = False) -> float:
         """The stage's seconds per sample: GraphPipe's TPS (Sec. 5, Eq. 1)."""
         c = self.stage(mask, b, n, boundary=boundary, recompute=recompute)
@@ -415,16 +519,16 @@ class StageCostModel:
     def fits(self, mask: int, b: int, n: int, in_flight: int, *, recompute: bool = False) -> bool:
         return self.memory(mask, b, n, in_flight, recompute=recompute) <= self.db.hardware.memory_bytes
 
-    def time_per_sample_inference(self, mask: int, b: int, n: int) -> float:
+    def time_per_sample_inference(self, mask: int, b: int, n: int, *, boundary: Boundary | None = None) -> float:
         """A forward-only stage's seconds per sample (EdgePipe's objective, arXiv 2110.14895):
         its forward with the activations in and out; no backward, no all-reduce."""
-        return self.stage(mask, b, n).fwd_s / b
+        return self.stage(mask, b, n, boundary=boundary).fwd_s / b
 
     def inference_memory(self, mask: int, b: int, n: int) -> float:
         """Bytes per device of a forward-only stage: the parameters (no gradients, no optimizer
         state) and one micro-batch's activations."""
         c = self.stage(mask, b, n)
-        return c.weight_bytes / (1 + self.db.hardware.optimizer_factor) + c.stash_bytes
+        return c.param_bytes + c.stash_bytes
 
 
 def edge_bytes(db: CostDB, stage_of: dict[str, int], *, relay: bool) -> dict[tuple[int, int], float]:
@@ -456,6 +560,34 @@ def edge_bytes(db: CostDB, stage_of: dict[str, int], *, relay: bool) -> dict[tup
             for e in partition.stage_graph.edges}
 
 
+def allreduce_coefficients(link: CommFit, num_devices: int) -> tuple[float, float]:
+    """Latency seconds and seconds per byte of a ring all-reduce among ``num_devices`` devices
+    over ``link``: ``2 (n - 1)`` steps, each moving ``1 / n`` of the bytes (a reduce-scatter and an
+    all-gather; Patarasuk and Yuan, JPDC 2009, the ring NCCL and gloo run). Vectorised planners
+    (PipeDream, Piper) take the coefficients; everything else calls :func:`allreduce_time`.
+
+    >>> allreduce_coefficients(CommFit(alpha_s=1.0, beta_s_per_byte=1.0), 4)
+    (6.0, 1.5)
+    """
+    n = num_devices
+    if n < 2:
+        return 0.0, 0.0
+    return 2 * (n - 1) * link.alpha_s, 2 * (n - 1) / n * link.beta_s_per_byte
+
+
+def allreduce_time(link: CommFit, num_devices: int, nbytes: float) -> float:
+    """Seconds of a ring all-reduce of ``nbytes`` among ``num_devices`` devices over ``link``
+    (:func:`allreduce_coefficients`); nothing to do with one device or no bytes.
+
+    >>> allreduce_time(CommFit(alpha_s=1.0, beta_s_per_byte=1.0), 4, 8.0), allreduce_time(CommFit(alpha_s=1.0, beta_s_per_byte=1.0), 1, 8.0)
+    (18.0, 0.0)
+    """
+    if num_devices < 2 or nbytes <= 0:
+        return 0.0
+    latency, per_byte = allreduce_coefficients(link, num_devices)
+    return latency + per_byte * nbytes
+
+
 def micro_batch_sizes(mini_batch: int, candidates: Sequence[int] | None = None) -> list[int]:
     """Micro-batch sizes to sweep: powers of two dividing the mini-batch (GraphPipe Sec. 5).
 
@@ -467,6 +599,7 @@ def micro_batch_sizes(mini_batch: int, candidates: Sequence[int] | None = None) 
     return [1 << i for i in range(int(math.log2(mini_batch)) + 1) if mini_batch % (1 << i) == 0]
 
 
+@lru_cache(maxsize=None)
 def reshard_messages(num_src: int, num_dst: int) -> tuple[int, int]:
     """Messages per micro-batch on one edge from a stage of ``num_src`` ranks to one of
     ``num_dst``: the most any producer rank sends and the most any consumer rank receives
@@ -481,16 +614,22 @@ def reshard_messages(num_src: int, num_dst: int) -> tuple[int, int]:
     return sends, recvs
 
 
-def extra_reshard_messages(edges: Iterable[tuple[int, int]], degrees: Sequence[int]) -> list[int]:
-    """Per stage: messages beyond one per edge that resharding adds to each micro-batch (each
-    direction), over the stage's in-edges (receives) and out-edges (sends).
+def plan_boundaries(edges: Mapping[tuple[int, int], float], degrees: Sequence[int]) -> list[Boundary]:
+    """Every stage's :class:`Boundary` in a plan: ``edges`` maps each stage edge ``(src, dst)`` to its
+    bytes per sample (:func:`edge_bytes`), ``degrees`` gives each stage's ranks. An edge is one
+    message per peer rank that holds a rank's rows (:func:`reshard_messages`).
 
-    >>> extra_reshard_messages([(0, 2), (1, 2)], [1, 1, 2])   # stage 2's ranks each get one message per edge
-    [1, 1, 0]
+    >>> plan_boundaries({(0, 2): 4.0, (1, 2): 4.0}, [1, 1, 2])   # a fan-in of 2 into a stage of 2 ranks
+    [Boundary(in_bytes=0.0, out_bytes=4.0, in_messages=0, out_messages=2), Boundary(in_bytes=0.0, out_bytes=4.0, in_messages=0, out_messages=2), Boundary(in_bytes=8.0, out_bytes=0.0, in_messages=2, out_messages=0)]
     """
-    extra = [0] * len(degrees)
-    for src, dst in edges:
+    in_b, out_b = [0.0] * len(degrees), [0.0] * len(degrees)
+    in_m, out_m = [0] * len(degrees), [0] * len(degrees)
+    for (src, dst), nbytes in edges.items():
+        if nbytes <= 0:
+            continue
         sends, recvs = reshard_messages(degrees[src], degrees[dst])
-        extra[src] += sends - 1
-        extra[dst] += recvs - 1
-    return extra
+        out_b[src] += nbytes
+        out_m[src] += sends
+        in_b[dst] += nbytes
+        in_m[dst] += recvs
+    return [Boundary(*x) for x in zip(in_b, out_b, in_m, out_m)]

@@ -11,13 +11,18 @@ rule here is reconstructed and reproduces both numbers of Fig. 5)::
 
 With one micro-batch size ``b`` for all stages this is ``b`` times the stage's depth to the
 sink: the chain's ``S - i + 1`` micro-batches (1-indexed), and a graph's shallower depth.
+
+Other schedules keep other counts (:func:`schedule_memory`): the search prices every candidate
+stage graph with the counts of the schedule it will run.
 """
 
 from __future__ import annotations
 
 from typing import Mapping, Sequence
 
-__all__ = ["in_flight", "stage_in_flight"]
+from ..errors import GPPConfigError
+
+__all__ = ["in_flight", "stage_in_flight", "schedule_memory", "needs_pipeline_depth", "deepest_pipeline"]
 
 
 def in_flight(micro_batch: int, successors: Sequence[tuple[int, int]]) -> int:
@@ -55,3 +60,62 @@ def stage_in_flight(succs: Mapping[int, Sequence[int]], micro_batches: Mapping[i
     for s in sorted(succs, reverse=True):
         visit(s)
     return done
+
+
+def schedule_memory(schedule: str, *, depth: int, pipeline_depth: int, num_microbatches: int) -> tuple[int, int]:
+    """Micro-batches of activations and copies of the weights a stage of ``depth`` (stages on its
+    longest path to the output, itself included) stashes at its peak under ``schedule``, in a
+    stage graph whose longest path has ``pipeline_depth`` stages, with uniform micro-batches.
+
+    * ``1f1b``: ``min(depth, M)`` (GraphPipe Sec. 6); ``gpipe``: all ``M``;
+    * ``zb1``: ``min(D, M)`` on every stage: a stage defers ``D - depth`` weight gradients and a
+      micro-batch stays until its ``W`` (ZB-H1's bound, arXiv 2401.10241 Sec. 3.1);
+    * ``zb2``: ``min(2 D - 1, M)`` on every stage (ZB-H2's bound, which the greedy schedule reaches
+      on every stage once ``M`` allows);
+    * ``pipedream``, ``pipeoptim``: ``depth`` micro-batches and ``depth`` weight versions (one per
+      micro-batch in flight: PipeDream's weight stashing, PipeOptim's predictions); ``2bw``:
+      ``depth`` micro-batches and two versions (PipeDream-2BW Sec. 3.1). Without a flush the
+      pipeline stays full whatever ``M``.
+
+    The schedule generators themselves are the reference: tests count their peaks on random stage
+    graphs (:func:`~gpp_deepspeed.schedule.zero_bubble.peak_in_flight`).
+
+    >>> [schedule_memory(s, depth=1, pipeline_depth=3, num_microbatches=8) for s in ("1f1b", "zb1", "zb2", "2bw")]
+    [(1, 0), (3, 0), (5, 0), (1, 2)]
+    """
+    name = schedule.lower()
+    m = num_microbatches
+    if name == "1f1b":
+        return min(depth, m), 0
+    if name == "gpipe":
+        return m, 0
+    if name == "zb1":
+        return min(pipeline_depth, m), 0
+    if name == "zb2":
+        return min(2 * pipeline_depth - 1, m), 0
+    if name in ("pipedream", "pipeoptim"):
+        return depth, depth
+    if name == "2bw":
+        return depth, 2
+    raise GPPConfigError(f'no in-flight rule for schedule "{schedule}"; valid: 1f1b, gpipe, zb1, zb2, pipedream, 2bw, '
+                         "pipeoptim")
+
+
+def needs_pipeline_depth(schedule: str) -> bool:
+    """True when a stage's stash depends on the whole stage graph's depth, not only its own.
+
+    >>> needs_pipeline_depth("zb1"), needs_pipeline_depth("1f1b")
+    (True, False)
+    """
+    return schedule.lower() in ("zb1", "zb2")
+
+
+def deepest_pipeline(schedule: str, num_microbatches: int) -> int | None:
+    """The deepest stage graph ``schedule`` runs with ``num_microbatches`` per batch, or None for
+    no limit: PipeDream-2BW keeps two weight versions only while ``M >= D - 1`` (its ``m >= d``,
+    :func:`~gpp_deepspeed.schedule.asynchronous.check_async_microbatches`).
+
+    >>> deepest_pipeline("2bw", 3), deepest_pipeline("1f1b", 3)
+    (4, None)
+    """
+    return num_microbatches + 1 if schedule.lower() == "2bw" else None

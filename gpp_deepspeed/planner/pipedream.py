@@ -37,7 +37,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from .costs import StageCostModel
+from .costs import NO_BOUNDARY, StageCostModel, allreduce_coefficients
 
 __all__ = ["ChainCosts", "pipedream_bottleneck"]
 
@@ -64,19 +64,7 @@ class ChainCosts:
     def build(cls, model: StageCostModel, order: Sequence[str]) -> "ChainCosts":
         layers = model.db.layers
         positions = tuple(model.index[name] for name in order)
-        pos_of = {layer: k for k, layer in enumerate(positions)}
-        n = len(positions)
-        # A tensor produced at position p and last read at position q crosses boundaries p+1..q.
-        delta = [0.0] * (n + 2)
-        for p, layer in enumerate(positions):
-            readers = [pos_of[c] for c in model._members(model.consumers[layer])]
-            if readers:
-                delta[p + 1] += layers[layer].out_bytes
-                delta[max(readers) + 1] -= layers[layer].out_bytes
-        cut, running = [], 0.0
-        for k in range(n + 1):
-            running += delta[k]
-            cut.append(running)
+        cut = model.cut_bytes(positions)
         return cls(model=model, positions=positions, cut=tuple(cut),
                    params=_prefix(layers[i].param_bytes for i in positions),
                    stash=_prefix(layers[i].stash_bytes for i in positions), _compute={})
@@ -99,7 +87,7 @@ class ChainCosts:
         if hit is None:
             per_layer = []
             for i in self.positions:
-                c = self.model.stage(1 << i, b, r, boundary=(0.0, 0.0))
+                c = self.model.stage(1 << i, b, r, boundary=NO_BOUNDARY)
                 per_layer.append(c.fwd_s + c.bwd_s)
             hit = self._compute[key] = _prefix(per_layer)
         return hit
@@ -121,9 +109,7 @@ class ChainCosts:
         alpha, beta = self.model.link.alpha_s, self.model.link.beta_s_per_byte
         shard = b / r
         share = b / self.model.mini_batch
-        ring = hw.link(r)
-        ar_alpha = 2 * (r - 1) * ring.alpha_s if r > 1 else 0.0
-        ar_beta = 2 * (r - 1) / r * ring.beta_s_per_byte
+        ar_alpha, ar_beta = allreduce_coefficients(hw.link(r), r)
         comm_in = 2 * self.model.link.time(cut[i] * shard)
         lower = [_INF] * (n + 1)
         tps = [_INF] * (n + 1)

@@ -24,8 +24,10 @@ DP table (one per micro-batch size ``b``)::
                    max(dp[U'][s - d], TPS(U \\ U', b, d))
     dp[{}][0] = 0, every other dp[{}][s] = inf;  answer min over 1 <= s <= N of dp[all layers][s]
 
-``TPS`` is the shared cost model's time per sample with the stage's own graph boundary
-(:meth:`~gpp_deepspeed.planner.costs.StageCostModel.time_per_sample`), evaluated for every pair
+``TPS`` is the shared cost model's time per sample
+(:meth:`~gpp_deepspeed.planner.costs.StageCostModel.time_per_sample`) with the boundaries of the
+chain pipeline that runs the plan (a skip tensor is relayed through the stages in between,
+:meth:`~gpp_deepspeed.planner.costs.StageCostModel.chain_boundaries`), evaluated for every pair
 ``U' < U`` at once with numpy. Cost: ``O(|D|^2)`` pairs of upsets (GraphPipe, arXiv 2406.17145,
 Sec. 7.2, quoting Piper's Appendix D) times the ``(b, d, s)`` combinations; ``|D|`` grows as
 ``length^branches``, so Piper stops at a state limit (``IDEALS_LIMIT = 40,000`` in its code).
@@ -39,7 +41,7 @@ from typing import Sequence
 import numpy as np
 
 from ..errors import SearchLimitError
-from .costs import StageCostModel
+from .costs import NO_BOUNDARY, StageCostModel, allreduce_coefficients
 
 __all__ = ["enumerate_upsets", "piper_bottlenecks"]
 
@@ -84,12 +86,9 @@ class _Pairs:
     upsets: list[int]
     words: np.ndarray        # [D, W] uint64: the upsets as bit words, for subset tests
     member: np.ndarray       # [D, n] bool
-    readers: np.ndarray      # [D, n] readers[X, p] = consumers of layer p inside X
-    feeds: np.ndarray        # [D, n] where layer l is outside X and read inside it
-    fed_bytes: np.ndarray    # [D] bytes per sample X reads from outside itself
+    fed_bytes: np.ndarray    # [D] bytes per sample X reads from outside itself, each tensor once
     params: np.ndarray       # [D] parameter bytes
     stash: np.ndarray        # [D] stashed bytes per sample
-    out_bytes: np.ndarray    # [n]
 
     @classmethod
     def build(cls, model: StageCostModel, upsets: list[int]) -> "_Pairs":
@@ -108,31 +107,23 @@ class _Pairs:
         feeds = ~member & (readers > 0)
         out_bytes = np.array([c.out_bytes for c in layers], dtype=np.float64)
         as_float = member.astype(np.float64)
-        return cls(upsets=upsets, words=words, member=member, readers=readers,
-                   feeds=feeds, fed_bytes=feeds @ out_bytes,
+        return cls(upsets=upsets, words=words, member=member, fed_bytes=feeds @ out_bytes,
                    params=as_float @ np.array([c.param_bytes for c in layers], dtype=np.float64),
-                   stash=as_float @ np.array([c.stash_bytes for c in layers], dtype=np.float64),
-                   out_bytes=out_bytes)
+                   stash=as_float @ np.array([c.stash_bytes for c in layers], dtype=np.float64))
 
     def below(self, u: int) -> np.ndarray:
         """Indices of the upsets strictly inside upset ``u`` (they precede it: sorted by size)."""
         return np.flatnonzero(((self.words[:u] & ~self.words[u]) == 0).all(axis=1))
 
     def boundaries(self, u: int, sub: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Bytes per sample entering and leaving each stage ``U \\ U'``, ``U'`` in ``sub``.
+        """Bytes per sample entering and leaving each stage ``U \\ U'``, ``U'`` in ``sub``, as the
+        chain pipeline that runs Piper's plans relays them.
 
-        A stage's outside producers lie outside ``U`` (``U'`` is closed under consumers) and its
-        outside readers inside ``U'``: the same sets :meth:`StageCostModel.boundary_bytes` counts.
-        Only the producers just outside ``U`` (its front) need a per-pair look.
+        The stages before ``U \\ U'`` hold every layer outside ``U`` and those after it ``U'``, so the
+        cut before the stage carries what ``U`` reads from outside itself and the cut after it
+        what ``U'`` does: :meth:`StageCostModel.cut_bytes` at the stage's two boundaries.
         """
-        front = np.flatnonzero(self.feeds[u])
-        out_bytes = self.out_bytes[front]
-        read = self.readers[np.ix_(sub, front)]
-        # U' is fed by layers inside U \ U' (the stage's outputs) and by some of U's front.
-        out_b = self.fed_bytes[sub] - (read > 0) @ out_bytes
-        # A front layer feeds the stage unless all its readers inside U lie inside U'.
-        in_b = (read < self.readers[u, front]) @ out_bytes
-        return in_b, out_b
+        return np.full(len(sub), self.fed_bytes[u]), self.fed_bytes[sub]
 
 
 @dataclass
@@ -163,15 +154,14 @@ class _Combos:
             picked = [i for i, b in enumerate(mbs) if b % d == 0]
             contiguous = picked == list(range(picked[0], picked[-1] + 1))
             rows.append(slice(picked[0], picked[-1] + 1) if contiguous else np.array(picked))
-            ring = hw.link(d)
+            latency, per_byte = allreduce_coefficients(hw.link(d), d)
             for i in picked:
                 b = mbs[i]
                 ds.append(d)
                 shards.append(b / d)
-                # StageCostModel.stage's ring all-reduce, 2 (d-1) latencies and 2 (d-1)/d of the
-                # bytes, paid once per mini-batch B: b / B of it per micro-batch, 1 / B per sample.
-                coef.append((1 / b, 1 / d, 2 * (d - 1) * ring.alpha_s / model.mini_batch,
-                             2 * (d - 1) / d * ring.beta_s_per_byte / model.mini_batch))
+                # The all-reduce is paid once per mini-batch B: b / B of it per micro-batch, 1 / B
+                # per sample.
+                coef.append((1 / b, 1 / d, latency / model.mini_batch, per_byte / model.mini_batch))
                 per_layer.append([_compute_s(model, l, b, d) / b for l in range(model.num_layers)])
         compute = np.array(per_layer, dtype=np.float64) @ pairs.member.T.astype(np.float64)
         return cls(mbs, num_devices, degrees, rows, np.array(ds, dtype=np.float64)[:, None],
@@ -179,7 +169,7 @@ class _Combos:
 
 
 def _compute_s(model: StageCostModel, layer: int, b: int, d: int) -> float:
-    c = model.stage(1 << layer, b, d, boundary=(0.0, 0.0))
+    c = model.stage(1 << layer, b, d, boundary=NO_BOUNDARY)
     return c.fwd_s + c.bwd_s
 
 

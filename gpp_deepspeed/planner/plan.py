@@ -171,3 +171,4 @@ class SearchResult:
     states: int = 0
     status: str = "ok"
     trace: tuple = ()
+    alternatives: tuple = ()   # a search over several schedules: each one's best plan (or None), in order

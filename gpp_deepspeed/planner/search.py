@@ -9,586 +9,74 @@ Three layers, as in the paper:
    *least in-flight count of the subgraph's source stage* such that every stage in it meets
    ``TPS <= t_max`` and fits in memory under the in-flight rule (Sec. 5 "DP"; Sec. 6).
 
-DP tables (uniform micro-batch ``b`` and 1F1B, the paper's default and evaluated setting, so
-in-flight counts are micro-batches = depth to the sink, :mod:`.inflight`):
-
-``solve(node, n, d)``
-    least in-flight count of the source stage(s) of SP-tree ``node`` run on exactly ``n``
-    devices, when the stage(s) after its sink keep ``d`` micro-batches in flight (``d = 0``
-    after the output stage); ``None`` when infeasible.
-``series(node, j, n, d)``
-    the same for the suffix ``children[j:]`` of a Series node. Its first stage either covers the
-    children ``j..k-1`` whole (one stage, the base case of Alg. 1), or lies inside child ``j``,
-    which is then solved on its own with the suffix's source as its successor (Alg. 1's series
-    case, solved back to front: "solve G2 first"), or, when child ``j`` is Parallel, joins its
-    last branches to the merge layers ``j+1..k-1`` (see below).
-``parallel(node, i, e, n, d)``
-    the children ``i..e-1`` of a Parallel node: its first group of children runs as one stage, or
-    its first child is decomposed on its own, beside the rest; their in-flight counts meet at the
-    shared successor: ``max(k1, k2)`` (Alg. 1's parallel case, "we take the larger").
-
-A stage is therefore an SP-tree node, a contiguous range of a Series node's children, a
-contiguous range of a Parallel node's children, or the last branches of a Parallel node together
-with the layers that merge them. The last form is our extension of the paper's SP cases: with
-node-SP trees a merge layer (a concat, a head) would otherwise need a stage of its own, and a
-device of its own, however small it is; letting a branch carry it keeps devices busy (a convex
-stage either way, so the runtime needs nothing new). Device counts per stage come from
-``stage_devices``: powers of two dividing ``b`` (the paper's data-parallel degrees) in the
-``"full"`` space, or one fixed degree in the ``"runtime"`` space that today's engine runs
-(one stage per pipeline rank, every stage replicated alike).
+The DP itself, its tables and the stages it may form are in :mod:`._dp`.
 """
 
 from __future__ import annotations
 
-import bisect
+import functools
 import math
 import time
-from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import networkx as nx
 
 from ..errors import GPPConfigError, InfeasiblePlanError
-from .costs import CommFit, CostDB, Hardware, LayerCost, StageCostModel, micro_batch_sizes
-from .inflight import stage_in_flight
+from ._dp import FeasibilityDP, flatten, work_fn
+from .costs import NO_BOUNDARY, CommFit, CostDB, Hardware, LayerCost, StageCostModel, micro_batch_sizes
+from .inflight import deepest_pipeline, needs_pipeline_depth, schedule_memory, stage_in_flight
 from .plan import Plan, PlanStage, SearchResult
 from .simulate import predict
-from .sp import Leaf, Series, sp_tree
+from .sp import sp_tree
 
-__all__ = ["graphpipe_search", "graphpipe_partition", "proxy_costs", "SPACES", "bottleneck_search"]
+__all__ = ["graphpipe_search", "graphpipe_partition", "proxy_costs", "SPACES", "bottleneck_search",
+           "schedule_bottleneck_search"]
 
 SPACES = ("full", "runtime")
 _REL_TOL = 1e-3
-_GROWTH = 1.25
-_MISSING = object()
-
-
-@dataclass
-class _Node:
-    kind: str                 # "leaf", "series" or "parallel"
-    mask: int
-    children: tuple[int, ...]
-    prefix: tuple[int, ...]   # prefix[j] = mask of children[:j]
-    size: int                 # layers under the node
-    depth: int = 1            # stages on its longest path when every layer is a stage
-    cls: int = 0              # nodes of one class are priced alike (identical branches)
-    sym: bool = False         # Parallel: children of one class are interchangeable in groups
-
-
-def _flatten(tree, cm: StageCostModel) -> list[_Node]:
-    """Number the SP tree's nodes, children before parents; the root is last."""
-    nodes: list[_Node] = []
-
-    def visit(t) -> int:
-        if isinstance(t, Leaf):
-            kids: tuple[int, ...] = ()
-            mask = cm.mask_of([t.name])
-            kind = "leaf"
-        else:
-            kids = tuple(visit(c) for c in t.children)
-            mask = 0
-            for c in kids:
-                mask |= nodes[c].mask
-            kind = "series" if isinstance(t, Series) else "parallel"
-        prefix = [0]
-        for c in kids:
-            prefix.append(prefix[-1] | nodes[c].mask)
-        depths = [nodes[c].depth for c in kids]
-        depth = 1 if not kids else sum(depths) if kind == "series" else max(depths)
-        nodes.append(_Node(kind, mask, kids, tuple(prefix), bin(mask).count("1"), depth))
-        return len(nodes) - 1
-
-    visit(tree)
-    _classify(nodes, cm)
-    return nodes
-
-
-def _classify(nodes: list[_Node], cm: StageCostModel) -> None:
-    """Give nodes that every stage inside them prices alike one class: same tree shape, same
-    per-layer costs, same edges inside, and the same bytes from and to the outside. GraphPipe's
-    pitch is models with many identical branches (CANDLE-Uno, MMT); the DP then solves one branch
-    and one count of branches instead of every branch and every range of them."""
-    layers = cm.db.layers
-    classes: dict = {}
-    for node in nodes:
-        members = cm._members(node.mask)
-        local = {i: x for x, i in enumerate(members)}
-        outside: dict[int, int] = {}
-        desc = []
-        for i in members:
-            c = layers[i]
-            ins, ext = [], []
-            for p in cm._members(cm.producers[i]):
-                if p in local:
-                    ins.append(local[p])
-                else:
-                    ext.append((outside.setdefault(p, len(outside)), layers[p].out_bytes))
-            desc.append((c.micro_batches, c.fwd_s, c.bwd_s, c.param_bytes, c.out_bytes, c.stash_bytes,
-                         tuple(ins), tuple(ext), bool(cm.consumers[i] & ~node.mask)))
-        key = (node.kind, tuple(nodes[k].cls for k in node.children), tuple(desc))
-        node.cls = classes.setdefault(key, len(classes))
-        if node.kind == "parallel":
-            # Siblings that read one outside tensor share it when grouped into a stage, so a group's
-            # bytes would depend on which siblings it holds: no symmetry there.
-            seen, shared = 0, False
-            for k in node.children:
-                ext = 0
-                for i in cm._members(nodes[k].mask):
-                    ext |= cm.producers[i] & ~nodes[k].mask
-                shared |= bool(ext & seen)
-                seen |= ext
-            node.sym = not shared
-
-
-class _DP:
-    """One feasibility DP at fixed micro-batch ``b`` and target ``tmax``.
-
-    Series states are solved one device count at a time, lazily. Parallel ranges are solved for
-    every device count at once: their table holds, per in-flight level ``K``, the set of device
-    counts (a bitset, bit ``n``) on which the range meets ``tmax`` with source in-flight at most
-    ``K``. Sharing ``n`` devices among siblings is then a sumset of bitsets (shifts and ors)
-    instead of a loop over every split, and identical branches share one table per branch count.
-    """
-
-    def __init__(self, cm: StageCostModel, nodes: list[_Node], b: int, tmax: float, stage_devices: Sequence[int],
-                 work: Callable[[int], float], num_devices: int, infeasible: dict | None = None,
-                 priced: dict | None = None, recompute: bool = False):
-        self.cm, self.nodes, self.b, self.tmax = cm, nodes, b, tmax * (1 + 1e-12)
-        self.stage_devices = tuple(sorted(stage_devices))
-        self.max_stage = self.stage_devices[-1]
-        # Every stage's device count is a multiple of this, so every subgraph's is too.
-        self.step = math.gcd(*self.stage_devices)
-        self.work = work
-        self.num_devices = num_devices
-        self.memo: dict = {}
-        # state -> the largest tmax at which it was infeasible; infeasible at any smaller tmax too,
-        # which the binary search reuses after every success (its next tmax is smaller).
-        self.infeasible = {} if infeasible is None else infeasible
-        # (mask, devices) -> (TPS, weight bytes, stash bytes), shared by the bisection's DP runs
-        self.priced = {} if priced is None else priced
-        self.memory = cm.db.hardware.memory_bytes
-        self.recompute = recompute
-        self._min_devices: dict[int, int] = {}
-        self._cum: dict[int, list[float]] = {}
-        self._tables: dict = {}
-        self._ranges: dict = {}
-        self.states = 0
-
-    def min_devices(self, mask: int) -> int:
-        # Per-sample compute never shrinks when a micro-batch is sharded, so a set of layers
-        # needs at least work / tmax devices to meet tmax.
-        n = self._min_devices.get(mask)
-        if n is None:
-            n = self._min_devices[mask] = max(1, math.ceil(self.work(mask) / self.tmax - 1e-9))
-        return n
-
-    def _up(self, n: int) -> int:
-        """The least multiple of ``step`` that is at least ``n``."""
-        return -(-n // self.step) * self.step
-
-    def _remember(self, key, best):
-        self.memo[key] = best
-        if best is None and self.infeasible.get(key, -1.0) < self.tmax:
-            self.infeasible[key] = self.tmax
-        return best
-
-    def _known(self, key):
-        """``(True, value)`` when the state is memoised or known infeasible at this tmax."""
-        if key in self.memo:
-            return True, self.memo[key]
-        if self.tmax <= self.infeasible.get(key, -1.0):
-            return True, None
-        return False, None
-
-    def max_devices(self, node: _Node) -> int:
-        return node.size * self.max_stage
-
-    def stage_ok(self, mask: int, n: int, k: int) -> bool:
-        """Layer set ``mask`` on ``n`` devices meets ``tmax`` and fits with ``k`` in flight, as it
-        is or, where the search may recompute, with its activations recomputed."""
-        tps, cost = self._priced(mask, n, False)
-        if tps <= self.tmax and cost.memory(k) <= self.memory:
-            return True
-        if not self.recompute:
-            return False
-        tps, cost = self._priced(mask, n, True)
-        return tps <= self.tmax and cost.memory(k) <= self.memory
-
-    def _priced(self, mask: int, n: int, recompute: bool):
-        key = (mask, n, recompute)
-        priced = self.priced.get(key)
-        if priced is None:
-            priced = self.priced[key] = (self.cm.time_per_sample(mask, self.b, n, recompute=recompute),
-                                         self.cm.stage(mask, self.b, n, recompute=recompute))
-        return priced
-
-    def stage_bits(self, mask: int, k: int) -> int:
-        """Device counts (bit ``n``) on which layer set ``mask`` is one stage meeting ``tmax``
-        with ``k`` micro-batches in flight."""
-        bits = 0
-        for n in self.stage_devices:
-            if self.stage_ok(mask, n, k):
-                bits |= 1 << n
-        return bits
-
-    def solve(self, v: int, n: int, d: int):
-        """``(k, choice)`` with the least source in-flight count, or None."""
-        node = self.nodes[v]
-        if node.kind == "leaf":
-            if n in self.stage_devices and self.stage_ok(node.mask, n, d + 1):
-                return (d + 1, ("stage", n))
-            return None
-        if node.kind == "series":
-            return self.series(v, 0, n, d)
-        return self.parallel(v, 0, len(node.children), n, d)
-
-    def series(self, v: int, j: int, n: int, d: int):
-        node = self.nodes[v]
-        m = len(node.children)
-        if j == m:
-            return (d, None) if n == 0 else None
-        key = ("s", node.cls, j, n, d)
-        known, value = self._known(key)
-        if known:
-            return value
-        self.states += 1
-        best = None
-        rest_mask = node.mask & ~node.prefix[j]
-        if n < self.min_devices(rest_mask):
-            return self._remember(key, None)
-        memo = self.memo
-        cum = self._cumulative(v)
-        tmax, total = self.tmax, cum[m]
-        # (a) one stage over children j..k-1 on n1 devices, then the rest of the series. Only a
-        # window of k can work: the stage must meet tmax on n1 devices (k not too large) and the
-        # rest must still get its least devices from the n - n1 left (k not too small).
-        for n1 in self.stage_devices:
-            if n1 > n:
-                break
-            if n1 == n:
-                first = m
-            else:
-                first = max(j + 1, bisect.bisect_left(cum, total - (n - n1 + 1e-6) * tmax))
-                while first < m and n1 + max(1, math.ceil((total - cum[first]) / tmax - 1e-9)) > n:
-                    first += 1
-            last = min(m, bisect.bisect_right(cum, cum[j] + tmax * n1) - 1)
-            for k in range(first, last + 1):
-                if k == m and n1 != n:
-                    continue
-                mask = node.prefix[k] & ~node.prefix[j]
-                rest = memo.get(("s", node.cls, k, n - n1, d), _MISSING) if k < m else (d, None)
-                if rest is _MISSING:
-                    rest = self.series(v, k, n - n1, d)
-                if rest is None or (best is not None and rest[0] + 1 >= best[0]):
-                    continue
-                if self.stage_ok(mask, n1, rest[0] + 1):
-                    best = (rest[0] + 1, ("range", k, n1, n - n1))
-        # (c) the last branches of a Parallel child j join the merge stage after them
-        if self.nodes[node.children[j]].kind == "parallel" and j + 1 < m:
-            best = self.merged(v, j, n, d, best)
-        # (b) the first stage lies inside child j, solved with the rest as its successor
-        c = node.children[j]
-        if self.nodes[c].kind != "leaf":
-            lo = self.min_devices(self.nodes[c].mask)
-            hi = min(n, self.max_devices(self.nodes[c]))
-            for n1 in range(self._up(lo), hi + 1, self.step):
-                rest = self.series(v, j + 1, n - n1, d)
-                if rest is None:
-                    continue
-                r = self.solve(c, n1, rest[0])
-                if r is not None and (best is None or r[0] < best[0]):
-                    best = (r[0], ("child", n1, n - n1, rest[0]))
-        return self._remember(key, best)
-
-    # -- Parallel ranges, all device counts at once ------------------------------------------
-
-    def _range_key(self, v: int, i: int, e: int):
-        key = self._ranges.get((v, i, e))
-        if key is None:
-            node = self.nodes[v]
-            kids = tuple(self.nodes[c].cls for c in node.children[i:e])
-            key = self._ranges[(v, i, e)] = ("r", kids) if node.sym else ("r", v, i, e)
-        return key
-
-    def _cap(self, mask: int) -> int:
-        """Bits of the device counts a part ``mask`` can use: the rest needs its own minimum."""
-        rest = self.cm.full_mask & ~mask
-        most = self.num_devices - (self.min_devices(rest) if rest else 0)
-        return (1 << (most + 1)) - 1 if most >= 0 else 0
-
-    def child_table(self, c: int, d: int) -> list[int]:
-        """Per level ``K`` (``K = d + 1 + index``): the device counts on which node ``c`` meets
-        ``tmax`` with source in-flight at most ``K`` when its successors keep ``d``."""
-        node = self.nodes[c]
-        if node.kind == "parallel":
-            return self.table(c, 0, len(node.children), d)
-        key = ("c", node.cls, d)
-        tab = self._tables.get(key)
-        if tab is not None:
-            return tab
-        if node.kind == "leaf":
-            tab = [self.stage_bits(node.mask, d + 1)] * node.depth
-        else:
-            tab = [0] * node.depth
-            lo = self._up(self.min_devices(node.mask))
-            hi = min(self._cap(node.mask).bit_length() - 1, self.max_devices(node))
-            for n in range(lo, hi + 1, self.step):
-                r = self.series(c, 0, n, d)
-                if r is not None:
-                    for x in range(r[0] - d - 1, node.depth):
-                        tab[x] |= 1 << n
-        self._tables[key] = tab
-        return tab
-
-    def table(self, v: int, i: int, e: int, d: int) -> list[int]:
-        """:meth:`child_table` for the children ``i..e-1`` of Parallel node ``v``: the first group
-        of them runs as one stage, or the first child is decomposed on its own, beside the rest;
-        in-flight counts meet at the shared successor, ``max(k1, k2)`` (Alg. 1's parallel case)."""
-        node = self.nodes[v]
-        if e - i == 1:
-            return self.child_table(node.children[i], d)
-        key = (self._range_key(v, i, e), d)
-        tab = self._tables.get(key)
-        if tab is not None:
-            return tab
-        self.states += 1
-        levels = max(self.nodes[c].depth for c in node.children[i:e])
-        mask = node.prefix[e] & ~node.prefix[i]
-        cap = self._cap(mask)
-        tab = [0] * levels
-        # (a) children i..t-1 as one stage beside the rest (t == e: the whole range)
-        for t in range(i + 1, e + 1):
-            group = node.prefix[t] & ~node.prefix[i]
-            if self.work(group) > self.tmax * self.max_stage:
-                break
-            g = self._group_bits(v, i, t, group, d + 1)
-            if not g:
-                continue
-            if t == e:
-                tab = [x | g for x in tab]
-                continue
-            rest = self.table(v, t, e, d)
-            tab = [x | _sumset(g, r, cap) for x, r in zip(tab, _padded(rest, levels))]
-        # (b) child i decomposed on its own beside the rest
-        c = node.children[i]
-        if self.nodes[c].kind != "leaf":
-            mine = _padded(self.child_table(c, d), levels)
-            rest = _padded(self.table(v, i + 1, e, d), levels)
-            tab = [x | _sumset(a, r, cap) for x, a, r in zip(tab, mine, rest)]
-        self._tables[key] = tab
-        return tab
-
-    def _group_bits(self, v: int, i: int, t: int, group: int, k: int) -> int:
-        key = ("g", self._range_key(v, i, t), k)
-        bits = self._tables.get(key)
-        if bits is None:
-            bits = self._tables[key] = self.stage_bits(group, k)
-        return bits
-
-    def parallel(self, v: int, i: int, e: int, n: int, d: int):
-        """The children ``i..e-1`` of Parallel node ``v`` on ``n`` devices: ``(k, None)`` with
-        the least source in-flight count, or None (the stages come from :meth:`stages`)."""
-        for x, bits in enumerate(self.table(v, i, e, d)):
-            if bits >> n & 1:
-                return (d + 1 + x, None)
-        return None
-
-    def _cumulative(self, v: int) -> list[float]:
-        """Prefix sums of the children's work: the work of children ``j..k-1`` in O(1)."""
-        cum = self._cum.get(v)
-        if cum is None:
-            cum = [0.0]
-            for c in self.nodes[v].children:
-                cum.append(cum[-1] + self.work(self.nodes[c].mask))
-            self._cum[v] = cum
-        return cum
-
-    def merged(self, v: int, j: int, n: int, d: int, best):
-        """Child ``j`` of Series ``v`` is Parallel: its last branches join the stage that runs the
-        merge (children ``j+1..k-1``), and its first branches are solved beside that stage, which
-        is their successor. A branch then needs no stage of its own just to feed the merge."""
-        node = self.nodes[v]
-        par_id = node.children[j]
-        par = self.nodes[par_id]
-        q, m = len(par.children), len(node.children)
-        width = self.num_devices + 1
-        rests: dict = {}   # (k, level) -> the rest's device counts at in-flight <= level, reversed
-        levels_of: dict = {}
-        for i in range(1, q):
-            tail, need_head = par.mask & ~par.prefix[i], self.min_devices(par.prefix[i])
-            for k in range(j + 2, m + 1):
-                mask = tail | (node.prefix[k] & ~node.prefix[j + 1])
-                w = self.work(mask)
-                if w > self.tmax * min(n, self.max_stage):
-                    break
-                need_rest = self.min_devices(node.mask & ~node.prefix[k]) if k < m else 0
-                levels = levels_of.get(k)
-                if levels is None:
-                    levels = levels_of[k] = [d] if k == m else self._series_levels(v, k, d, n, rests)
-                for n1 in self.stage_devices:
-                    if n1 + need_head + need_rest > n:
-                        break
-                    if w > self.tmax * n1:
-                        continue
-                    for level in levels:
-                        k_stage = level + 1
-                        if best is not None and k_stage >= best[0]:
-                            break
-                        if not self.stage_ok(mask, n1, k_stage):
-                            break   # more in flight fits no better
-                        head = self.table(par_id, 0, i, k_stage)
-                        # bit h of reach: the rest runs on exactly n - n1 - h devices at this level
-                        reach = 1 << (n - n1) if k == m else rests[(k, level)] >> (width - 1 - n + n1)
-                        for x, bits in enumerate(head):
-                            hit = bits & reach
-                            if hit and (best is None or k_stage + 1 + x < best[0]):
-                                n_head = (hit & -hit).bit_length() - 1
-                                best = (k_stage + 1 + x, ("merge", i, k, n1, n_head, n - n1 - n_head, k_stage))
-                                break
-        return best
-
-    def _series_levels(self, v: int, k: int, d: int, n: int, rests: dict) -> list[int]:
-        """In-flight levels of the suffix ``k..`` of Series ``v`` on up to ``n`` devices, each with
-        the (reversed) device counts that reach it, into ``rests``."""
-        node = self.nodes[v]
-        width = self.num_devices + 1
-        found: dict[int, int] = {}
-        lo = self._up(self.min_devices(node.mask & ~node.prefix[k]))
-        for n_rest in range(lo, n + 1, self.step):
-            r = self.series(v, k, n_rest, d)
-            if r is not None:
-                found[r[0]] = found.get(r[0], 0) | 1 << (width - 1 - n_rest)
-        levels = sorted(found)
-        acc = 0
-        for level in levels:
-            acc |= found[level]
-            rests[(k, level)] = acc
-        return levels
-
-    def stages(self, v: int, n: int, d: int) -> list[tuple[int, int]]:
-        """Rebuild the ``(mask, devices)`` stages of a feasible ``solve(v, n, d)``."""
-        node = self.nodes[v]
-        if node.kind == "leaf":
-            return [(node.mask, n)]
-        if node.kind == "series":
-            return self._series_stages(v, 0, n, d)
-        return self._parallel_stages(v, 0, len(node.children), n, d)
-
-    def _series_stages(self, v: int, j: int, n: int, d: int) -> list[tuple[int, int]]:
-        node = self.nodes[v]
-        if j == len(node.children):
-            return []
-        choice = self.series(v, j, n, d)[1]
-        if choice[0] == "range":
-            _, k, n1, n_rest = choice
-            return [(node.prefix[k] & ~node.prefix[j], n1)] + self._series_stages(v, k, n_rest, d)
-        if choice[0] == "merge":
-            _, i, k, n1, n_head, n_rest, k_stage = choice
-            par = self.nodes[node.children[j]]
-            mask = (par.mask & ~par.prefix[i]) | (node.prefix[k] & ~node.prefix[j + 1])
-            return ([(mask, n1)] + self._parallel_stages(node.children[j], 0, i, n_head, k_stage)
-                    + self._series_stages(v, k, n_rest, d))
-        _, n1, n_rest, d_rest = choice
-        return self.stages(node.children[j], n1, d_rest) + self._series_stages(v, j + 1, n_rest, d)
-
-    def _parallel_stages(self, v: int, i: int, e: int, n: int, d: int) -> list[tuple[int, int]]:
-        """The first option, in the DP's order, that meets the range's least in-flight level."""
-        node = self.nodes[v]
-        if e - i == 1:
-            return self.stages(node.children[i], n, d)
-        x = self.parallel(v, i, e, n, d)[0] - d - 1
-        for t in range(i + 1, e + 1):
-            group = node.prefix[t] & ~node.prefix[i]
-            if self.work(group) > self.tmax * self.max_stage:
-                break
-            g = self._group_bits(v, i, t, group, d + 1)
-            for n1 in self.stage_devices:
-                if not g >> n1 & 1:
-                    continue
-                if t == e and n1 == n:
-                    return [(group, n1)]
-                if t < e and n > n1 and _level(self.table(v, t, e, d), x) >> (n - n1) & 1:
-                    return [(group, n1)] + self._parallel_stages(v, t, e, n - n1, d)
-        c = node.children[i]
-        mine, rest = _level(self.child_table(c, d), x), _level(self.table(v, i + 1, e, d), x)
-        while mine:
-            low = mine & -mine
-            n1 = low.bit_length() - 1
-            mine ^= low
-            if n > n1 and rest >> (n - n1) & 1:
-                return self.stages(c, n1, d) + self._parallel_stages(v, i + 1, e, n - n1, d)
-        raise AssertionError("a feasible parallel range has no option at its own level")
-
-
-def _level(tab: list[int], x: int) -> int:
-    """Level ``x`` of a table; a shallower table is complete at its last level."""
-    return tab[x] if x < len(tab) else tab[-1]
-
-
-def _padded(tab: list[int], levels: int) -> list[int]:
-    return tab if len(tab) >= levels else tab + [tab[-1]] * (levels - len(tab))
-
-
-def _sumset(a: int, b: int, cap: int) -> int:
-    """Bit ``x + y`` for every bit ``x`` of ``a`` and ``y`` of ``b``, up to ``cap``'s bits."""
-    if not a or not b:
-        return 0
-    if a.bit_count() > b.bit_count():
-        a, b = b, a
-    out = 0
-    while a:
-        low = a & -a
-        out |= b << (low.bit_length() - 1)
-        a ^= low
-    return out & cap
-
-
-def _work_fn(cm: StageCostModel, shard: float) -> Callable[[int], float]:
-    """Per-sample compute of a layer set on shards of ``shard`` samples: a lower bound on the
-    device-seconds per sample any stage split of it needs when no device gets a larger shard
-    (per-sample time never falls as shards shrink)."""
-    per_layer = []
-    for c in cm.db.layers:
-        f, bw = c.times(shard)
-        per_layer.append((f + bw) / shard)
-    cache: dict[int, float] = {}
-
-    def work(mask: int) -> float:
-        w = cache.get(mask)
-        if w is None:
-            w = 0.0
-            m = mask
-            while m:
-                low = m & -m
-                w += per_layer[low.bit_length() - 1]
-                m ^= low
-            cache[mask] = w
-        return w
-
-    return work
 
 
 def bottleneck_search(cm: StageCostModel, tree, *, num_devices: int, micro_batch: int,
                       stage_devices: Sequence[int], rel_tol: float = _REL_TOL, floor: float = 0.0,
-                      limit: float = math.inf, recompute: bool = False):
+                      limit: float = math.inf, recompute: bool = False, schedule: str = "1f1b",
+                      depth_cap: int | None = None, priced: dict | None = None, hint: float | None = None):
     """Binary search on ``tmax`` (Alg. 1, lines 1-9): the least feasible bottleneck time per
     sample within ``rel_tol``, its stages, and the DP states visited; ``(None, None, states)``
     when no ``tmax`` is feasible (memory or device counts). ``floor`` is a known lower bound on
     the answer (the optimum of a larger space), which narrows the first bracket; ``limit`` an
     upper one (a bottleneck above it is of no use to the caller), which ends a hopeless search
-    after a few cheap DP runs: at a small ``tmax`` the device lower bounds prune nearly every state."""
-    nodes = _flatten(tree, cm)
-    work = _work_fn(cm, micro_batch / min(stage_devices))
+    after a few cheap DP runs: at a small ``tmax`` the device lower bounds prune nearly every state.
+
+    Every stage must fit with what ``schedule`` stashes at its depth
+    (:func:`~gpp_deepspeed.planner.inflight.schedule_memory`). Where that depends on the stage
+    graph's depth (``zb1``, ``zb2``), ``depth_cap`` fixes it: every stage is priced as if the
+    pipeline were that deep, and only plans at most that deep are found. ``priced`` caches stage
+    prices at this micro-batch across calls; ``hint`` is a related search's answer (another
+    micro-batch size's), where the bracketing starts."""
+    if needs_pipeline_depth(schedule) and depth_cap is None:
+        raise GPPConfigError(f'schedule "{schedule}" stashes by the pipeline\'s depth: give depth_cap')
+    nodes = flatten(tree, cm)
+    work = work_fn(cm, micro_batch / min(stage_devices))
+    num_mb = cm.mini_batch // micro_batch
+    deepest = deepest_pipeline(schedule, num_mb)
+    stash_depth = depth_cap
+    if deepest is not None:
+        depth_cap = deepest if depth_cap is None else min(depth_cap, deepest)
     states = 0
     infeasible: dict = {}
-    priced: dict = {}
+    priced = {} if priced is None else priced
+    stash = functools.lru_cache(maxsize=None)(
+        lambda k: schedule_memory(schedule, depth=k, pipeline_depth=stash_depth or k, num_microbatches=num_mb))
 
     def attempt(tmax: float):
         nonlocal states
-        dp = _DP(cm, nodes, micro_batch, tmax, stage_devices, work, num_devices, infeasible, priced, recompute)
+        dp = FeasibilityDP(cm, nodes, micro_batch, tmax, stage_devices, work, num_devices, infeasible, priced,
+                           recompute, stash)
         r = dp.solve(len(nodes) - 1, num_devices, 0)
         states += dp.states
-        return dp.stages(len(nodes) - 1, num_devices, 0) if r is not None else None
+        if r is None or depth_cap is not None and r[0] > depth_cap:
+            return None
+        return dp.stages(len(nodes) - 1, num_devices, 0)
 
     def bottleneck(stages) -> float:
         # The plan found at tmax usually has a lower bottleneck than tmax: bisect from there.
@@ -599,34 +87,48 @@ def bottleneck_search(cm: StageCostModel, tree, *, num_devices: int, micro_batch
 
     # A layer that fits on no stage, even alone with one micro-batch in flight, rules out every plan.
     widest = max(stage_devices)
-    if not all(cm.fits(1 << i, micro_batch, widest, 1) for i in range(cm.num_layers)):
+    if not all(cm.stage(1 << i, micro_batch, widest).memory(*stash(1)) <= cm.db.hardware.memory_bytes
+               for i in range(cm.num_layers)):
         return None, None, states
-    lo = max(floor, work(cm.full_mask) / num_devices)   # perfect balance: no plan does better
+    # No plan beats perfect balance, nor the stage that holds the slowest layer: its compute at
+    # least, and the all-reduce of that layer's gradients at least, on the widest stage allowed.
+    lo = max(floor, work(cm.full_mask) / num_devices, _slowest_layer(cm, micro_batch, stage_devices))
     # Every layer as its own single-device stage bounds any stage made of them from above.
     ceiling = 2 * max(lo, sum(cm.time_per_sample(1 << i, micro_batch, 1) for i in range(cm.num_layers)))
     if limit < ceiling:
         if lo >= limit:
             return None, None, states
         ceiling = limit
-    # Bracket the optimum by growing from the lower bound (it is usually within tens of percent
-    # of it), which takes fewer DP runs than bisecting down from the ceiling. When that first
-    # guess fails with one data-parallel degree, where memory often rules out every plan, one DP
-    # at the ceiling (cheap with one degree) says so before doubling towards it.
-    hi = min(_GROWTH * lo, ceiling)
-    best = attempt(hi)
-    if best is not None:
-        hi = min(hi, bottleneck(best))
-    if best is None:
-        lo = hi
-        if (len(stage_devices) == 1 or ceiling == limit) and attempt(ceiling) is None:
-            return None, None, states
-    while best is None and hi < ceiling:
-        hi = min(2 * hi, ceiling)
+    best = None
+    if hint is not None and lo < hint < ceiling:
+        # A related search's optimum (the next micro-batch size's) is usually close: probe just
+        # above and just below it, which brackets the optimum tightly with cheap DP runs.
+        hi = min(hint * (1 + 4 * rel_tol), ceiling)
         best = attempt(hi)
         if best is None:
             lo = hi
         else:
             hi = min(hi, bottleneck(best))
+            if lo < hint * (1 - 4 * rel_tol):
+                below = attempt(hint * (1 - 4 * rel_tol))
+                if below is None:
+                    lo = hint * (1 - 4 * rel_tol)
+                else:
+                    hi, best = min(hint * (1 - 4 * rel_tol), bottleneck(below)), below
+    # Otherwise bracket the optimum by growing from the lower bound in widening steps: a DP run at
+    # a tmax below the optimum is cheap (the device lower bounds prune nearly every state), one
+    # far above it is not (most states are feasible and are all solved). With one data-parallel
+    # degree, where memory often rules out every plan, one cheap DP at the ceiling says so first.
+    step, grown = 0.1, lo
+    while best is None:
+        grown = min(grown * (1 + step), ceiling)
+        best = attempt(grown)
+        if best is not None:
+            hi = min(grown, bottleneck(best))
+        elif grown >= ceiling or (step == 0.1 and len(stage_devices) == 1 and attempt(ceiling) is None):
+            return None, None, states
+        else:
+            lo, step = grown, 2 * step
     if best is None:
         return None, None, states
     while hi - lo > rel_tol * hi:
@@ -639,80 +141,193 @@ def bottleneck_search(cm: StageCostModel, tree, *, num_devices: int, micro_batch
     return hi, best, states
 
 
+def _slowest_layer(cm: StageCostModel, b: int, stage_devices: Sequence[int]) -> float:
+    """A lower bound on any plan's bottleneck: every layer sits in some stage, which spends at
+    least the layer's compute on its shard and all-reduces at least the layer's gradients."""
+    bound = 0.0
+    for i in range(cm.num_layers):
+        least = math.inf
+        for n in stage_devices:
+            c = cm.stage(1 << i, b, n, boundary=NO_BOUNDARY)
+            least = min(least, (c.fwd_s + c.bwd_s + c.allreduce_s * b / cm.mini_batch) / b)
+        bound = max(bound, least)
+    return bound
+
+
 def graphpipe_search(db: CostDB, *, num_devices: int, mini_batch: int, micro_batches: Sequence[int] | None = None,
-                     space: str = "full", rel_tol: float = _REL_TOL, recompute: bool = False,
-                     progress: Callable[[str], None] | None = None) -> SearchResult:
+                     space: str = "full", schedules: Sequence[str] = ("1f1b",), rel_tol: float = _REL_TOL,
+                     recompute: bool = False, progress: Callable[[str], None] | None = None) -> SearchResult:
     """GraphPipe's plan for ``db`` on ``num_devices`` devices: the best predicted throughput over
-    the micro-batch sweep of the least-bottleneck stage graphs.
+    the micro-batch sweep of the least-bottleneck stage graphs, under each of ``schedules``.
+
+    Each candidate stage graph is priced with the memory of the schedule it will run
+    (:func:`~gpp_deepspeed.planner.inflight.schedule_memory`) and timed by the simulator under it,
+    so a schedule that stashes more (``zb1``, ``zb2``, the asynchronous ones) or fills the
+    pipeline's bubbles (the zero-bubble ones) can lead to another partition. The result's plan is
+    the fastest that fits over every schedule (it carries its schedule); ``alternatives`` holds
+    each schedule's best plan (None where nothing fits), in the order given.
 
     ``space="full"`` lets every stage have its own data-parallel degree (a power of two); the
-    ``"runtime"`` space gives every stage the same degree, as the engine runs today.
-    ``recompute=True`` lets a stage that would not fit recompute its activations in the backward
-    (PipeDream-2BW's per-stage choice); the plan marks those stages.
+    ``"runtime"`` space gives every stage the same degree. ``recompute=True`` lets a stage that
+    would not fit recompute its activations in the backward (PipeDream-2BW's per-stage choice);
+    the plan marks those stages.
     """
     if space not in SPACES:
         raise GPPConfigError(f'search space must be one of {SPACES}, got "{space}"')
+    schedules = tuple(n.lower() for n in schedules) or ("1f1b",)
+    for name in schedules:
+        schedule_memory(name, depth=1, pipeline_depth=1, num_microbatches=1)   # an unknown name fails here
     start = time.perf_counter()
-    tree, added = sp_tree(db.graph)
-    cm = StageCostModel(db, mini_batch, p2p_devices=num_devices)
-    candidates = []
-    states = 0
-    predict_s = 0.0
-    best_time = float("inf")
-    for b in sorted(micro_batch_sizes(mini_batch, micro_batches), reverse=True):
-        # The DP minimises the bottleneck (the paper's objective, Eq. 1), which ignores pipeline
-        # fill and drain; with few micro-batches a shallower plan on one uniform data-parallel
-        # degree can finish sooner. So the full space also tries every uniform degree, and the
-        # simulator picks among the least-bottleneck plans, as it does among micro-batch sizes.
-        uniform = [d for d in _divisors(num_devices) if b % d == 0]
-        options = uniform if space == "runtime" else [None] + uniform
-        full_devices = [n for n in _powers_of_two(b) if n <= num_devices]
-        full_tps = None   # the full space's least bottleneck at this b: a floor for its subsets
-        for d in options:
-            # The bottleneck stage alone is busy mini_batch * TPS >= mini_batch * work / devices,
-            # so an option whose perfect balance cannot beat the best plan so far is skipped.
-            if mini_batch * _work_fn(cm, b / (d or 1))(cm.full_mask) / num_devices >= best_time:
-                continue
-            floor = 0.0
-            if d is not None and space == "full" and d in full_devices:
-                if full_tps is None:
-                    continue      # the full space had no plan at this b; neither has its subset
-                floor = full_tps * (1 - rel_tol)
-                if mini_batch * floor >= best_time:
-                    continue
-            stage_devices = [d] if d is not None else full_devices
-            # A plan runs B / b micro-batches through its bottleneck stage, so its iteration takes
-            # at least B * TPS: a bottleneck above best_time / B cannot beat the best plan so far.
-            tps, stages, visited = bottleneck_search(cm, tree, num_devices=num_devices, micro_batch=b,
-                                                     stage_devices=stage_devices, rel_tol=rel_tol, floor=floor,
-                                                     limit=best_time / mini_batch, recompute=recompute)
-            states += visited
-            if d is None:
-                full_tps = tps
-            if progress is not None:
-                what = f"micro-batch {b}" + (f", degree {d}" if d else "")
-                progress(f"graphpipe: {what}: " + ("no feasible plan that can beat the best so far" if tps is None else
-                                                    f"{len(stages)} stages, bottleneck {tps:.4g} s/sample"))
-            if stages is None:
-                continue
-            t0 = time.perf_counter()
-            plan = predict(_plan(db, cm, stages, b, mini_batch, tps, added, space, recompute), db)
-            predict_s += time.perf_counter() - t0
-            if plan.predicted.fits_memory:
-                candidates.append(plan)
-                best_time = min(best_time, plan.predicted.iteration_time_s)
-    elapsed = time.perf_counter() - start - predict_s
-    if not candidates:
+    sweep = _Sweep(db, num_devices=num_devices, mini_batch=mini_batch, space=space, rel_tol=rel_tol,
+                   recompute=recompute, progress=progress)
+    bests = [sweep.run(name, micro_batch_sizes(mini_batch, micro_batches)) for name in schedules]
+    elapsed = time.perf_counter() - start - sweep.predict_s
+    found = [p for p in bests if p is not None]
+    if not found:
         gib = db.hardware.memory_bytes / 2**30
-        return SearchResult(method="graphpipe", plan=None, search_time_s=elapsed, states=states,
-                            status=f"no plan fits {gib:.1f} GiB per device on {num_devices} devices at any micro-batch")
-    best = max(candidates, key=lambda p: p.predicted.samples_per_s)
-    return SearchResult(method="graphpipe", plan=best, search_time_s=elapsed, states=states)
+        return SearchResult(method="graphpipe", plan=None, search_time_s=elapsed, states=sweep.states,
+                            status=f"no plan fits {gib:.1f} GiB per device on {num_devices} devices at any micro-batch",
+                            alternatives=tuple(bests))
+    best = max(found, key=lambda p: p.predicted.samples_per_s)
+    return SearchResult(method="graphpipe", plan=best, search_time_s=elapsed, states=sweep.states,
+                        alternatives=tuple(bests))
+
+
+class _Sweep:
+    """:func:`graphpipe_search`'s sweep for one cost database: per schedule, micro-batch and
+    data-parallel option, the least-bottleneck stage graphs, each simulated."""
+
+    def __init__(self, db: CostDB, *, num_devices: int, mini_batch: int, space: str, rel_tol: float,
+                 recompute: bool, progress: Callable[[str], None] | None):
+        self.db, self.num_devices, self.mini_batch = db, num_devices, mini_batch
+        self.space, self.rel_tol, self.recompute, self.progress = space, rel_tol, recompute, progress
+        self.tree, self.added = sp_tree(db.graph)
+        self.cm = StageCostModel(db, mini_batch, p2p_devices=num_devices)
+        self.states = 0
+        self.predict_s = 0.0
+        self._priced: dict[int, dict] = {}   # per micro-batch: stage prices shared by every bisection
+
+    def run(self, schedule: str, sizes: Sequence[int]) -> Plan | None:
+        """The fastest plan that fits under ``schedule``, or None."""
+        cm, mini_batch, num_devices = self.cm, self.mini_batch, self.num_devices
+        best: Plan | None = None
+        best_time = math.inf
+        hints: dict = {}
+        for b in sorted(sizes, reverse=True):
+            # The DP minimises the bottleneck (the paper's objective, Eq. 1), which ignores pipeline
+            # fill and drain; with few micro-batches a shallower plan on one uniform data-parallel
+            # degree can finish sooner. So the full space also tries every uniform degree, and the
+            # simulator picks among the least-bottleneck plans, as it does among micro-batch sizes.
+            uniform = [d for d in _divisors(num_devices) if b % d == 0]
+            options = uniform if self.space == "runtime" else [None] + uniform
+            full_devices = [n for n in _powers_of_two(b) if n <= num_devices]
+            full_tps = None   # the full space's least bottleneck at this b: a floor for its subsets
+            for d in options:
+                hint = hints.get(d)
+                # The bottleneck stage alone is busy mini_batch * TPS >= mini_batch * work / devices,
+                # so an option whose perfect balance cannot beat the best plan so far is skipped.
+                if mini_batch * work_fn(cm, b / (d or 1))(cm.full_mask) / num_devices >= best_time:
+                    continue
+                floor = 0.0
+                if d is not None and self.space == "full" and d in full_devices:
+                    if full_tps is None:
+                        continue      # the full space had no plan at this b; neither has its subset
+                    floor = full_tps * (1 - self.rel_tol)
+                    if mini_batch * floor >= best_time:
+                        continue
+                stage_devices = [d] if d is not None else full_devices
+                found = self._least_bottleneck(schedule, b, stage_devices, floor, best_time, hint)
+                least = min((tps for tps, _ in found), default=None)
+                if least is not None:
+                    hints[d] = least    # where the next micro-batch size's search starts
+                if d is None:
+                    full_tps = least
+                if self.progress is not None:
+                    what = f"micro-batch {b}" + (f", degree {d}" if d else "") + f", {schedule}"
+                    self.progress(f"graphpipe: {what}: " + ("no feasible plan that can beat the best so far"
+                                  if not found else ", ".join(f"{len(st)} stages, bottleneck {tps:.4g} s/sample"
+                                                               for tps, st in found)))
+                for tps, stages in found:
+                    t0 = time.perf_counter()
+                    plan = predict(self._plan(stages, b, tps, schedule), self.db, schedule=schedule)
+                    self.predict_s += time.perf_counter() - t0
+                    if plan.predicted.fits_memory and plan.predicted.iteration_time_s < best_time:
+                        best, best_time = plan, plan.predicted.iteration_time_s
+        return best
+
+    def _least_bottleneck(self, schedule: str, b: int, stage_devices: list[int], floor: float,
+                          best_time: float, hint: float | None) -> list[tuple[float, list[tuple[int, int]]]]:
+        # A plan runs B / b micro-batches through its bottleneck stage, so its iteration takes
+        # at least B * TPS: a bottleneck above best_time / B cannot beat the best plan so far.
+        found, visited = schedule_bottleneck_search(
+            self.cm, self.tree, schedule=schedule, num_devices=self.num_devices, micro_batch=b,
+            stage_devices=stage_devices, rel_tol=self.rel_tol, floor=floor, limit=best_time / self.mini_batch,
+            recompute=self.recompute, priced=self._priced.setdefault(b, {}), hint=hint)
+        self.states += visited
+        return found
+
+    def _plan(self, stages: list[tuple[int, int]], b: int, tps: float, schedule: str) -> Plan:
+        return _plan(self.db, self.cm, stages, b, self.mini_batch, tps, self.added, self.space, self.recompute,
+                     schedule)
+
+
+def schedule_bottleneck_search(cm: StageCostModel, tree, *, schedule: str, num_devices: int, micro_batch: int,
+                               stage_devices: Sequence[int], rel_tol: float = _REL_TOL, floor: float = 0.0,
+                               limit: float = math.inf, recompute: bool = False, priced: dict | None = None,
+                               hint: float | None = None) -> tuple[list[tuple[float, list[tuple[int, int]]]], int]:
+    """:func:`bottleneck_search` with every stage priced with what ``schedule`` stashes: the
+    least-bottleneck ``(tps, stages)`` found (several for the zero-bubble schedules: one per
+    pipeline depth searched; none when nothing fits) and the DP states visited.
+
+    A zero-bubble schedule stashes by the pipeline's depth ``D`` on every stage, at least what
+    1F1B stashes, so 1F1B's least bottleneck is a floor for it and, when 1F1B's plan also fits
+    under it, its optimum. Otherwise every depth ``D`` is searched with each stage priced at
+    ``D`` (a deeper pipeline splits the layers finer but stashes more on every stage)."""
+    kw = dict(num_devices=num_devices, micro_batch=micro_batch, stage_devices=stage_devices, rel_tol=rel_tol,
+              limit=limit, recompute=recompute, priced={} if priced is None else priced)
+    first = "1f1b" if needs_pipeline_depth(schedule) else schedule
+    tps, stages, states = bottleneck_search(cm, tree, floor=floor, schedule=first, hint=hint, **kw)
+    if stages is None or first == schedule or _fits(cm, stages, micro_batch, schedule, recompute):
+        return ([] if stages is None else [(tps, stages)]), states
+    found = []
+    deepest = min(flatten(tree, cm)[-1].depth, num_devices // min(stage_devices))
+    for cap in range(1, deepest + 1):
+        t, st, visited = bottleneck_search(cm, tree, floor=tps * (1 - rel_tol), schedule=schedule, depth_cap=cap, **kw)
+        states += visited
+        if st is not None:
+            found.append((t, st))
+    return found, states
+
+
+def _fits(cm: StageCostModel, stages: list[tuple[int, int]], b: int, schedule: str, recompute: bool) -> bool:
+    """Every stage fits with what ``schedule`` stashes in this stage graph (recomputing where the
+    search may)."""
+    depth = _depths(cm, stages)
+    top, num_mb = max(depth), cm.mini_batch // b
+    limit = cm.db.hardware.memory_bytes
+    for (mask, n), k in zip(stages, depth):
+        stash = schedule_memory(schedule, depth=k, pipeline_depth=top, num_microbatches=num_mb)
+        if cm.stage(mask, b, n).memory(*stash) > limit and not (
+                recompute and cm.stage(mask, b, n, recompute=True).memory(*stash) <= limit):
+            return False
+    return True
+
+
+def _depths(cm: StageCostModel, stages: list[tuple[int, int]]) -> list[int]:
+    """Each stage's depth (stages on its longest path to the output) in the stage graph of
+    ``stages`` (layer masks and degrees, in any order)."""
+    stage_of = {}
+    for s, (mask, _) in enumerate(stages):
+        for i in cm._members(mask):
+            stage_of[i] = s
+    succs = {s: {stage_of[c] for i in cm._members(mask) for c in cm._members(cm.consumers[i])} - {s}
+             for s, (mask, _) in enumerate(stages)}
+    return [stage_in_flight(succs, {s: 1 for s in succs})[s] for s in range(len(stages))]
 
 
 def _plan(db: CostDB, cm: StageCostModel, stages: list[tuple[int, int]], b: int, mini_batch: int, tps: float,
-          added: tuple, space: str, recompute: bool = False) -> Plan:
-    """Stages as a :class:`Plan`, numbered in a topological order of the stage graph."""
+          added: tuple, space: str, recompute: bool = False, schedule: str = "1f1b") -> Plan:
+    """Stages as a :class:`Plan` for ``schedule``, numbered in a topological order of the stage graph."""
     stage_of = {}
     for s, (mask, _) in enumerate(stages):
         for name in cm.names_of(mask):
@@ -725,16 +340,21 @@ def _plan(db: CostDB, cm: StageCostModel, stages: list[tuple[int, int]], b: int,
             if src in stage_of and stage_of[src] != stage_of[c.name]:
                 g.add_edge(stage_of[src], stage_of[c.name])
     order = list(nx.lexicographical_topological_sort(g, key=lambda s: min(cm.index[n] for n in cm.names_of(stages[s][0]))))
-    # Under 1F1B a stage keeps its depth to the sink in flight (Sec. 6); it recomputes exactly
-    # when it would not fit otherwise, which is the choice the DP's feasibility test made.
+    # A stage recomputes exactly when it would not fit with what the schedule stashes at its
+    # depth otherwise, which is the choice the DP's feasibility test made.
     depth = stage_in_flight({s: list(g.successors(s)) for s in g}, {s: 1 for s in g})
-    plan_stages = tuple(PlanStage(layers=cm.names_of(stages[s][0]), devices=stages[s][1],
-                                  recompute=recompute and not cm.fits(stages[s][0], b, stages[s][1], depth[s]))
+    top, limit = max(depth.values()), db.hardware.memory_bytes
+
+    def recomputes(s: int) -> bool:
+        stash = schedule_memory(schedule, depth=depth[s], pipeline_depth=top, num_microbatches=mini_batch // b)
+        return recompute and cm.stage(stages[s][0], b, stages[s][1]).memory(*stash) > limit
+
+    plan_stages = tuple(PlanStage(layers=cm.names_of(stages[s][0]), devices=stages[s][1], recompute=recomputes(s))
                         for s in order)
     notes = {"bottleneck_tps_s": tps, "space": space,
              "sp_added_edges": [list(e) for e in added]}
     return Plan(model=db.model, method="graphpipe", source=db.source, micro_batch=b, mini_batch=mini_batch,
-                stages=plan_stages, notes=notes)
+                stages=plan_stages, notes=notes, schedule=schedule)
 
 
 def _divisors(n: int) -> list[int]:

@@ -23,7 +23,7 @@ from ..schedule.generators import build_schedule
 from ..schedule.ir import Action, ActionKind as K, Schedule
 from ..schedule.validate import Timeline, simulate
 from ..schedule.zero_bubble import peak_in_flight
-from .costs import CostDB, StageCost, StageCostModel, extra_reshard_messages
+from .costs import CostDB, StageCost, StageCostModel
 from .plan import Plan, Prediction
 
 __all__ = ["SimulatedPlan", "simulate_plan", "predict", "choose_schedule"]
@@ -55,18 +55,17 @@ def simulate_plan(plan: Plan, db: CostDB, *, schedule: str | None = None, cluste
     model = StageCostModel(db, plan.mini_batch, p2p_devices=plan.num_devices)
     masks = [model.mask_of(s.layers) for s in plan.stages]
     stage_graph = plan.partition(db.graph).stage_graph
-    bounds: list = [None] * plan.num_stages
     if plan.pipeline == "chain":
         stage_graph = StageGraph.chain(plan.num_stages)
-        bounds = model.chain_boundaries(masks)
+    # Every message the engine sends: one per stage edge and peer rank, fan-in, fan-out and
+    # resharding included (a chain relays skip tensors instead).
+    bounds = model.stage_boundaries(masks, [s.devices for s in plan.stages], relay=plan.pipeline == "chain")
     b = plan.micro_batch
     models = [model if cluster is None else cluster.stage_model(db, s.device_class, plan.mini_batch, plan.num_devices)
               for s in plan.stages]
-    # Resharding between stages of different degrees: extra messages, one link latency each.
-    extra = extra_reshard_messages(((e.src, e.dst) for e in stage_graph.edges), [s.devices for s in plan.stages])
     costs = tuple(stage_costs) if stage_costs is not None else tuple(
-        mdl.stage(m, b, s.devices, boundary=bd, recompute=s.recompute, extra_messages=x)
-        for mdl, m, s, bd, x in zip(models, masks, plan.stages, bounds, extra))
+        mdl.stage(m, b, s.devices, boundary=bd, recompute=s.recompute)
+        for mdl, m, s, bd in zip(models, masks, plan.stages, bounds))
     versions = [0] * plan.num_stages
     if train and is_async(schedule):
         lists, versions, in_flight = _steady_async(stage_graph, plan.num_microbatches, schedule)
@@ -93,15 +92,15 @@ def simulate_plan(plan: Plan, db: CostDB, *, schedule: str | None = None, cluste
     if train:
         # Each stashed weight version is a copy of the stage's parameters (not of their gradients
         # or optimizer state, which stay with the live weights).
-        mem = tuple(c.memory(k) + v * c.weight_bytes / (1 + mdl.db.hardware.optimizer_factor)
-                    for c, k, v, mdl in zip(costs, in_flight, versions, models))
+        mem = tuple(c.memory(k, v) for c, k, v in zip(costs, in_flight, versions))
     else:
         mem = tuple(mdl.inference_memory(m, b, s.devices) for mdl, m, s in zip(models, masks, plan.stages))
     limits = [mdl.db.hardware.memory_bytes for mdl in models]
     span = timeline.makespan
     busy = tuple(timeline.busy(s) for s in range(plan.num_stages))
     device_busy = sum(t * s.devices for t, s in zip(busy, plan.stages))
-    tps = max(mdl.time_per_sample(m, b, s.devices, boundary=bd) if train else mdl.time_per_sample_inference(m, b, s.devices)
+    tps = max(mdl.time_per_sample(m, b, s.devices, boundary=bd) if train
+              else mdl.time_per_sample_inference(m, b, s.devices, boundary=bd)
               for mdl, m, s, bd in zip(models, masks, plan.stages, bounds))
     prediction = Prediction(
         iteration_time_s=span, samples_per_s=plan.mini_batch / span if span > 0 else float("inf"),

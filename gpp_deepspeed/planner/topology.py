@@ -11,8 +11,10 @@ does that for our plans:
   pair of devices; from a file, or :meth:`Topology.two_level` for hosts of ``k`` GPUs (a hostfile).
 * :func:`placement_time`: a plan's iteration time with stage ``s`` on devices ``placement[s]``:
   the stages' compute from the shared cost model (its links priced free), plus every stage edge's
-  transfers over the pairs of replicas that exchange them and each stage's ring all-reduce over its
-  own ring, all run through the same schedule simulator as every plan.
+  bytes (:func:`~gpp_deepspeed.planner.costs.edge_bytes`) in the messages the engine sends between
+  the replicas that exchange them, and each stage's ring all-reduce
+  (:func:`~gpp_deepspeed.planner.costs.allreduce_time`) over its own ring, all run through the
+  same schedule simulator as every plan.
 * :func:`place`: the placement of least iteration time: exhaustive when the ordered placements
   are few, else pairwise-swap descent from the contiguous placement (the paper's heuristic is
   likewise a local search over device assignments).
@@ -32,7 +34,8 @@ from pathlib import Path
 from typing import Sequence
 
 from ..errors import GPPConfigError
-from .costs import CommFit, CostDB, StageCost, StageCostModel
+from ..graph.placement import reshard
+from .costs import CommFit, CostDB, StageCostModel, allreduce_time, edge_bytes
 from .plan import Plan
 from .simulate import simulate_plan
 
@@ -100,29 +103,35 @@ def contiguous(plan: Plan) -> tuple[tuple[int, ...], ...]:
     return tuple(out)
 
 
-def _edge_bytes(cm: StageCostModel, src: int, dst: int) -> float:
-    """Bytes per sample produced in stage mask ``src`` and read in ``dst`` (each tensor once)."""
-    total = 0.0
-    for i in cm._members(src):
-        if cm.consumers[i] & dst:
-            total += cm.db.layers[i].out_bytes
-    return total
+def _edge_times(topo: Topology, placement: Sequence[Sequence[int]], micro_batch: int,
+                edges: dict[tuple[int, int], float]) -> list[float]:
+    """Per stage: seconds its busiest replica spends on one micro-batch's messages, each direction.
 
-
-def _pairs_time(topo: Topology, a: Sequence[int], b: Sequence[int], nbytes: float) -> float:
-    """Replicas pair up round robin, each pair moving its share; the slowest pair finishes last."""
-    k = max(len(a), len(b))
-    return max(topo.links[a[i % len(a)]][b[i % len(b)]].time(nbytes / k) for i in range(k))
+    Every edge moves what the engine sends (:func:`~gpp_deepspeed.graph.placement.reshard`): each
+    producer replica sends its own rows to the consumer replicas that hold them, one message per
+    pair, over that pair's link; a replica's messages of one edge go one after the other, and a
+    stage waits for its slowest replica. Activations forward and their gradients backward take
+    the same time.
+    """
+    busy = [[0.0] * len(p) for p in placement]
+    for (u, v), nbytes in edges.items():
+        a, c = placement[u], placement[v]
+        for t in reshard(math.lcm(len(a), len(c)), num_src=len(a), num_dst=len(c)):
+            rows = micro_batch * (t.stop - t.start) / math.lcm(len(a), len(c))
+            dt = topo.links[a[t.src_idx]][c[t.dst_idx]].time(nbytes * rows)
+            busy[u][t.src_idx] += dt
+            busy[v][t.dst_idx] += dt
+    return [max(b) for b in busy]
 
 
 def _ring_allreduce(topo: Topology, ring: Sequence[int], param_bytes: float) -> float:
-    """Ring all-reduce in the placement's order: 2 (n - 1) steps of ``param_bytes / n``, each as
-    slow as the ring's slowest link (the cost model's formula when every link is alike)."""
+    """Ring all-reduce in the placement's order (:func:`~gpp_deepspeed.planner.costs.allreduce_time`),
+    every step as slow as the ring's slowest link."""
     n = len(ring)
-    if n < 2 or param_bytes <= 0:
+    if n < 2:
         return 0.0
-    step = max(topo.links[ring[i]][ring[(i + 1) % n]].time(param_bytes / n) for i in range(n))
-    return 2 * (n - 1) * step
+    slowest = max((topo.links[ring[i]][ring[(i + 1) % n]] for i in range(n)), key=lambda link: link.time(param_bytes / n))
+    return allreduce_time(slowest, n, param_bytes)
 
 
 def placement_time(plan: Plan, db: CostDB, topo: Topology, placement: Sequence[Sequence[int]]) -> float:
@@ -130,23 +139,13 @@ def placement_time(plan: Plan, db: CostDB, topo: Topology, placement: Sequence[S
     free = CommFit(alpha_s=0.0, beta_s_per_byte=0.0)
     compute_db = replace(db, hardware=replace(db.hardware, intra=free, inter=free))
     cm = StageCostModel(compute_db, plan.mini_batch, p2p_devices=plan.num_devices)
-    masks = [cm.mask_of(s.layers) for s in plan.stages]
-    b = plan.micro_batch
-    fwd, bwd = [0.0] * len(masks), [0.0] * len(masks)
-    for u, v in sorted({(e.src, e.dst) for e in plan.partition(db.graph).stage_graph.edges}):
-        t = _pairs_time(topo, placement[u], placement[v], _edge_bytes(cm, masks[u], masks[v]) * b)
-        for s in (u, v):        # both ends are busy with the transfer, forward and backward
-            fwd[s] += t
-            bwd[s] += t
+    edges = edge_bytes(db, plan.stage_of, relay=plan.pipeline == "chain")
+    comm = _edge_times(topo, placement, plan.micro_batch, edges)
     costs = []
-    for s, (mask, stage) in enumerate(zip(masks, plan.stages)):
-        c = cm.stage(mask, b, stage.devices, recompute=stage.recompute)
-        params = c.weight_bytes / (1 + db.hardware.optimizer_factor)
-        costs.append(StageCost(fwd_s=c.fwd_s + fwd[s], bwd_s=c.bwd_s + bwd[s],
-                               allreduce_s=_ring_allreduce(topo, placement[s], params),
-                               weight_bytes=c.weight_bytes, stash_bytes=c.stash_bytes,
-                               bwd_input_s=c.bwd_input_s + bwd[s], bwd_weight_s=c.bwd_weight_s,
-                               working_bytes=c.working_bytes))
+    for s, stage in enumerate(plan.stages):
+        c = cm.stage(cm.mask_of(stage.layers), plan.micro_batch, stage.devices, recompute=stage.recompute)
+        costs.append(replace(c, fwd_s=c.fwd_s + comm[s], bwd_s=c.bwd_s + comm[s], bwd_input_s=c.bwd_input_s + comm[s],
+                             allreduce_s=_ring_allreduce(topo, placement[s], c.param_bytes)))
     return simulate_plan(plan, db, stage_costs=costs).prediction.iteration_time_s
 
 

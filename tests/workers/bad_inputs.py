@@ -15,7 +15,9 @@ from torch import nn
 import deepspeed
 import gpp_deepspeed
 from gpp_deepspeed import GraphLayerSpec, GraphPipelineModule
+from gpp_deepspeed.partitioning import BranchBalanced, resolve_partition
 from gpp_deepspeed.planner import Plan, PlanStage
+from gpp_deepspeed.spec import layer_graph
 
 
 def lin(name, *inputs, d=4):
@@ -23,6 +25,11 @@ def lin(name, *inputs, d=4):
 
 
 GOOD = [lin("a", "x"), lin("b", "a"), lin("c", "b")]
+
+
+def my_checkpoint(function, *args):
+    return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=True)
+
 CONFIG = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "steps_per_print": 10**6}
 
 CASES = {
@@ -46,6 +53,8 @@ CASES = {
         stages=(PlanStage(layers=("a",)), PlanStage(layers=("b",)), PlanStage(layers=("c",))))),
     "plan_file_missing": lambda: GraphPipelineModule(GOOD, input_names=["x"], num_stages=2,
                                                      partition_method="no/such/plan.json"),
+    "resolved_for_another_model": lambda: GraphPipelineModule(GOOD, input_names=["x"], partition_method=resolve_partition(
+        layer_graph(GOOD[:2], input_names=["x"]), BranchBalanced(weight="layers"), num_stages=2)),
     "degrees_do_not_divide_world": lambda: GraphPipelineModule(GOOD, input_names=["x"], stage_degrees=[2, 1]),
     "plan_wrong_world_size": lambda: GraphPipelineModule(GOOD, input_names=["x"], partition_method=Plan(
         model="good", method="graphpipe", source="test", micro_batch=2, mini_batch=4,
@@ -56,10 +65,16 @@ CASES = {
     "unknown_config_key": lambda: gpp_deepspeed.initialize(
         model=GraphPipelineModule(GOOD, input_names=["x"], num_stages=2, loss_fn=nn.MSELoss()),
         model_parameters=None, config={**CONFIG, "graph_pipeline": {"scheduel": "1f1b"}}),
-    "split_schedule_with_checkpointing": lambda: gpp_deepspeed.initialize(
+    # zb1 recomputes with torch's non-reentrant checkpoint: asking for a reentrant one, or one's own, is refused
+    "split_schedule_with_reentrant_checkpointing": lambda: gpp_deepspeed.initialize(
         model=GraphPipelineModule(GOOD, input_names=["x"], num_stages=2, loss_fn=nn.MSELoss(),
                                   activation_checkpoint_interval=1),
-        model_parameters=None, config={**CONFIG, "graph_pipeline": {"schedule": "zb1"}}),
+        model_parameters=None, config={**CONFIG, "pipeline": {"use_reentrant": True},
+                                       "graph_pipeline": {"schedule": "zb1"}}),
+    "split_schedule_with_own_checkpoint_function": lambda: gpp_deepspeed.initialize(
+        model=GraphPipelineModule(GOOD, input_names=["x"], num_stages=2, loss_fn=nn.MSELoss(),
+                                  activation_checkpoint_interval=1, activation_checkpoint_func=my_checkpoint),
+        model_parameters=None, config={**CONFIG, "graph_pipeline": {"schedule": "zb2"}}),
     # DeepSpeed clips by global norm (1.0) unless told otherwise: per-micro-batch updates cannot.
     "async_with_clipping": lambda: gpp_deepspeed.initialize(
         model=GraphPipelineModule(GOOD, input_names=["x"], num_stages=2, loss_fn=nn.MSELoss()),

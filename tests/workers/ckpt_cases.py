@@ -1,10 +1,18 @@
 """Worker: save a checkpoint under one layout, load it under another, keep training.
 
 ``python ckpt_cases.py SCENARIOS.json OUT_DIR``. Each scenario is ``{"id", "before": case,
-"after": case, "via_graph_model": bool}`` (cases as in ``train_cases.py``): train steps 0-1 under
-``before``, save, then (optionally: rank 0 loads the checkpoint into a ``GraphModel``, trains step 2
-on one process and writes it back as a checkpoint) build ``after``, load, train the remaining steps
-up to 3. Writes ``OUT_DIR/<id>.rank<r>.pt`` with the losses of both parts.
+"after": case, "via_graph_model": bool, "resave": bool, "world_before": n, "world_after": n}``
+(cases as in ``train_cases.py``; worlds default to 4). A launch of ``w`` ranks runs, for each
+scenario, the parts that run on ``w`` ranks:
+
+* before (``world_before == w``): train steps 0-1 under ``before``, save; writes
+  ``OUT_DIR/<id>.before.rank<r>.pt`` (the losses). With ``via_graph_model``, rank 0 then loads the
+  checkpoint into a ``GraphModel``, trains step 2 on one process and writes it back;
+* after (``world_after == w``): build ``after``, load, (with ``resave``: save again at once, under
+  the new layout, as tag ``t2_resaved``), train the remaining steps up to 3; writes
+  ``OUT_DIR/<id>.after.rank<r>.pt``.
+
+So a scenario whose layouts need different world sizes runs in two launches, before then after.
 """
 
 import json
@@ -41,26 +49,35 @@ def single_device_step(ckpt, case, step, dp):
     return total / (m * dp)
 
 
-def run(scenario, out, rank, world_size):
+def replicas(case, world_size):
+    return world_size // sum(case.get("degrees") or [1] * case["stages"])
+
+
+def run_before(scenario, out, rank, world_size):
     ckpt = str(out / f"ckpt_{scenario['id']}")
-    before, after = scenario["before"], scenario["after"]
+    before = scenario["before"]
     _, _, engine = build(before, world_size)
     result = {"before": train(engine, MODELS[before["model"]](), before, range(2))}
     engine.save_checkpoint(ckpt, tag="t2")
     engine.destroy()
-    resume = 2
     if scenario.get("via_graph_model"):
         if rank == 0:
-            result["graph_model"] = single_device_step(ckpt, before, 2, world_size // before["stages"])
+            result["graph_model"] = single_device_step(ckpt, before, 2, replicas(before, world_size))
         torch.distributed.barrier()
-        resume = 3
+    torch.save(result, out / f"{scenario['id']}.before.rank{rank}.pt")
+
+
+def run_after(scenario, out, rank, world_size):
+    ckpt = str(out / f"ckpt_{scenario['id']}")
+    after = scenario["after"]
     mc, module, engine = build(after, world_size)
-    engine.load_checkpoint(ckpt)
-    result["global_steps"] = engine.global_steps
-    result["after"] = train(engine, mc, after, range(resume, 4))
-    result["stage"] = engine.stage_id
+    engine.load_checkpoint(ckpt, tag="from_graph_model" if scenario.get("via_graph_model") else "t2")
+    result = {"global_steps": engine.global_steps, "stage": engine.stage_id}
+    if scenario.get("resave"):
+        engine.save_checkpoint(ckpt, tag="t2_resaved")
+    result["after"] = train(engine, mc, after, range(3 if scenario.get("via_graph_model") else 2, 4))
     engine.destroy()
-    torch.save(result, out / f"{scenario['id']}.rank{rank}.pt")
+    torch.save(result, out / f"{scenario['id']}.after.rank{rank}.pt")
 
 
 def main():
@@ -69,8 +86,10 @@ def main():
     deepspeed.init_distributed(dist_backend="gloo")
     rank, world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
     for scenario in scenarios:
-        run(scenario, out, rank, world_size)
-        torch.distributed.barrier()
+        for part, world in ((run_before, scenario.get("world_before", 4)), (run_after, scenario.get("world_after", 4))):
+            if world == world_size:
+                part(scenario, out, rank, world_size)
+                torch.distributed.barrier()
     torch.distributed.destroy_process_group()
 
 

@@ -16,6 +16,8 @@ import deepspeed
 import gpp_deepspeed
 from deepspeed.pipe import PipelineModule
 from gpp_deepspeed import GraphPipelineModule
+from gpp_deepspeed.partitioning import parse_partition_method, resolve_partition
+from gpp_deepspeed.spec import layer_graph
 from models import MODELS, ReplicaOrderedDataset, make_batches
 
 
@@ -36,6 +38,8 @@ def ds_config(case, dp):
         cfg["graph_pipeline"]["trace_dir"] = case["trace_dir"]
     if case.get("optimizer") == "adam":
         cfg["optimizer"] = {"type": "Adam", "params": {"lr": case["lr"], "torch_adam": True, "adam_w_mode": False}}
+    elif case.get("optimizer") == "fused_adam":  # DeepSpeed's own Adam (FusedAdam), its default
+        cfg["optimizer"] = {"type": "Adam", "params": {"lr": case["lr"], "adam_w_mode": False}}
     if case.get("bf16"):
         cfg["bf16"] = {"enabled": True}
     # DeepSpeed 0.19.8 clips at 1.0 unless told otherwise; the reference applies the same.
@@ -64,12 +68,19 @@ def build(case, world_size):
             method = mc.partitions[case["stages"]]
         if isinstance(method, str) and method.endswith(".json"):  # a plan file, relative to tests/
             method = str(Path(__file__).resolve().parents[1] / method)
+        if isinstance(method, str) and method.startswith("resolved:"):
+            # Resolved ahead of time, outside the module, as a user may: the stage degrees come to the
+            # module through the resolved partition alone.
+            method = resolve_partition(layer_graph(mc.layers, input_names=mc.input_names),
+                                       parse_partition_method(method.split(":", 1)[1]), num_stages=case["stages"],
+                                       stage_degrees=degrees)
+            degrees = None
         module = GraphPipelineModule(mc.layers, input_names=mc.input_names, num_stages=case["stages"],
                                      loss_fn=nn.CrossEntropyLoss(), partition_method=method,
                                      activation_checkpoint_interval=case.get("ckpt_interval", 0),
                                      dynamic_shape=bool(mc.seq_lens), stage_degrees=degrees)
     params = [p for p in module.parameters() if p.requires_grad]
-    opt = None if case.get("optimizer") == "adam" else torch.optim.SGD(params, lr=case["lr"], momentum=case.get("momentum", 0.9))
+    opt = None if case.get("optimizer") in ("adam", "fused_adam") else torch.optim.SGD(params, lr=case["lr"], momentum=case.get("momentum", 0.9))
     init = deepspeed.initialize if case.get("deepspeed_module") else gpp_deepspeed.initialize
     data = None
     if case.get("training_data"):  # DeepSpeed's own loader instead of data_iter=
@@ -113,9 +124,11 @@ def run_case(case, out, rank, world_size):
     mc, module, engine = build(case, world_size)
     result = {"stage": engine.stage_id, "dp": replica(engine), "shard": getattr(engine.grid, "stage_idx", 0),
               "schedule": getattr(engine, "gpp_config", None) and engine.gpp_config.schedule,
-              "ckpt_interval": module.activation_checkpoint_interval}
+              "ckpt_interval": module.activation_checkpoint_interval,
+              "ckpt_func": getattr(module.activation_checkpoint_func, "__name__", None)}
     if hasattr(engine, "stage_graph"):
         result["depth"] = engine.stage_graph.depth(engine.stage_id)
+        result["reads_batch"] = engine.is_first_stage() or engine.is_last_stage()
     if case.get("checkpoint"):
         ckpt = str(out / f"ckpt_{case['id']}")
         train(engine, mc, case, range(2))
