@@ -34,6 +34,7 @@ first few culprits named.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import os
 import time
@@ -286,8 +287,7 @@ def load_pretrained(captured, directory: str | os.PathLike, *, strict: bool = Tr
             spec = copy.copy(spec)
             spec.weights = weights
         layers.append(spec)
-    return CapturedModel(layers, captured.input_names, captured.output, captured.prefixes, captured.aliases,
-                         captured.hf)
+    return dataclasses.replace(captured, layers=layers)
 
 
 def save_pretrained(engine_or_module, directory: str | os.PathLike, captured, *, max_shard_bytes: int = 5 * 2**30,
