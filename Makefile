@@ -8,7 +8,14 @@ export OMP_NUM_THREADS ?= 1
 
 .PHONY: setup demo test bench clean
 
-setup: $(VENV)/.installed
+setup: $(VENV)/.installed $(VENV)/.ops-built
+
+# DeepSpeed JIT-builds its CPU ops (the shm all-reduce, FusedAdam) on first use, under a lock file
+# that a process killed mid-build leaves behind; built here once, starts only check them (see
+# gpp_deepspeed/engine/startup.py). Set TORCH_EXTENSIONS_DIR to build them elsewhere.
+$(VENV)/.ops-built: $(VENV)/.installed
+	$(PY) -c 'from gpp_deepspeed.engine.startup import main; main()'
+	touch $@
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)

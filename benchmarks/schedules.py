@@ -26,7 +26,7 @@ needed, in micro-batches of one layer's activations.
 
 The asynchronous schedules never drain: after the first round each step is a steady-state batch
 (pipeline full before and after it, no warm-up, no flush), which is what the median measures and
-what the simulator prices (:func:`gpp_deepspeed.schedule.async_segment` of a steady batch). Their
+what the simulator prices (:class:`gpp_deepspeed.schedule.AsyncProgram`'s steady batch). Their
 in-flight count adds the micro-batches a stage carries into the batch (its lag, ``depth - 1``).
 """
 
@@ -148,7 +148,8 @@ def _last_batch(engine, stages: int) -> dict:
 
 def predicted(stage_graph, name: str, num_mb: int) -> float:
     """Simulated makespan of the schedule the engine runs, priced with the same sleeps."""
-    from gpp_deepspeed.schedule import ActionKind as K, async_segment, build_schedule, is_async, simulate, steady_batch_idx
+    from gpp_deepspeed.schedule import (ActionKind as K, AsyncProgram, build_program, get_schedule, simulate,
+                                        steady_batch_idx)
 
     times = {K.FORWARD: T_F, K.BACKWARD: T_I + T_W, K.BACKWARD_INPUT: T_I, K.BACKWARD_WEIGHT: T_W}
     # A stage that reads only the batch has no input gradient to compute (its input needs none).
@@ -159,12 +160,10 @@ def predicted(stage_graph, name: str, num_mb: int) -> float:
             return times[a.kind] - T_I
         return times.get(a.kind, 0.0)
 
-    if is_async(name):
-        loading = sources | {stage_graph.output_stage}
-        lists = async_segment(stage_graph, num_mb, steady_batch_idx(stage_graph, num_mb), name=name,
-                              loading_stages=loading)
+    if get_schedule(name).asynchronous:
+        lists = AsyncProgram(stage_graph, num_mb, schedule=name).batch(steady_batch_idx(stage_graph, num_mb)).actions
     else:
-        lists = build_schedule(stage_graph, num_mb, name=name)
+        lists = build_program(stage_graph, num_mb, schedule=name).actions
     return simulate(lists, duration=duration).makespan
 
 

@@ -37,6 +37,7 @@ import glob
 import json
 import os
 import re
+import shutil
 from typing import Any
 
 import torch
@@ -44,11 +45,13 @@ import torch
 __all__ = ["LAYOUT_FILE", "LR_SCHEDULER_FILE", "layer_model_file", "layer_model_files", "layer_optim_file",
            "read_layout", "write_layout", "latest_tag", "optimizer_state_by_name", "load_optimizer_state_by_name",
            "load_master_weights_by_name", "step_value", "MASTER_KEY",
-           "save_graph_model", "load_graph_model"]
+           "save_graph_model", "load_graph_model", "staging_tag", "commit_tag", "write_latest"]
 
 LAYOUT_FILE = "graph_layout.json"
 MASTER_KEY = "fp32"   # a parameter's fp32 master weight in its optimizer state file (DeepSpeed's universal name)
 LR_SCHEDULER_FILE = "graph_lr_scheduler.pt"
+STAGING_SUFFIX = ".partial"   # a checkpoint being written: never named by ``latest``
+_REPLACED_SUFFIX = ".replaced"
 
 
 def layer_model_file(ckpt_dir: str, name: str, rank_repr: str = "") -> str:
@@ -106,6 +109,41 @@ def latest_tag(load_dir: str) -> str | None:
         return None
     with open(path) as f:
         return f.read().strip()
+
+
+def staging_tag(tag: str) -> str:
+    """The folder name a checkpoint is written under until every rank has written its files.
+
+    >>> staging_tag("global_step8")
+    'global_step8.partial'
+    """
+    return f"{tag}{STAGING_SUFFIX}"
+
+
+def commit_tag(save_dir: str, tag: str) -> str:
+    """Move a fully written checkpoint from its staging folder to ``save_dir/tag`` (replacing an
+    earlier checkpoint of the same tag); returns the folder. Two renames on one file system: a
+    process stopped in between leaves the old or the new checkpoint under a name ``latest`` may
+    name, never a partial one (at worst, re-saving the tag ``latest`` names, none under that tag)."""
+    final = os.path.join(save_dir, str(tag))
+    replaced = final + _REPLACED_SUFFIX
+    shutil.rmtree(replaced, ignore_errors=True)
+    if os.path.exists(final):
+        os.rename(final, replaced)
+    os.rename(os.path.join(save_dir, staging_tag(tag)), final)
+    shutil.rmtree(replaced, ignore_errors=True)
+    return final
+
+
+def write_latest(save_dir: str, tag: str) -> None:
+    """Point DeepSpeed's ``latest`` file at ``tag``, atomically (a reader sees the old or the new
+    name, never a half-written one)."""
+    path = os.path.join(save_dir, "latest")
+    with open(path + ".tmp", "w") as f:
+        f.write(str(tag))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(path + ".tmp", path)
 
 
 def optimizer_state_by_name(optimizer: torch.optim.Optimizer, module: torch.nn.Module, *,
@@ -180,8 +218,7 @@ def save_graph_model(model, save_dir: str, tag: str, *, optimizer: torch.optim.O
             torch.save(optimizer_state_by_name(optimizer, module), layer_optim_file(ckpt_dir, name))
     write_layout(ckpt_dir, stage_of={e.name: 0 for e in model.entries}, num_stages=1, data_parallel=1,
                  counters={"global_steps": global_steps})
-    with open(os.path.join(save_dir, "latest"), "w") as f:
-        f.write(str(tag))
+    write_latest(save_dir, str(tag))
     return ckpt_dir
 
 

@@ -49,7 +49,7 @@ from .errors import GPPConfigError, GPPError
 from .models import BUILDERS, DEVICES, ModelDesc, analytic_costs, tiny
 from .planner import CommFit, CostDB, Hardware, Plan, SearchResult, graphpipe_search, simulate_plan
 from .planner.simulate import choose_schedule, predict
-from .schedule import get_schedule, is_async
+from .schedule import get_schedule
 
 __all__ = ["main"]
 
@@ -504,8 +504,6 @@ def _names(text: str) -> list[str]:
 def _schedule_names(text: str) -> tuple[str, ...]:
     names = tuple(n.lower() for n in _names(text))
     for n in names:
-        if is_async(n):
-            continue
         try:
             get_schedule(n)
         except GPPConfigError as e:

@@ -17,10 +17,14 @@ from typing import Any, Literal, Mapping
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from .errors import GPPConfigError
+from .schedule.registry import SCHEDULES
 
 __all__ = ["CONFIG_KEY", "GraphPipelineConfig", "parse_graph_pipeline_config", "with_plan_schedule"]
 
 CONFIG_KEY = "graph_pipeline"
+
+# The accepted schedule names are the registry's (gpp_deepspeed.schedule.SCHEDULES).
+ScheduleName = Literal[tuple(SCHEDULES)]  # type: ignore[valid-type]
 
 
 class GraphPipelineConfig(BaseModel):
@@ -28,7 +32,7 @@ class GraphPipelineConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    schedule: Literal["1f1b", "gpipe", "zb1", "zb2", "pipedream", "2bw", "pipeoptim"] = "1f1b"
+    schedule: ScheduleName = "1f1b"
     """Training schedule: ``"1f1b"`` is the branch-aware synchronous 1F1B (PipeDream-Flush on a
     DAG, GraphPipe's default); ``"gpipe"`` runs every forward before any backward (more
     activation memory, useful as a baseline); ``"zb1"`` and ``"zb2"`` split each backward into

@@ -74,22 +74,24 @@ def remove_shm(port: int, master_addr: str = "127.0.0.1") -> list[str]:
 
 
 def launch(world_size: int, script: str | Path, *args: str, timeout: float = 300, log_dir: Path,
-           kill_on_failure: bool = True, wait_for: set[int] | None = None) -> Result:
+           kill_on_failure: bool = True, wait_for: set[int] | None = None, env: dict[str, str] | None = None) -> Result:
     """Run ``script`` on ``world_size`` local ranks; kill all of them on a failure or at ``timeout``.
 
     With ``kill_on_failure=False`` a failed rank does not stop the others (fault tests watch how
-    they stop by themselves), and only the ranks in ``wait_for`` (default: all) are waited for."""
-    port = free_port()
+    they stop by themselves), and only the ranks in ``wait_for`` (default: all) are waited for.
+    ``env`` adds to (or overrides) every rank's environment."""
+    port = int((env or {}).get("MASTER_PORT") or free_port())
     log_dir.mkdir(parents=True, exist_ok=True)
     procs, logs = [], []
     start = time.monotonic()
     for rank in range(world_size):
-        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
-                   LOCAL_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                   OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests")]))
+        rank_env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                        LOCAL_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                        OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests")]))
+        rank_env.update(env or {})
         log = open(log_dir / f"rank{rank}.log", "w+")
         logs.append(log)
-        procs.append(subprocess.Popen([sys.executable, str(script), *args], env=env, stdout=log,
+        procs.append(subprocess.Popen([sys.executable, str(script), *args], env=rank_env, stdout=log,
                                       stderr=subprocess.STDOUT, cwd=str(ROOT), preexec_fn=_die_with_parent))
     timed_out = False
     waited = [procs[r] for r in sorted(wait_for if wait_for is not None else range(world_size))]

@@ -137,6 +137,20 @@ def three_input() -> ModelCase:
     return ModelCase(layers, ("x", "y", "z"), (6, 5, 4), 3)
 
 
+def late_input() -> ModelCase:
+    """A middle stage reads a graph input: at 3 stages, stage 1 adds ``y``'s projection to what
+    stage 0 sends (it has a predecessor and loads the batch)."""
+    layers = [
+        GraphLayerSpec("px", nn.Linear, 6, D, inputs=["x"]),
+        GraphLayerSpec("py", nn.Linear, 5, D, inputs=["y"]),
+        GraphLayerSpec("mix", Add, inputs=["px", "py"]),
+        GraphLayerSpec("body", Block, D, inputs=["mix"]),
+        GraphLayerSpec("head", nn.Linear, D, 3, inputs=["body"]),
+    ]
+    parts = {3: {"px": 0, "py": 1, "mix": 1, "body": 1, "head": 2}}
+    return ModelCase(layers, ("x", "y"), (6, 5), 3, parts)
+
+
 class MeanPool(nn.Module):
     def forward(self, x):  # [batch, seq, dim] -> [batch, dim]
         return x.mean(dim=1)
@@ -216,7 +230,7 @@ class _Models(dict):
 
 MODELS: dict[str, Callable[[], ModelCase]] = _Models({
     "chain": chain, "diamond": diamond, "four_branch": four_branch, "skip": skip, "fanout3": fanout3,
-    "three_input": three_input, "tied": tied, "varlen": varlen, "glue": glue, "glue_out": glue_out,
+    "three_input": three_input, "late_input": late_input, "tied": tied, "varlen": varlen, "glue": glue, "glue_out": glue_out,
 })
 
 

@@ -6,9 +6,12 @@ import pytest
 from gpp_deepspeed.config import parse_graph_pipeline_config
 from gpp_deepspeed.errors import GPPConfigError, ScheduleError
 from gpp_deepspeed.graph.stages import StageEdge, StageGraph
-from gpp_deepspeed.schedule import (ASYNC_SCHEDULES, Action, ActionKind as K, async_segment, simulate,
-                                    steady_batch_idx, validate_async)
-from gpp_deepspeed.schedule.asynchronous import _check_versions, prediction_steps, shift
+from gpp_deepspeed.schedule import (SCHEDULES, Action, ActionKind as K, AsyncProgram, Segment, async_compute,
+                                    check_weight_versions, get_schedule, lower, simulate, steady_batch_idx,
+                                    validate_async)
+from gpp_deepspeed.schedule.asynchronous import prediction_steps, shift
+
+ASYNC_SCHEDULES = [name for name, spec in SCHEDULES.items() if spec.asynchronous]
 
 CHAIN = StageGraph.chain(3)
 # Stage 0 feeds stage 1 and, over a skip, stage 2, which merges both (a fan-in).
@@ -20,12 +23,19 @@ LONG_SKIP = StageGraph(num_stages=4, edges=(StageEdge(0, 1, ()), StageEdge(1, 2,
 GRAPHS = {"chain": CHAIN, "skip": SKIP, "diamond": DIAMOND, "long_skip": LONG_SKIP}
 
 
-def _loading(g):
-    return {0, g.output_stage}
-
-
 def _lists(g, m, k, name, flush=False):
-    return async_segment(g, m, k, name=name, loading_stages=_loading(g), flush=flush)
+    """The action lists of batch ``k`` (or of the flush after ``k`` batches), as the engine runs them."""
+    program = AsyncProgram(g, m, schedule=name)
+    return (program.flush(k) if flush else program.batch(k)).actions
+
+
+def _lowered(g, m, k, name, flush=False):
+    """The same lists lowered from scratch, without the program's reuse of a steady batch."""
+    rule = get_schedule(name).weights
+    segment = Segment(k, m, flush)
+    later = range(k + 1, k + 1 + steady_batch_idx(g, m))
+    ahead = [] if flush else [async_compute(g, Segment(j, m), rule=rule) for j in later]
+    return lower(async_compute(g, segment, rule=rule), g, train=True, segment=segment, ahead=ahead)
 
 
 @pytest.mark.parametrize("graph", GRAPHS)
@@ -35,7 +45,7 @@ def test_async_schedule_validates_for_any_batch_count_and_micro_batches(graph, n
     for m in range(1, 6):
         for n in (1, 2, 4):
             try:
-                report = validate_async(g, m, name=name, loading_stages=_loading(g), num_batches=n)
+                report = validate_async(g, m, schedule=name, num_batches=n)
             except GPPConfigError:
                 assert name == "2bw" and m < max(g.depth(s) for s in range(g.num_stages)) - 1
                 continue
@@ -70,7 +80,7 @@ def test_a_gradient_is_sent_in_the_batch_where_its_receiver_runs_the_backward():
 
 def test_steady_batches_repeat_shifted_by_the_batch_size():
     k = steady_batch_idx(LONG_SKIP, 2)
-    a, b = _lists(LONG_SKIP, 2, k, "2bw"), _lists(LONG_SKIP, 2, k + 1, "2bw")
+    a, b = _lowered(LONG_SKIP, 2, k, "2bw"), _lowered(LONG_SKIP, 2, k + 1, "2bw")
     def moved(x):
         if x.kind is K.P2P:
             return Action.group(moved(op) for op in x.ops)
@@ -85,8 +95,9 @@ def test_the_engine_may_reuse_the_steady_batch_and_flush_shifted(name):
         for m in (3, 4):
             k = steady_batch_idx(g, m)
             for flush in (False, True):
-                a, b = _lists(g, m, k, name, flush), _lists(g, m, k + 2, name, flush)
+                a, b = _lowered(g, m, k, name, flush), _lowered(g, m, k + 2, name, flush)
                 assert {s: shift(x, 2 * m) for s, x in a.items()} == b
+                assert _lists(g, m, k + 2, name, flush) == b
 
 
 def test_2bw_runs_a_batch_on_the_version_before_the_latest():
@@ -98,20 +109,20 @@ def test_2bw_runs_a_batch_on_the_version_before_the_latest():
 
 def test_2bw_needs_as_many_micro_batches_as_the_deepest_lag():
     with pytest.raises(GPPConfigError, match="gradient_accumulation_steps >= 3"):
-        validate_async(LONG_SKIP, 2, name="2bw", loading_stages={0, 3})
+        validate_async(LONG_SKIP, 2, schedule="2bw")
 
 
 def test_validator_rejects_an_update_before_the_backward_of_its_version():
     program = [Action.parse(x) for x in "0STASH0 0F0 0UPDATE0 0B0".split()]
     with pytest.raises(ScheduleError, match="before the backwards of micro-batches"):
-        _check_versions(0, program)
+        check_weight_versions(0, program)
 
 
 def test_validator_rejects_a_forward_on_no_version_and_a_version_never_updated():
     with pytest.raises(ScheduleError, match="on no live weight version"):
-        _check_versions(0, [Action.parse("0F0")])
+        check_weight_versions(0, [Action.parse("0F0")])
     with pytest.raises(ScheduleError, match="never updates weight versions"):
-        _check_versions(0, [Action.parse(x) for x in "0STASH0 0F0 0B0".split()])
+        check_weight_versions(0, [Action.parse(x) for x in "0STASH0 0F0 0B0".split()])
 
 
 def test_dropping_a_deferred_send_is_a_deadlock_the_simulator_names():
@@ -144,3 +155,38 @@ def test_weight_actions_round_trip_through_their_string_form():
 def test_config_accepts_the_asynchronous_schedules():
     for name in ASYNC_SCHEDULES:
         assert parse_graph_pipeline_config({"graph_pipeline": {"schedule": name}}).schedule == name
+
+
+@pytest.mark.parametrize("name", ASYNC_SCHEDULES)
+def test_buffer_slots_are_those_of_assign_buffers_over_the_whole_never_draining_program(name):
+    from gpp_deepspeed.schedule import assign_buffers
+    for g in GRAPHS.values():
+        for m in (1, 2, 3, 5):
+            try:
+                program = AsyncProgram(g, m, schedule=name)
+            except GPPConfigError:
+                continue
+            n = 3 * max(program.periods.values()) + program.first_periodic[0] + 2
+            segments = [program.batch(k) for k in range(n)] + [program.flush(n)]
+            whole = {s: [a for seg in segments for a in seg.actions[s]] for s in range(g.num_stages)}
+            reference = assign_buffers(whole)   # one pass over the program as if it were one batch
+            for s in range(g.num_stages):
+                slots = {}
+                for seg in segments:
+                    for j, slot in seg.slots[s].items():
+                        assert slots.setdefault(j, slot) == slot, f"micro-batch {j} keeps its slot on stage {s}"
+                assert slots == reference[s], (m, s)
+                assert program.num_buffers(s) == max(reference[s].values()) + 1
+
+
+def test_the_validator_rejects_a_micro_batch_that_changes_slot_between_batches():
+    from dataclasses import replace
+    program = AsyncProgram(CHAIN, 2, schedule="pipedream")
+    program.validate()
+    first = program.batch(1)
+    moved = {s: dict(slot_of) for s, slot_of in first.slots.items()}
+    j = min(moved[0])   # a micro-batch of batch 0 still held in batch 1 on stage 0 (lag 2)
+    moved[0][j] += 7
+    program._batches[1] = replace(first, slots=moved)
+    with pytest.raises(ScheduleError, match=f"micro-batch {j} moves from buffer slot"):
+        program.validate()

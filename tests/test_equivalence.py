@@ -9,6 +9,12 @@ to ``rtol=1e-5`` in fp32.
 import pytest
 import torch
 
+from costdbs import synthetic_db
+from gpp_deepspeed.graph import build_layer_graph
+from gpp_deepspeed.graph.stages import derive_partition
+from gpp_deepspeed.planner.plan import Plan, PlanStage
+from gpp_deepspeed.planner.simulate import simulate_plan
+from gpp_deepspeed.schedule import build_program
 from models import MODELS as MODEL_CASES, make_batches
 from reference import train_reference
 
@@ -16,7 +22,7 @@ pytestmark = pytest.mark.dist
 
 MODELS = ["chain", "diamond", "four_branch", "skip", "fanout3", "three_input"]
 # Models whose shape is forced by an explicit partition at this stage count (see tests/models.py).
-EXPLICIT = {2: {"glue_out"}, 3: {"skip", "fanout3"}, 4: {"diamond", "skip", "fanout3", "tied", "varlen"}}
+EXPLICIT = {2: {"glue_out"}, 3: {"skip", "fanout3", "late_input"}, 4: {"diamond", "skip", "fanout3", "tied", "varlen"}}
 BASE = {"steps": 3, "mbs": 4, "gas": 4, "lr": 0.1}
 
 
@@ -45,6 +51,8 @@ GLUE = [case("glue", 4, 0, partition="uniform"), case("glue", 4, 1, partition="p
 # training_data=: DeepSpeed's loader on every stage that reads the batch (middle stages 1 and 2 read
 # graph inputs here), and data-parallel shards (pipe 2 x data 2).
 DATA = [case("three_input", 4, 0, training_data=True), case("three_input", 2, 1, training_data=True)]
+# A middle stage (1 of 3) reads a graph input besides what stage 0 sends it.
+LATE = [case("late_input", 3, 0), case("late_input", 3, 1, schedule="zb1")]
 # Fuzzed DAGs (tests/fuzz_models.py, fixed seeds): branches, skips across stages, tuple outputs,
 # 1-3 inputs, boolean and integer tensors crossing stages without gradients, random valid partitions
 # (a case id names its seed: rerun it alone with that id).
@@ -64,7 +72,7 @@ WORLDS = {
     2: golden(2) + [case("chain", 2, 1, schedule="zb2")] + FUZZ[2],
     3: golden(3) + [case("diamond", 3, 0, schedule="zb1"), case("fanout3", 3, 1, schedule="zb2"),
                     case("skip", 3, 0, partition="sequential")]  # a chain: l1 relayed through stage 1
-    + FUZZ[3],
+    + LATE + FUZZ[3],
     4: golden(4) + [case(m, 2, z) for m in ("four_branch", "skip") for z in (0, 1)]  # pipe 2 x data 2
     + [case("four_branch", 4, 1, partition="parameters"), case("three_input", 4, 1, partition="sequential"),
        case("skip", 4, 1, clip=0.05), case("four_branch", 4, 0, ckpt_interval=1),
@@ -139,6 +147,26 @@ def test_training_data_feeds_each_pipeline_the_same_samples_and_each_replica_its
                 assert torch.equal(y, ey) and all(torch.equal(a, b) for a, b in zip(xs, ex)), f"stage {res['stage']}"
     readers = sorted(res["stage"] for res in ranks if res["seen"] and res["dp"] == 0)
     assert readers == list(range(c["stages"])), "every stage of this model reads the batch"
+
+
+@pytest.mark.parametrize("c", LATE, ids=[c["id"] for c in LATE])
+def test_a_middle_stage_reading_a_graph_input_runs_the_program_the_simulator_prices(run_cases, c):
+    """The stage graph says which stages load the batch, once: the engine, the program and the
+    planner's simulator agree on a stage that has a predecessor and reads a graph input."""
+    ranks = _load(run_cases("golden_w3", 3, WORLDS[3]), c, 3)
+    layers = [("px", ["x"]), ("py", ["y"]), ("mix", ["px", "py"]), ("body", ["mix"]), ("head", ["body"])]
+    stage_of = MODEL_CASES["late_input"]().partitions[3]
+    stage_graph = derive_partition(build_layer_graph(["x", "y"], layers), stage_of, num_stages=3).stage_graph
+    assert stage_graph.preds(1) == [0] and stage_graph.loading == {0, 1, 2}
+    program = build_program(stage_graph, c["gas"], schedule=c.get("schedule", "1f1b"))
+    plan = Plan(model="late_input", method="manual", source="test", micro_batch=c["mbs"], mini_batch=c["mbs"] * c["gas"],
+                stages=tuple(PlanStage(layers=tuple(n for n, _ in layers if stage_of[n] == s)) for s in range(3)),
+                schedule=c.get("schedule", "1f1b"))
+    priced = simulate_plan(plan, synthetic_db(layers, inputs=("x", "y"))).schedule
+    for res in ranks:
+        s = res["stage"]
+        assert res["actions"] == [str(a) for a in program.actions[s]] == [str(a) for a in priced[s]], f"stage {s}"
+        assert f"{s}LOAD0" in res["actions"], f"stage {s} reads the batch"
 
 
 def test_zero_bubble_with_recomputation_computes_what_1f1b_with_recomputation_computes(run_cases):

@@ -18,6 +18,7 @@ from gpp_deepspeed.schedule import (SCHEDULES, Action, ActionKind, add_release, 
                                     order_transfers, simulate, validate_schedule, warmup_forwards)
 
 K = ActionKind
+SYNC_SCHEDULES = [name for name, spec in SCHEDULES.items() if not spec.asynchronous]
 
 
 def dag(num_stages: int, edges) -> StageGraph:
@@ -192,7 +193,7 @@ def stage_dags(draw):
 @given(sg=stage_dags(), num_mb=st.integers(1, 6))
 def test_build_schedule_on_random_stage_dags_passes_the_rendezvous_validator(sg, num_mb):
     n = sg.num_stages
-    for name in SCHEDULES:
+    for name in SYNC_SCHEDULES:
         for train in (True, False):
             sched = build_schedule(sg, num_mb, name=name, train=train)
             slots = assign_buffers(sched)
@@ -244,7 +245,7 @@ def test_build_schedule_rejects_an_unknown_name_and_zero_micro_batches():
     assert "1f1b" in str(info.value) and "gpipe" in str(info.value)
     with pytest.raises(GPPConfigError):
         build_schedule(StageGraph.chain(2), 0)
-    assert get_schedule("GPipe") is gpipe
+    assert get_schedule("GPipe").generator is gpipe
 
 
 # ---------------------------------------------------------------------------------------------
@@ -504,3 +505,68 @@ def test_frozen_stages_run_no_backward_and_their_edges_carry_no_gradient():
     # A projection trained after a frozen encoder: the encoder's stage is frozen, the edge too.
     half = mark_gradient_flow(part, trainable={"proj", "text", "head"}).stage_graph
     assert half.frozen == {0} and [e.grad for e in half.edges] == [False, True, True]
+
+
+def test_a_middle_stage_that_reads_a_graph_input_loads_the_batch_in_every_program_and_in_the_simulator():
+    # x -> px (stage 0) -> mix (stage 1, which also reads y) -> head (stage 2)
+    from costdbs import synthetic_db
+    from gpp_deepspeed.graph import build_layer_graph
+    from gpp_deepspeed.graph.stages import derive_partition
+    from gpp_deepspeed.planner.plan import Plan, PlanStage
+    from gpp_deepspeed.planner.simulate import simulate_plan
+    from gpp_deepspeed.schedule import AsyncProgram, build_program, steady_batch_idx
+
+    layers = [("px", ["x"]), ("py", ["y"]), ("mix", ["px", "py"]), ("head", ["mix"])]
+    stage_of = {"px": 0, "py": 1, "mix": 1, "head": 2}
+    sg = derive_partition(build_layer_graph(["x", "y"], layers), stage_of, num_stages=3).stage_graph
+    assert sg.preds(1) == [0] and sg.loading == {0, 1, 2}
+    assert StageGraph.from_json(sg.to_json()) == sg
+    db = synthetic_db(layers, inputs=("x", "y"))
+    for name, spec in SCHEDULES.items():
+        plan = Plan(model="m", method="manual", source="test", micro_batch=1, mini_batch=4, schedule=name,
+                    stages=tuple(PlanStage(layers=tuple(n for n, _ in layers if stage_of[n] == s)) for s in range(3)))
+        if spec.asynchronous:
+            program = AsyncProgram(sg, 4, schedule=name).batch(steady_batch_idx(sg, 4)).actions
+        else:
+            program = build_program(sg, 4, schedule=name).actions
+        for s in range(3):
+            loads = [a.mb_idx for a in program[s] if a.kind is K.LOAD]
+            assert loads == [a.mb_idx for a in program[s] if a.kind is K.FORWARD], (name, s)
+        assert simulate_plan(plan, db).schedule == program, name
+
+
+def test_every_action_kind_declares_what_it_uses_and_releases_free_what_the_kinds_write():
+    from gpp_deepspeed.schedule import KINDS, RELEASES, Buffer
+    assert set(KINDS) == set(ActionKind)
+    written = {b for spec in KINDS.values() for b in spec.writes}
+    freed = {b for k in RELEASES for b in KINDS[k].frees}
+    assert written == freed == set(Buffer), "every buffer a kind writes has a release that frees it"
+    assert [k for k in RELEASES] == [K.RELEASE_OUT, K.RELEASE_IN, K.RELEASE_W]
+
+
+def test_add_release_frees_a_split_backwards_outputs_after_i_and_its_weight_work_after_w():
+    before = {1: lists("1RECV_F0@0 1F0 1SEND_F0@2 1RECV_B0@2 1I0 1SEND_B0@0 1W0")}
+    after = {1: lists("1RECV_F0@0 1F0 1SEND_F0@2 1RECV_B0@2 1I0 1RELEASE_OUT0 1SEND_B0@0 1RELEASE_IN0 1W0 "
+                      "1RELEASE_W0")}
+    assert add_release(before) == after
+
+
+def test_validate_schedule_rejects_a_weight_pass_after_its_work_was_released():
+    good = {0: "0LOAD0 0F0 0I0 0RELEASE_OUT0 0RELEASE_IN0 0W0 0RELEASE_W0 0WAIT_SENDS"}
+    validate_schedule(parse_schedule(good), StageGraph.chain(1), 1, train=True)
+    broken = {0: "0LOAD0 0F0 0I0 0RELEASE_OUT0 0RELEASE_IN0 0RELEASE_W0 0W0 0WAIT_SENDS"}
+    with pytest.raises(ScheduleError, match="0W0 uses what 0RELEASE_W0 freed"):
+        validate_schedule(parse_schedule(broken), StageGraph.chain(1), 1, train=True)
+    early = {0: "0LOAD0 0F0 0RELEASE_OUT0 0I0 0RELEASE_IN0 0W0 0RELEASE_W0 0WAIT_SENDS"}
+    with pytest.raises(ScheduleError, match="0I0 uses what 0RELEASE_OUT0 freed"):
+        validate_schedule(parse_schedule(early), StageGraph.chain(1), 1, train=True)
+
+
+def test_program_prints_every_stages_actions_and_buffer_slots():
+    from gpp_deepspeed.schedule import build_program
+    program = build_program(StageGraph.chain(2), 2, schedule="gpipe")
+    lines = str(program).splitlines()
+    assert lines[0] == 'program "gpipe": 2 stages, 2 micro-batches, training'
+    assert lines[1] == "stage 0: " + " ".join(map(str, program.actions[0]))
+    assert lines[2] == "  slots: 0:0 1:1"   # GPipe holds both micro-batches at once
+    assert program.num_buffers(0) == 2

@@ -16,13 +16,12 @@ from gpp_deepspeed.planner import StageCostModel
 from gpp_deepspeed.planner.inflight import schedule_memory
 from gpp_deepspeed.planner.search import graphpipe_search, schedule_bottleneck_search
 from gpp_deepspeed.planner.sp import sp_tree
-from gpp_deepspeed.schedule import SCHEDULES
-from gpp_deepspeed.schedule.asynchronous import check_async_microbatches, validate_async
+from gpp_deepspeed.schedule import SCHEDULES, AsyncProgram
 from gpp_deepspeed.schedule.zero_bubble import peak_in_flight
 from test_search import _convex_partitions, _random_dag, _random_db, _sp_candidates
 
-SYNC = ("1f1b", "gpipe", "zb1", "zb2")
-ASYNC = ("pipedream", "2bw", "pipeoptim")
+SYNC = tuple(name for name, spec in SCHEDULES.items() if not spec.asynchronous)
+ASYNC = tuple(name for name, spec in SCHEDULES.items() if spec.asynchronous)
 TOL = 1e-3
 
 
@@ -41,13 +40,11 @@ def generated_stash(stage_graph: StageGraph, num_microbatches: int, schedule: st
     n = stage_graph.num_stages
     if schedule in ASYNC:
         try:
-            check_async_microbatches(stage_graph, num_microbatches, schedule)
+            report = AsyncProgram(stage_graph, num_microbatches, schedule=schedule).validate()
         except GPPConfigError:
             return None
-        loading = {s for s in range(n) if not stage_graph.preds(s)} | {stage_graph.output_stage}
-        report = validate_async(stage_graph, num_microbatches, name=schedule, loading_stages=loading)
         return [(report.peak_in_flight[s], report.peak_versions[s]) for s in range(n)]
-    program = SCHEDULES[schedule](stage_graph, num_microbatches)
+    program = SCHEDULES[schedule].generator(stage_graph, num_microbatches)
     return [(peak_in_flight(program[s]), 0) for s in range(n)]
 
 

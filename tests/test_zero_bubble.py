@@ -16,7 +16,7 @@ from gpp_deepspeed.errors import ScheduleError
 from gpp_deepspeed.graph import StageGraph
 from gpp_deepspeed.schedule import (Action, ActionKind, assign_buffers, build_schedule, num_slots, one_f_one_b,
                                     peak_in_flight, simulate, validate_schedule, zb1, zb2)
-from gpp_deepspeed.schedule.generators import lower
+from gpp_deepspeed.schedule.lowering import lower
 
 from test_schedule import dag, parse_schedule, stage_dags
 
@@ -68,10 +68,8 @@ def test_zb2_on_a_chain_reaches_the_floor_of_the_output_stage_starting_late(time
     tf, ti, tw = times
     p, m = 4, 8
     sg = StageGraph.chain(p)
-    loading = {0, p - 1}
     # the same compute times order the transfers, which zb2's greedy order needs under NCCL
-    sched = lower(zb2(sg, m, duration=lambda a: durations(*times)(a)), sg, loading_stages=loading, train=True,
-                  duration=durations(*times))
+    sched = lower(zb2(sg, m, duration=lambda a: durations(*times)(a)), sg, train=True, duration=durations(*times))
     assert bubble(sched, m, *times) == (p - 1) * tf
 
 

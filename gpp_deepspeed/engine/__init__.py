@@ -1,9 +1,16 @@
 """The DeepSpeed side: the pipeline module, the engine, their instructions and transfers.
 
-The only package of gpp_deepspeed that imports deepspeed's runtime.
+The only package of gpp_deepspeed that imports deepspeed's runtime. Importing it bounds every wait
+on a torch extension build lock in this process (:mod:`.startup`), so that a script's own
+``deepspeed.init_distributed()``, which builds DeepSpeed's shm op, cannot wait for ever on a lock
+that a killed process left behind.
 """
 
-from .engine import GraphPipelineEngine
+from .startup import guard_build_locks
+
+guard_build_locks()
+
+from .engine import GraphPipelineEngine  # noqa: E402
 from .instructions import (GraphPipeSchedule, RecvActivationFrom, RecvGradFrom, SendActivationTo, SendGradTo,
                            WaitSends)
 from .module import PARTITION_METHODS, GraphPipelineModule

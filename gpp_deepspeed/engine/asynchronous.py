@@ -2,8 +2,9 @@
 next, the flush, the weight-version instructions, and the options they cannot honour.
 
 :class:`AsyncPipeline` keeps the count of batches trained since the pipeline was last empty and
-hands :class:`~gpp_deepspeed.engine.GraphPipelineEngine` the action list of the next batch
-(:func:`gpp_deepspeed.schedule.async_segment`), or of the flush. What ``train_batch`` returns: the
+hands :class:`~gpp_deepspeed.engine.GraphPipelineEngine` the program of the next batch, or of the
+flush (:class:`gpp_deepspeed.schedule.AsyncProgram`). How weights are versioned and updated is the
+schedule's :class:`~gpp_deepspeed.schedule.WeightRule` (its registry entry), never its name. What ``train_batch`` returns: the
 mean loss of the batch's own micro-batches, each computed by its forward in that call (every
 forward of a batch runs in its call; only backwards trail into the next call or the flush).
 """
@@ -17,9 +18,8 @@ import torch
 from deepspeed.runtime.pipe import schedule as ds
 
 from ..errors import GPPConfigError
-from ..schedule.asynchronous import (async_segment, async_slots, check_async_microbatches, predicted_updates, shift,
-                                     steady_batch_idx, validate_async)
-from ..schedule.ir import Action, ActionKind as K
+from ..schedule import AsyncProgram, Program, WeightRule, predicted_updates
+from ..schedule.ir import ActionKind as K
 from .weights import WeightVersions, check_predictable
 
 __all__ = ["AsyncPipeline", "StashWeights", "PredictWeights", "UpdateWeights", "check_async_options",
@@ -67,7 +67,7 @@ WEIGHT_INSTRUCTIONS = {K.STASH: StashWeights, K.PREDICT: PredictWeights, K.UPDAT
 
 def check_async_options(engine) -> None:
     """Every option an asynchronous schedule cannot honour is an error that names it."""
-    name = engine.gpp_config.schedule
+    spec = engine.schedule_spec
     problems = []
     if engine.zero_optimization_stage() > 0:
         problems.append('"zero_optimization.stage" > 0 (ZeRO partitions the optimizer over data-parallel ranks, '
@@ -93,61 +93,49 @@ def check_async_options(engine) -> None:
     if engine.lr_scheduler is not None:
         problems.append("an lr scheduler (updates happen per micro-batch inside the pipeline)")
     if problems:
-        raise GPPConfigError(f'schedule "{name}" cannot honour: ' + "; ".join(problems))
-    if name == "pipeoptim":
+        raise GPPConfigError(f'schedule "{spec.name}" cannot honour: ' + "; ".join(problems))
+    if spec.weights is WeightRule.PREDICT:
         check_predictable(engine.optimizer)
 
 
 class AsyncPipeline:
-    """Which segment of the asynchronous program a stage runs next (see module docstring)."""
+    """Which program of the asynchronous schedule a stage runs next (see module docstring)."""
 
     def __init__(self, engine):
-        self.name = engine.gpp_config.schedule
+        self.spec = engine.schedule_spec
         self.stage_graph = engine.stage_graph
         self.stage_idx = engine.stage_id
-        self.loading = {s.stage_idx for s in engine.module.partition.stages if s.loads}
-        self.loading.add(self.stage_graph.output_stage)
         self.versions = WeightVersions(engine.module)
         self.batches = 0                      # batches trained since the pipeline was last empty
         self.micro_batches: int | None = None
         self.validate = engine.gpp_config.validate_schedule
         self.report = None
-        self._made: dict[tuple[int, bool], list[Action]] = {}
+        self.programs: AsyncProgram | None = None
         self.in_batch = False                 # a train_batch or flush started and has not returned
         atexit.register(_flush_at_exit, weakref.ref(engine))
 
-    def segment(self, micro_batches: int, *, flush: bool) -> tuple[list[Action], dict[int, int]]:
-        """This stage's actions of the next batch, or of the flush, and their buffer slots."""
+    def program(self, micro_batches: int, *, flush: bool) -> Program:
+        """The program of the next batch, or of the flush."""
         if micro_batches != self.micro_batches:
             if self.batches:
-                raise GPPConfigError(f'schedule "{self.name}": the number of micro-batches changed from '
+                raise GPPConfigError(f'schedule "{self.spec.name}": the number of micro-batches changed from '
                                      f"{self.micro_batches} to {micro_batches} while the pipeline is full; call "
                                      "engine.flush() first")
-            check_async_microbatches(self.stage_graph, micro_batches, self.name)
+            self.programs = AsyncProgram(self.stage_graph, micro_batches, schedule=self.spec.name)
             if self.validate:
-                self.report = validate_async(self.stage_graph, micro_batches, name=self.name,
-                                             loading_stages=self.loading)
-            self._made = {}
+                self.report = self.programs.validate()
         self.micro_batches = micro_batches
-        # Batches (and flushes) from the steady one on repeat it shifted: make each shape once.
-        steady = steady_batch_idx(self.stage_graph, micro_batches)
-        key = (min(self.batches, steady), flush)
-        if key not in self._made:
-            lists = async_segment(self.stage_graph, micro_batches, key[0], name=self.name,
-                                  loading_stages=self.loading, flush=flush)
-            self._made[key] = lists[self.stage_idx]
-        actions = shift(self._made[key], (self.batches - key[0]) * micro_batches)
-        slots = async_slots(self.stage_graph, micro_batches)
-        return actions, {j: j % slots for a in actions for j in a.mb_idxs}
+        return self.programs.flush(self.batches) if flush else self.programs.batch(self.batches)
 
     def steps(self, version: int) -> int:
         """PipeOptim's ``s`` for a version (checked against the program by the validator)."""
         return predicted_updates(self.stage_graph, self.stage_idx, version)
 
     def update_scale(self) -> float:
-        """DeepSpeed scales every micro-batch's loss by ``1/M``: PipeDream and PipeOptim step with one
-        micro-batch's gradient (times ``M``), 2BW with the batch's mean (as accumulated)."""
-        return 1.0 if self.name == "2bw" else float(self.micro_batches)
+        """DeepSpeed scales every micro-batch's loss by ``1/M``: an update per micro-batch
+        (PipeDream, PipeOptim) steps with one micro-batch's gradient (times ``M``), an update per
+        batch (2BW) with the batch's mean (as accumulated)."""
+        return 1.0 if self.spec.weights.updates_per_batch else float(self.micro_batches)
 
 
 def _flush_at_exit(engine_ref) -> None:
@@ -171,4 +159,4 @@ def exec_predict(engine, version):
 def exec_update(engine, version):
     pipeline = engine._async
     pipeline.versions.update(version, engine.optimizer, scale=pipeline.update_scale(),
-                             keep_grads=pipeline.name == "pipeoptim")
+                             keep_grads=pipeline.spec.weights is WeightRule.PREDICT)

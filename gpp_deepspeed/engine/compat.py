@@ -17,12 +17,17 @@ what that API leaves out is here: which flat partition holds a parameter's group
 (:func:`base_optimizer_state`), and linking the fragments to state created before the first step
 (:func:`link_fragment_state`).
 
+``PipelineModule._synchronize_tied_weights`` broadcasts each tied weight, a leaf that requires
+grad, with autograd recording: torch then warns at the first backward that ``c10d::broadcast_`` has
+no autograd kernel. :func:`broadcast_tied_weights` is the same broadcast of the values alone.
+
 ``tests/test_placement.py`` pins the DeepSpeed version these were written against.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Callable
 
 import torch
@@ -32,7 +37,7 @@ from deepspeed import comm as dist
 import deepspeed.runtime.pipe.module as _ds_pipe_module
 
 __all__ = ["DEEPSPEED_VERSION", "pipeline_grid", "count_each_stage_once", "flat_optimizer_groups",
-           "base_optimizer", "base_optimizer_state", "link_fragment_state"]
+           "base_optimizer", "base_optimizer_state", "link_fragment_state", "broadcast_tied_weights"]
 
 DEEPSPEED_VERSION = "0.19.8"  # the version whose internals this module reaches into
 
@@ -93,6 +98,18 @@ def link_fragment_state(optimizer) -> None:
     ``safe_set_full_optimizer_state`` writes into state made before any step."""
     optimizer._hp_optimizer_states_linked = False
     optimizer._lazy_init_hp_params_optimizer_state()
+
+
+def broadcast_tied_weights(tied_comms: dict) -> None:
+    """Give every copy of each tied weight the value of the first rank holding it, as
+    ``PipelineModule._synchronize_tied_weights`` does (at construction and after loading a
+    checkpoint), but outside autograd: the copy is an initial value, not an operation to
+    differentiate, so no graph node is recorded on the leaf and backward never reaches it."""
+    with torch.no_grad():
+        for comm in tied_comms.values():
+            for attr in comm["weight_attr"]:
+                weight = functools.reduce(getattr, attr.split("."), comm["module"])
+                dist.broadcast(weight.detach(), src=min(comm["ranks"]), group=comm["group"])
 
 
 def installed_version() -> str:

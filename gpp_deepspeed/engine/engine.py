@@ -8,13 +8,14 @@ aggregation and checkpoints are DeepSpeed's. What changes:
   stage" means the output stage, which reads labels and computes the loss;
 * transfers go along stage edges between any two stages (:mod:`.p2p`), several tensors per edge;
 * every buffer keeps its own loss and output gradients, because stages run out of lock-step;
-* the schedule is :func:`gpp_deepspeed.schedule.build_schedule`'s action list for this stage,
+* every batch runs a :class:`~gpp_deepspeed.schedule.Program`, this stage's action list of it,
   validated (deadlock under NCCL's rendezvous semantics, buffer reuse, release points) before it
-  runs; it decides the buffer slot of every micro-batch (:func:`~gpp_deepspeed.schedule.assign_buffers`),
-  when buffers are freed (``RELEASE_IN``/``RELEASE_OUT``) and which transfers are posted together.
-* the asynchronous schedules (``pipedream``, ``2bw``, ``pipeoptim``) keep the pipeline full across
-  ``train_batch`` calls: :mod:`.asynchronous` picks each call's segment of the never-draining
-  program, forwards run on weight versions (:mod:`.weights`) and :meth:`flush` drains.
+  runs; it decides the buffer slot of every micro-batch, when buffers are freed (the release
+  actions) and which transfers are posted together. What a schedule is (its generator, whether it
+  splits the backward or never drains) is its registry entry, :data:`gpp_deepspeed.schedule.SCHEDULES`.
+* an asynchronous schedule keeps the pipeline full across ``train_batch`` calls: :mod:`.asynchronous`
+  takes each call's program from :class:`~gpp_deepspeed.schedule.AsyncProgram`, forwards run on
+  weight versions (:mod:`.weights`) and :meth:`flush` drains.
 
 Buffers per micro-batch slot: ``loaded`` (graph inputs read from the batch), ``received``
 (``{TensorRef: value}`` from other stages), ``inputs`` (the flat tuple given to the stage's forward),
@@ -38,17 +39,14 @@ from deepspeed.utils import logger
 
 from ..config import GraphPipelineConfig, with_plan_schedule
 from ..errors import GPPConfigError
-from ..schedule.asynchronous import is_async
 from ..graph.stages import mark_gradient_flow
-from ..schedule.generators import build_schedule
-from ..schedule.ir import Action, ActionKind as K, format_schedule
-from ..schedule.lowering import assign_buffers
-from ..schedule.validate import validate_schedule
+from ..schedule import KINDS, Program, build_program, get_schedule, validate_program
+from ..schedule.ir import Action, ActionKind as K
 from .flat import flatten, port_ranges, unflatten
 from . import asynchronous as _async
 from .compat import count_each_stage_once
 from . import portable
-from .instructions import (GraphPipeSchedule, RecvActivationFrom, RecvGradFrom, ReleaseInputs, ReleaseOutputs,
+from .instructions import (BUFFER_KEYS, GraphPipeSchedule, RecvActivationFrom, RecvGradFrom, Release,
                            SendActivationTo, SendGradTo, Transfers, WaitSends)
 from .watchdog import start_watchdog
 from .memory import MemoryReport, memory_report
@@ -59,8 +57,9 @@ from .split_engine import SplitBackwardMixin, check_split_backward_supported, us
 
 __all__ = ["GraphPipelineEngine"]
 
-_EXTRA_BUFFERS = ("loaded", "received", "grads", "losses", "weight_grad")
-_WAITING = frozenset({K.RECV_F, K.RECV_B, K.P2P, K.WAIT_SENDS})
+_DEEPSPEED_BUFFERS = ("inputs", "labels", "outputs", "output_tensors")  # PipelineEngine's own pipe_buffers
+_EXTRA_BUFFERS = tuple(k for keys in BUFFER_KEYS.values() for k in keys if k not in _DEEPSPEED_BUFFERS)
+_WAITING = frozenset(k for k, spec in KINDS.items() if spec.waits)
 # DeepSpeed's pipe timer of each transfer kind (wall_clock_breakdown).
 _TIMERS = {K.SEND_F: PIPE_SEND_OUTPUT_TIMER, K.RECV_F: PIPE_RECV_INPUT_TIMER, K.SEND_B: PIPE_SEND_GRAD_TIMER,
            K.RECV_B: PIPE_RECV_GRAD_TIMER}
@@ -92,8 +91,9 @@ class GraphPipelineEngine(SplitBackwardMixin, PipelineEngine):
         # The config's schedule wins over the one a loaded plan was priced with (see config.py).
         gpp_config = with_plan_schedule(gpp_config or GraphPipelineConfig(),
                                         getattr(kwargs.get("model"), "plan_schedule", None))
+        self.schedule_spec = get_schedule(gpp_config.schedule)
         config_class = kwargs.get("config_class")
-        check_split_backward_supported(gpp_config.schedule, kwargs.get("model"),
+        check_split_backward_supported(self.schedule_spec, kwargs.get("model"),
                                        config_class.pipeline if config_class is not None else None)
         super().__init__(*args, **kwargs)
         if not isinstance(self.module, GraphPipelineModule):
@@ -122,7 +122,7 @@ class GraphPipelineEngine(SplitBackwardMixin, PipelineEngine):
                            for t in self._out_edges}
         count_each_stage_once(self.optimizer, is_stage_leader=self.grid.is_stage_leader(),
                               group=self.grid.get_model_parallel_group())
-        self._schedules: dict[tuple[int, bool], tuple[list[Action], dict[int, int]]] = {}
+        self._programs: dict[tuple[int, bool], Program] = {}
         self.last_timeline: list[tuple[Action, float, float]] = []   # this stage's last batch, timed
         self._trace_events: list[dict] = []
         self._trace_t0 = time.perf_counter()
@@ -135,7 +135,7 @@ class GraphPipelineEngine(SplitBackwardMixin, PipelineEngine):
         # NCCL creates no communicator in the middle of a schedule.
         self.transport.warm_up(warm_up_pairs(self.placement, self.stage_graph, replica=self.grid.replica_id))
         self._async = None
-        if is_async(self.gpp_config.schedule):
+        if self.schedule_spec.asynchronous:
             _async.check_async_options(self)
             self._async = _async.AsyncPipeline(self)
         if self.training_data:
@@ -203,11 +203,15 @@ class GraphPipelineEngine(SplitBackwardMixin, PipelineEngine):
         self.flush()  # an asynchronous pipeline's in-flight updates belong to the saved weights
         if self._async is not None:
             client_state = {**client_state, **self._async.versions.checkpoint_state()}
-        tag = f"global_step{self.global_steps}" if tag is None else tag   # DeepSpeed's default tag
-        out = super().save_checkpoint(save_dir, tag=tag, client_state=client_state, save_latest=save_latest,
-                                      exclude_frozen_parameters=exclude_frozen_parameters)
-        portable.save_extras(self, save_dir, tag)
-        return out
+        tag = f"global_step{self.global_steps}" if tag is None else str(tag)   # DeepSpeed's default tag
+
+        def ds_save(into: str, latest: bool):
+            return super(GraphPipelineEngine, self).save_checkpoint(
+                save_dir, tag=into, client_state=client_state, save_latest=latest,
+                exclude_frozen_parameters=exclude_frozen_parameters)
+
+        with self._watched():
+            return portable.save_checkpoint(self, save_dir, tag, save_latest=save_latest, ds_save=ds_save)
 
     def load_checkpoint(self, load_dir, tag=None, **kwargs):
         """DeepSpeed's ``load_checkpoint``; a checkpoint saved under another layout (partition,
@@ -271,31 +275,27 @@ class GraphPipelineEngine(SplitBackwardMixin, PipelineEngine):
 
     # -- schedules ----------------------------------------------------------------------------------
 
-    def graph_schedule(self, micro_batches: int, *, train: bool) -> tuple[list[Action], dict[int, int]]:
-        """This stage's actions for one batch and the buffer slot of each micro-batch (validated
-        once per shape)."""
+    def program(self, micro_batches: int, *, train: bool) -> Program:
+        """The program of one synchronous batch (or of evaluation), validated once per shape."""
         key = (micro_batches, train)
-        if key not in self._schedules:
-            loading = {s.stage_idx for s in self.module.partition.stages if s.loads}
-            loading.add(self.stage_graph.output_stage)
-            full = build_schedule(self.stage_graph, micro_batches, name=self.gpp_config.schedule, train=train,
-                                  loading_stages=loading)
-            slots = assign_buffers(full)
+        if key not in self._programs:
+            program = build_program(self.stage_graph, micro_batches, schedule=self.schedule_spec.name, train=train)
             if self.gpp_config.validate_schedule:
-                validate_schedule(full, self.stage_graph, micro_batches, train=train, slots=slots)
+                validate_program(program, self.stage_graph)
             if self.global_rank == 0:
-                logger.debug("graph pipeline schedule:\n%s", format_schedule(full))
-            self._schedules[key] = (full[self.stage_id], slots[self.stage_id])
-        return self._schedules[key]
+                logger.debug("graph pipeline program:\n%s", program)
+            self._programs[key] = program
+        return self._programs[key]
 
     def _graph_pipe_schedule(self, micro_batches: int, train: bool, *, flush: bool = False) -> GraphPipeSchedule:
         if self._async is not None and train:
-            actions, slot_of = self._async.segment(micro_batches, flush=flush)
+            program = self._async.program(micro_batches, flush=flush)
         else:
-            actions, slot_of = self.graph_schedule(micro_batches, train=train)
+            program = self.program(micro_batches, train=train)
         self.last_timeline = []
-        return GraphPipeSchedule(actions, micro_batches=micro_batches, stages=self.num_stages,
-                                 stage_id=self.stage_id, slot_of=slot_of, record=self.last_timeline)
+        return GraphPipeSchedule(program.actions[self.stage_id], micro_batches=micro_batches, stages=self.num_stages,
+                                 stage_id=self.stage_id, slot_of=program.slots[self.stage_id],
+                                 record=self.last_timeline)
 
     # -- what the last batch did ------------------------------------------------------------------
 
@@ -477,17 +477,22 @@ class GraphPipelineEngine(SplitBackwardMixin, PipelineEngine):
             self.pipe_buffers["losses"][buffer_id] = self.loss
 
     def _exec_backward_pass(self, buffer_id):
+        self._full_backward(buffer_id, self.pipe_buffers["outputs"][buffer_id], self.pipe_buffers["grads"][buffer_id],
+                            self.pipe_buffers["losses"][buffer_id])
+
+    def _full_backward(self, buffer_id, outputs, grads, loss):
+        """One backward of a micro-batch, input and weight gradients together (``B``, or a split
+        backward's ``W`` on a stage with no input gradient to send)."""
         if self.is_last_stage():
-            self.loss = self.pipe_buffers["losses"][buffer_id]
-            self.pipe_buffers["losses"][buffer_id] = None
+            self.loss = loss
             super()._exec_backward_pass(buffer_id)  # DeepSpeed's backward(loss), scaled by 1/GAS
         else:
-            self._backward_from_grads(buffer_id)
+            self._backward_from_grads(outputs, grads)
 
-    def _backward_from_grads(self, buffer_id):
+    def _backward_from_grads(self, outputs, grads):
         """One autograd pass from every output that received a gradient (summed over readers)."""
-        flat, _ = flatten(self.pipe_buffers["outputs"][buffer_id])
-        grads = self.pipe_buffers["grads"][buffer_id] or {}
+        flat, _ = flatten(outputs)
+        grads = grads or {}
         pairs = [(flat[i], g) for i, g in sorted(grads.items()) if flat[i].requires_grad]
         if not pairs:
             return
@@ -532,13 +537,11 @@ class GraphPipelineEngine(SplitBackwardMixin, PipelineEngine):
 
     # -- buffers ----------------------------------------------------------------------------------
 
-    def _exec_release_inputs(self, buffer_id):
-        for key in ("inputs", "loaded", "received"):
-            self.pipe_buffers[key][buffer_id] = None
-
-    def _exec_release_outputs(self, buffer_id):
-        for key in ("outputs", "output_tensors", "grads", "labels", "losses", "weight_grad"):
-            self.pipe_buffers[key][buffer_id] = None
+    def _exec_release(self, buffer_id, kind):
+        """Free what the release ``kind`` frees of a buffer slot (the schedule's table, ``KINDS``)."""
+        for buffer in kind.spec.frees:
+            for key in BUFFER_KEYS[buffer]:
+                self.pipe_buffers[key][buffer_id] = None
 
     # -- transfers --------------------------------------------------------------------------------
 
@@ -646,8 +649,7 @@ class GraphPipelineEngine(SplitBackwardMixin, PipelineEngine):
         SendGradTo: _wall_clock(PIPE_SEND_GRAD_TIMER, _exec_send_grads_to),
         RecvGradFrom: _wall_clock(PIPE_RECV_GRAD_TIMER, _exec_recv_grads_from),
         Transfers: _exec_transfer_group,
-        ReleaseInputs: _exec_release_inputs,
-        ReleaseOutputs: _exec_release_outputs,
+        Release: _exec_release,
         WaitSends: _exec_wait_sends,
         **SplitBackwardMixin._SPLIT_INSTRUCTIONS,
         _async.StashWeights: _async.exec_stash,

@@ -2,7 +2,8 @@
 
 The engine dispatches instructions by exact type, so each DAG transfer has its own class with the
 peer stage as an argument, a grouped transfer (``P2P``) is a :class:`Transfers` holding its ops, and
-each release its own class. :class:`GraphPipeSchedule` maps each :class:`~gpp_deepspeed.schedule.Action`
+every release is a :class:`Release` naming its kind, whose handler frees what the schedule's table
+says it frees (:data:`~gpp_deepspeed.schedule.ir.KINDS`, through :data:`BUFFER_KEYS`). :class:`GraphPipeSchedule` maps each :class:`~gpp_deepspeed.schedule.Action`
 of the stage one-to-one to an instruction, with the buffer slot the schedule gave its micro-batch
 (:func:`~gpp_deepspeed.schedule.assign_buffers`): the engine runs exactly the list that was validated.
 """
@@ -13,12 +14,19 @@ import time
 
 from deepspeed.runtime.pipe import schedule as ds
 
-from ..schedule.ir import Action, ActionKind as K
+from ..schedule.ir import Action, ActionKind as K, Buffer
 from .split_engine import BackwardInputPass, BackwardWeightPass
 from .asynchronous import WEIGHT_INSTRUCTIONS
 
-__all__ = ["SendActivationTo", "RecvActivationFrom", "SendGradTo", "RecvGradFrom", "Transfers", "ReleaseInputs",
-           "ReleaseOutputs", "WaitSends", "GraphPipeSchedule", "to_instruction"]
+__all__ = ["SendActivationTo", "RecvActivationFrom", "SendGradTo", "RecvGradFrom", "Transfers", "Release", "WaitSends",
+           "GraphPipeSchedule", "to_instruction", "BUFFER_KEYS"]
+
+BUFFER_KEYS: dict[Buffer, tuple[str, ...]] = {
+    Buffer.LOADED: ("loaded", ), Buffer.RECEIVED: ("received", ), Buffer.INPUTS: ("inputs", ),
+    Buffer.OUTPUTS: ("outputs", "output_tensors"), Buffer.LABELS: ("labels", ), Buffer.LOSS: ("losses", ),
+    Buffer.GRADS: ("grads", ), Buffer.WEIGHT_GRAD: ("weight_grad", )}
+"""The engine's ``pipe_buffers`` keys that hold each of a micro-batch's buffers (DeepSpeed's
+``PipelineEngine`` owns ``inputs``, ``labels``, ``outputs`` and ``output_tensors``)."""
 
 
 class SendActivationTo(ds.BufferOpInstruction):
@@ -74,12 +82,16 @@ class Transfers(ds.PipeInstruction):
         super().__init__(ops=tuple(ops))
 
 
-class ReleaseInputs(ds.BufferOpInstruction):
-    """Free a buffer's loaded and received tensors (and the stage's flat inputs)."""
+class Release(ds.BufferOpInstruction):
+    """Free what a release action frees of one buffer slot.
 
+    Roughly::
 
-class ReleaseOutputs(ds.BufferOpInstruction):
-    """Free a buffer's outputs, output gradients, labels and loss."""
+        for buffer in kind.spec.frees: pipe_buffers[buffer][buffer_id] = None
+    """
+
+    def __init__(self, buffer_id, kind):
+        super().__init__(buffer_id, kind=kind)
 
 
 class WaitSends(ds.PipeInstruction):
@@ -89,8 +101,7 @@ class WaitSends(ds.PipeInstruction):
 _SIMPLE = {K.WAIT_SENDS: WaitSends, K.REDUCE_TIED: ds.ReduceTiedGrads, K.REDUCE_GRAD: ds.ReduceGrads,
            K.STEP: ds.OptimizerStep}
 _BUFFER = {K.LOAD: ds.LoadMicroBatch, K.FORWARD: ds.ForwardPass, K.BACKWARD: ds.BackwardPass,
-           K.BACKWARD_INPUT: BackwardInputPass, K.BACKWARD_WEIGHT: BackwardWeightPass,
-           K.RELEASE_IN: ReleaseInputs, K.RELEASE_OUT: ReleaseOutputs}
+           K.BACKWARD_INPUT: BackwardInputPass, K.BACKWARD_WEIGHT: BackwardWeightPass}
 _EDGE = {K.SEND_F: SendActivationTo, K.RECV_F: RecvActivationFrom, K.SEND_B: SendGradTo, K.RECV_B: RecvGradFrom}
 
 
@@ -103,6 +114,8 @@ def to_instruction(action: Action, slot_of: dict[int, int]) -> ds.PipeInstructio
     if action.kind is K.P2P:
         return Transfers((op.kind, slot_of[op.mb_idx], op.peer) for op in action.ops)
     buffer_id = slot_of[action.mb_idx]
+    if action.kind.is_release:
+        return Release(buffer_id, action.kind)
     if action.kind in _BUFFER:
         return _BUFFER[action.kind](buffer_id)
     return _EDGE[action.kind](buffer_id, action.peer)

@@ -31,7 +31,7 @@ from ..graph.stages import Partition, StageSpec
 from ..partitioning import PARTITION_METHODS, ResolvedPartition, parse_partition_method, resolve_partition
 from ..spec import LayerEntry, call_layer, normalize_layers, port_leaves, resolve
 from ..checkpoint import layer_model_file, layer_model_files
-from .compat import pipeline_grid
+from .compat import broadcast_tied_weights, pipeline_grid
 from .flat import flatten, unflatten
 from .memory import ActivationMeter, check_fits_memory, node_memory_bytes
 from .shm import release_own_shm
@@ -148,15 +148,23 @@ class GraphPipelineModule(PipelineModule):
     def _build(self):
         # The parent seeds layer i with seed_fn(base_seed + i) when seed_layers is set: route that
         # to each entry's own seed (by name), whatever the user's forward-time seeding settings.
+        # Inside fork_rng: the user's generators come out as they went in, so dropout masks and
+        # whatever random the user does next still follow the user's own seed.
         user = (self.seed_layers, self.seed_fn)
         self.seed_layers, self.seed_fn = True, self._seed_for_build
         try:
-            super()._build()
+            with torch.random.fork_rng(devices=_rng_devices()):
+                super()._build()
         finally:
             self.seed_layers, self.seed_fn = user
 
     def _seed_for_build(self, seed: int) -> None:
-        torch.manual_seed(self._entries[seed - self.base_seed].seed)
+        # Only the generators fork_rng restores: torch.manual_seed would also queue a seed for every
+        # CUDA device not yet initialised, which would land on the user's generators later.
+        seed = self._entries[seed - self.base_seed].seed
+        torch.random.default_generator.manual_seed(seed)
+        for device in _rng_devices():
+            torch.cuda.default_generators[device].manual_seed(seed)
 
     def _index_tied_modules(self):
         """One group per tie key: every rank, of every replica, of every stage holding a copy.
@@ -183,6 +191,11 @@ class GraphPipelineModule(PipelineModule):
                     for p in self.tied_modules[key].parameters():
                         p.ds_pipe_replicated = True
         return tied_comms
+
+    def _synchronize_tied_weights(self):
+        """DeepSpeed's initial broadcast of tied weights, outside autograd (see
+        :func:`~gpp_deepspeed.engine.compat.broadcast_tied_weights`)."""
+        broadcast_tied_weights(self.tied_comms)
 
     # -- stage forward ------------------------------------------------------------------------
 
@@ -356,6 +369,12 @@ def _layer_bytes(entry: LayerEntry) -> int:
     tensors = {id(t): t for t in (*layer.parameters(), *layer.buffers())}.values()
     return sum(t.numel() * t.element_size() * (2 if t.requires_grad and isinstance(t, nn.Parameter) else 1)
                for t in tensors)
+
+
+def _rng_devices() -> list[int]:
+    """The CUDA device whose generator building layers may use: this process's current one, if CUDA
+    is initialised (forking every visible device's generator would initialise them all)."""
+    return [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
 
 
 def _pipe_stages(num_stages: int | None, topology, world_size: int) -> int | None:

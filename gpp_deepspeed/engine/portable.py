@@ -30,6 +30,7 @@ Optimizer state per parameter, whatever holds it:
 from __future__ import annotations
 
 import os
+import shutil
 
 import torch
 from deepspeed import comm as dist
@@ -40,10 +41,10 @@ from deepspeed.utils import logger
 
 from ..checkpoint import (LR_SCHEDULER_FILE, MASTER_KEY, latest_tag, layer_optim_file, load_master_weights_by_name,
                           load_optimizer_state_by_name, optimizer_state_by_name, read_layout, step_value,
-                          write_layout)
+                          write_layout, commit_tag, staging_tag, write_latest)
 from .compat import base_optimizer, base_optimizer_state, flat_optimizer_groups, link_fragment_state
 
-__all__ = ["current_layout", "save_extras", "load_checkpoint", "layer_optimizer_states"]
+__all__ = ["current_layout", "save_checkpoint", "save_extras", "load_checkpoint", "layer_optimizer_states"]
 
 
 def current_layout(engine) -> dict:
@@ -70,6 +71,39 @@ def _local_layers(engine):
     for entry, fn in zip(module._local_entries, module.forward_funcs):
         if isinstance(fn, torch.nn.Module):
             yield entry.name, fn
+
+
+def save_checkpoint(engine, save_dir: str, tag: str, *, save_latest: bool, ds_save) -> bool:
+    """Write a checkpoint so that a rank stopped mid-save loses nothing: every rank writes into
+    ``<tag>.partial`` (``ds_save(staging_tag)``, DeepSpeed's save without its ``latest``, then
+    :func:`save_extras`), and only once all have written (a barrier) is the folder renamed to
+    ``<tag>`` and ``latest`` pointed at it. DeepSpeed 0.19.8 writes ``latest`` on global rank 0
+    before its final barrier, so a rank that died or froze writing its files left ``latest`` naming a
+    partial checkpoint; here ``latest`` keeps naming the last complete one.
+
+    ``ds_save(tag)`` is DeepSpeed's ``save_checkpoint`` with ``save_latest=False``. A decoupled
+    checkpoint engine (DeepSpeed's asynchronous saves) commits later, on its own: it is left to it.
+    """
+    if engine.checkpoint_engine.is_decoupled():
+        logger.warning("save_checkpoint with a decoupled checkpoint engine: DeepSpeed commits it (and writes "
+                       "'latest') itself, so a rank lost mid-save may leave 'latest' naming a partial checkpoint")
+        out = ds_save(tag, save_latest)
+        save_extras(engine, save_dir, tag)
+        return out
+    staging = staging_tag(tag)
+    # The rank DeepSpeed lets create folders: one per node with node-local storage, else global rank 0.
+    writer = (engine.local_rank if engine.use_node_local_storage() else engine.global_rank) == 0
+    if writer:   # what a save stopped earlier left; DeepSpeed's first barrier follows before anyone writes
+        shutil.rmtree(os.path.join(save_dir, staging), ignore_errors=True)
+    out = ds_save(staging, False)
+    save_extras(engine, save_dir, staging)   # ends with a barrier: every rank's files are written
+    if writer:
+        commit_tag(save_dir, tag)
+    dist.barrier()
+    if save_latest and engine.global_rank == 0:
+        write_latest(save_dir, tag)
+    dist.barrier()
+    return out
 
 
 def _group_steps(optimizer: torch.optim.Optimizer) -> dict[int, int] | None:

@@ -13,7 +13,11 @@ table, for the zero-bubble schedules (:mod:`gpp_deepspeed.schedule.zero_bubble`)
     (bf16's high-precision accumulation; on the output stage, ``_backward_epilogue``).
 
 A stage with no input that needs a gradient (it reads only the batch) has nothing to send: its
-``I`` does nothing and its ``W`` is the fused backward.
+``I`` hands its ``W`` what a fused backward reads, and its ``W`` is the fused backward.
+
+Neither handler frees a buffer: the schedule's releases do (``RELEASE_OUT`` after ``I``, once the
+outputs and their gradients are used; ``RELEASE_W`` after ``W``), and what ``W`` needs lives in
+the buffer ``weight_grad`` in between.
 
 Every DeepSpeed-private name the split backward touches is in this module (pinned to DeepSpeed
 0.19.8): ``_running_engine_backward``, ``_backward_epilogue``, ``engine_timers``, the timers'
@@ -37,6 +41,7 @@ true}``) or a checkpoint function of its own is refused at construction.
 from __future__ import annotations
 
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 from deepspeed.runtime import engine as ds_engine
@@ -48,11 +53,17 @@ from ..errors import GPPConfigError
 from .flat import flatten
 from .split_backward import backward_input
 
-__all__ = ["BackwardInputPass", "BackwardWeightPass", "SplitBackwardMixin", "SPLIT_SCHEDULES",
-           "check_split_backward_supported", "recompute", "use_split_backward_recompute"]
+__all__ = ["BackwardInputPass", "BackwardWeightPass", "SplitBackwardMixin", "check_split_backward_supported",
+           "recompute", "use_split_backward_recompute"]
 
-SPLIT_SCHEDULES = frozenset({"zb1", "zb2"})
-_FUSED = "fused"  # marker: this micro-batch's W runs the whole backward
+
+@dataclass(frozen=True)
+class _Fused:
+    """What the ``W`` of a micro-batch without input gradients needs: a whole backward's inputs."""
+
+    outputs: tuple
+    grads: dict | None
+    loss: object
 
 
 class BackwardInputPass(ds.BufferOpInstruction):
@@ -80,23 +91,24 @@ def recompute(function, *args):
     return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False)
 
 
-def check_split_backward_supported(schedule: str, module, pipeline_config: dict | None = None) -> None:
-    """Refuse, before any communication, what a split backward cannot run: activation
-    checkpointing with a reentrant or user-supplied checkpoint function."""
+def check_split_backward_supported(spec, module, pipeline_config: dict | None = None) -> None:
+    """Refuse, before any communication, what a split backward cannot run (``spec``: the
+    schedule's :class:`~gpp_deepspeed.schedule.ScheduleSpec`): activation checkpointing with a
+    reentrant or user-supplied checkpoint function."""
     pipeline_config = pipeline_config or {}
     interval = max(getattr(module, "activation_checkpoint_interval", 0),
                    pipeline_config.get("activation_checkpoint_interval", 0) or 0)
-    if schedule not in SPLIT_SCHEDULES or interval <= 0:
+    if not spec.splits_backward or interval <= 0:
         return
     if pipeline_config.get("use_reentrant") is True:
         raise GPPConfigError(
-            f'graph_pipeline.schedule "{schedule}" splits the backward into input and weight gradients, which a '
+            f'graph_pipeline.schedule "{spec.name}" splits the backward into input and weight gradients, which a '
             'reentrant activation checkpoint cannot do; drop "pipeline.use_reentrant": true (the stage then '
             f"recomputes with torch's non-reentrant checkpoint) or use schedule \"1f1b\"")
     func = getattr(module, "activation_checkpoint_func", checkpointing.checkpoint)
     if func not in (checkpointing.checkpoint, checkpointing.non_reentrant_checkpoint, recompute):
         raise GPPConfigError(
-            f'graph_pipeline.schedule "{schedule}" recomputes activations with torch\'s non-reentrant checkpoint '
+            f'graph_pipeline.schedule "{spec.name}" recomputes activations with torch\'s non-reentrant checkpoint '
             f"(the only kind an input-gradient-only backward can run), not with activation_checkpoint_func="
             f"{getattr(func, '__qualname__', func)!r}; leave activation_checkpoint_func at its default or use "
             'schedule "1f1b"')
@@ -106,7 +118,7 @@ def use_split_backward_recompute(engine) -> None:
     """Make a stage that recomputes under a split schedule use :func:`recompute` (once the
     parent constructor has set the module's interval and function from the config)."""
     module = engine.module
-    if engine.gpp_config.schedule in SPLIT_SCHEDULES and module.activation_checkpoint_interval > 0:
+    if engine.schedule_spec.splits_backward and module.activation_checkpoint_interval > 0:
         module.activation_checkpoint_func = recompute
         module._precompute_checkpointable_values()
 
@@ -116,30 +128,26 @@ class SplitBackwardMixin:
 
     def _exec_backward_input_pass(self, buffer_id):
         inputs = [t for t in self.pipe_buffers["inputs"][buffer_id] or () if t.requires_grad]
+        outputs, grads = self.pipe_buffers["outputs"][buffer_id], self.pipe_buffers["grads"][buffer_id]
+        loss = self.pipe_buffers["losses"][buffer_id]
         if not inputs:
-            self.pipe_buffers["weight_grad"][buffer_id] = _FUSED
+            self.pipe_buffers["weight_grad"][buffer_id] = _Fused(outputs, grads, loss)
             return
         params = [p for p in self.module.parameters() if p.requires_grad]
         with self._engine_backward():
             if self.is_last_stage():
-                loss = self.pipe_buffers["losses"][buffer_id]
-                self.pipe_buffers["losses"][buffer_id] = None
                 work = self._loss_backward_input(loss, inputs, params)
             else:
-                flat, _ = flatten(self.pipe_buffers["outputs"][buffer_id])
-                grads = self.pipe_buffers["grads"][buffer_id] or {}
-                pairs = [(flat[i], g) for i, g in sorted(grads.items()) if flat[i].requires_grad]
+                flat, _ = flatten(outputs)
+                pairs = [(flat[i], g) for i, g in sorted((grads or {}).items()) if flat[i].requires_grad]
                 work = backward_input([t for t, _ in pairs], [g for _, g in pairs], inputs=inputs, params=params)
         self._stop_started_backward_timers()
         self.pipe_buffers["weight_grad"][buffer_id] = work
-        for key in ("outputs", "output_tensors", "grads", "labels"):
-            self.pipe_buffers[key][buffer_id] = None
 
     def _exec_backward_weight_pass(self, buffer_id):
         work = self.pipe_buffers["weight_grad"][buffer_id]
-        self.pipe_buffers["weight_grad"][buffer_id] = None
-        if work is _FUSED:
-            self._exec_backward_pass(buffer_id)
+        if isinstance(work, _Fused):
+            self._full_backward(buffer_id, work.outputs, work.grads, work.loss)
             return
         if self.using_bf16_optimizer:
             self.optimizer.clear_lp_grads()

@@ -2,87 +2,149 @@
 
 Without it, a rank whose peer died waits in a receive or a collective until
 ``graph_pipeline.p2p_timeout_s`` (gloo) or forever (NCCL), on every node. Here each process runs
-one daemon thread that talks to the rendezvous store (the ``TCPStore`` behind the default process
-group, through a connection of its own, so it never contends with the main thread):
+two daemon threads:
 
-* **heartbeat**: every ``heartbeat_s`` it increments ``beat/<global rank>``. The thread keeps
-  beating while the main thread computes for a long time or waits on a slow data loader (torch
-  ops and sleeps release the GIL), so a slow but alive rank is never taken for dead; a killed
-  (SIGKILL) or frozen (SIGSTOP) process stops beating;
-* **watch**: it reads the counters of the ranks this one exchanges tensors or gradients with
-  (its pipeline and its data-parallel group). A counter that has not moved for
-  ``watchdog_timeout_s`` (measured on this rank's own clock: no cross-node clock is compared)
-  means that rank is dead or frozen; a rank that failed with an exception writes ``failed``
-  itself. Either way the watcher writes ``failed`` (so ranks that do not watch that rank learn it
-  within one beat), prints an error naming the failed rank and its stage, and exits the process
-  (``os._exit``: the main thread may be blocked inside a C++ wait that nothing else ends);
-* **uncaught exception**: a rank dying of an exception writes ``failed`` with it (a hook on
-  ``sys.excepthook``), so the others stop at once instead of after the timeout. An exception the
-  program catches is its own business: the rank is alive and keeps beating;
-* **store lost**: if the store itself stops answering (its host, global rank 0, died or froze),
-  a rank exits only if its main thread has been inside the same ``train_batch`` / ``eval_batch``
-  for ``watchdog_timeout_s`` since: rank 0 may simply have finished before a peer's last
-  instructions, and then the peer leaves its batch first.
+* **heartbeat** (``gpp-watchdog``): every ``heartbeat_s`` it increments ``beat/<global rank>`` in
+  the store. The thread keeps beating while the main thread computes for a long time or waits on a
+  slow data loader (torch ops and sleeps release the GIL), so a slow but alive rank is never taken
+  for dead; a killed (SIGKILL) or frozen (SIGSTOP) process stops beating. In the same round it reads
+  the counters of the ranks this one exchanges tensors or gradients with (its pipeline and its
+  data-parallel group): one that has not moved for ``watchdog_timeout_s`` (on this rank's own clock:
+  no cross-node clock is compared) means that rank is dead or frozen; a rank that failed with an
+  exception writes ``failed`` itself. Either way the watcher writes ``failed`` (so ranks that do not
+  watch that rank learn it within one beat), prints an error naming the failed rank and its stage,
+  and exits the process (``os._exit``: the main thread may be blocked inside a C++ wait that
+  nothing else ends);
+* **judge** (``gpp-watchdog-judge``): it never touches the store. A TCPStore call whose server is
+  frozen never returns, whatever its timeout (torch 2.13: ``check``, ``get``, ``multi_get``,
+  ``add`` and a new connection all block until the server wakes or dies), so the heartbeat thread
+  itself can hang. The judge reads the time of the heartbeat thread's last complete round: older
+  than ``watchdog_timeout_s`` means the store is unreachable, which counts as a failure of the
+  process serving it (global rank 0 under every launcher here), and this rank exits naming it.
+  Every store call therefore has a deadline, whether or not torch honours its own.
 
-A process marks itself ``done`` when it exits normally (not after an uncaught exception), so
-finished ranks are not taken for dead.
+**Which store.** The default process group's own store (``env://``, ``tcp://``: the TCPStore global
+rank 0 serves; ``file://``: a FileStore), through a clone of it (its own connection, so the thread
+never waits behind a store call of the main thread), never an address guessed from the environment.
+Keys live under ``gpp_watchdog/<job>/``, ``<job>`` a random id global rank 0 draws and broadcasts
+when the watchdog starts, so two jobs, or two incarnations of an elastic job, sharing a store never
+read each other's heartbeats or failures. A store that cannot be cloned means no watchdog, with a
+warning.
+
+**Exits.** An uncaught exception writes ``failed`` with it (a hook on ``sys.excepthook``), so the
+others stop at once instead of after the timeout; an exception the program catches is its own
+business. A process that exits normally marks itself ``done`` (not after an uncaught exception),
+so finished ranks are not taken for dead. The process serving the store (global rank 0) then
+lingers until every other rank has finished, or ``watchdog_timeout_s`` passes with none finishing,
+so no rank still at work loses the store; a rank that loses the store after seeing its host
+``done`` stops watching quietly.
 """
 
 from __future__ import annotations
 
 import atexit
+import logging
 import os
 import sys
 import threading
 import time
+import uuid
 from contextlib import contextmanager
-from datetime import timedelta
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
-__all__ = ["Watchdog", "start_watchdog", "EXIT_CODE"]
+__all__ = ["Watchdog", "StoreInfo", "group_store", "start_watchdog", "EXIT_CODE"]
 
 EXIT_CODE = 75          # what a rank exits with when the watchdog stops it (EX_TEMPFAIL)
 _PREFIX = "gpp_watchdog/"
 _DONE = b"done"
+_log = logging.getLogger(__name__)
 
 
-def _default_store_address() -> tuple[str, int] | None:
-    """Host and port of the TCPStore behind the default process group, if it is one."""
+@dataclass(frozen=True)
+class StoreInfo:
+    """The store the watchdog talks through.
+
+    ``store`` is the process group's own store object (kept referenced: on its host this keeps the
+    server up until the watchdog is done with it), ``where`` names it in messages, and
+    ``host_rank`` is the global rank whose process serves it (None: no process does, as for a file
+    store, or not one of this job's ranks, as for torchrun's agent store)."""
+
+    store: object
+    where: str
+    host_rank: int | None
+
+
+def group_store() -> StoreInfo | None:
+    """The default process group's store, or None when there is no default group."""
     from torch.distributed import distributed_c10d as c10d
 
-    store = c10d._get_default_store()   # private in torch 2.13; the only way to the group's store
-    while hasattr(store, "underlying_store"):
-        store = store.underlying_store
-    if isinstance(store, torch.distributed.TCPStore):
-        return store.host, store.port
-    host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
-    return (host, int(port)) if host and port and port.isdigit() else None
+    try:
+        store = c10d._get_default_store()   # private in torch 2.13; the only way to the group's store
+    except (RuntimeError, ValueError):
+        return None
+    inner = store
+    while hasattr(inner, "underlying_store"):
+        inner = inner.underlying_store
+    if isinstance(inner, torch.distributed.TCPStore):
+        # torchrun's agent serves the store when TORCHELASTIC_USE_AGENT_STORE is set; otherwise the
+        # rendezvous handlers make global rank 0 its server (env://, tcp://, DeepSpeed's MPI discovery).
+        agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+        return StoreInfo(store, f"the rendezvous store at {inner.host}:{inner.port}", None if agent else 0)
+    if isinstance(inner, torch.distributed.FileStore):
+        return StoreInfo(store, f"the file store {inner.path}", None)
+    return StoreInfo(store, f"the process group's {type(inner).__name__}", None)
+
+
+def _within(seconds: float, fn: Callable[[], object]) -> bool:
+    """Run ``fn`` on a daemon thread; True if it returned (even by raising) within ``seconds``."""
+    finished = threading.Event()
+
+    def run():
+        try:
+            fn()
+        except Exception:  # noqa: BLE001 - best effort: the store may be gone
+            pass
+        finally:
+            finished.set()
+
+    threading.Thread(target=run, name="gpp-watchdog-call", daemon=True).start()
+    return finished.wait(seconds)
 
 
 class Watchdog:
     """One per process; see the module docstring. ``describe(rank)`` names a rank for messages."""
 
-    def __init__(self, *, rank: int, peers: list[int], describe, heartbeat_s: float, timeout_s: float,
-                 address: tuple[str, int]):
-        self.rank, self.peers, self.describe = rank, sorted(set(peers) - {rank}), describe
+    def __init__(self, *, rank: int, world_size: int, peers: list[int], describe, heartbeat_s: float,
+                 timeout_s: float, store: StoreInfo, job: str):
+        self.rank, self.world_size, self.describe = rank, world_size, describe
+        self.peers = sorted(set(peers) - {rank})
         self.heartbeat_s, self.timeout_s = heartbeat_s, timeout_s
-        self._address = address
-        self._store = None
+        self.info, self.job = store, job
+        self._client_store = None
         self._stop = threading.Event()
-        self._batch = 0               # number of the train/eval batch the main thread is in, 0: none
-        self._batch_started = 0.0
+        self._exiting = threading.Lock()
+        self._batch_started = 0.0     # when the main thread entered its current batch (0: in none)
         self._beats = 0
         self._last_seen: dict[int, tuple[bytes, float]] = {}
-        self._store_lost_since: float | None = None
-        self._lost_batch = 0
+        self._last_round = time.monotonic()
+        self._last_error: Exception | None = None
+        self._host_done = False
         self._died = False
         self._thread = threading.Thread(target=self._loop, name="gpp-watchdog", daemon=True)
+        self._judge = threading.Thread(target=self._judge_loop, name="gpp-watchdog-judge", daemon=True)
+
+    @property
+    def hosts_store(self) -> bool:
+        return self.info.host_rank == self.rank
 
     # -- main-thread side -------------------------------------------------------------------------
 
     def start(self) -> "Watchdog":
         self._thread.start()
+        self._judge.start()
         atexit.register(self.stop)
         previous = sys.excepthook
 
@@ -98,8 +160,7 @@ class Watchdog:
 
     @contextmanager
     def watching(self):
-        """The main thread is running a batch (a lost store is judged by this)."""
-        self._batch += 1
+        """The main thread is running a batch (named in the message if the store is lost)."""
         self._batch_started = time.monotonic()
         try:
             yield
@@ -107,51 +168,62 @@ class Watchdog:
             self._batch_started = 0.0
 
     def report_failure(self, message: str) -> None:
-        """Tell every watching rank to stop, with ``message`` (best effort)."""
-        try:
-            self._connect().set("failed", message)
-        except Exception:  # the store may be gone too: the heartbeats still stop
-            pass
+        """Tell every watching rank to stop, with ``message`` (best effort, bounded in time)."""
+        _within(5 * self.heartbeat_s + 5.0, lambda: self._connect().set("failed", message))
 
     def stop(self) -> None:
-        """Stop beating; mark this rank done unless it died of an exception."""
+        """Stop beating; mark this rank done unless it died of an exception; on the store's host,
+        wait for the other ranks to finish first."""
         if self._stop.is_set():
             return
         self._stop.set()
         if self._died:
+            if self.hosts_store:   # keep the store up until the others have read "failed"
+                time.sleep(2 * self.heartbeat_s + 0.5)
             return
         if threading.current_thread() is not self._thread:
             self._thread.join(timeout=self.heartbeat_s + 1.0)   # its last beat must not follow "done"
-        if self._store_lost_since is not None:
-            return   # the store is gone (rank 0 finished first): nobody is left to tell
-        try:
-            self._connect().set(f"beat/{self.rank}", _DONE)
-        except Exception:
-            pass
+        deadline = 5 * self.heartbeat_s + 5.0
+        if not _within(deadline, lambda: self._connect().set(f"beat/{self.rank}", _DONE)):
+            return   # the store is gone (its host finished first): nobody is left to tell
+        _within(deadline, lambda: self._connect().add("finished", 1))
+        if self.hosts_store:
+            self._wait_for_others()
 
-    # -- the thread -------------------------------------------------------------------------------
+    def _wait_for_others(self) -> None:
+        """Keep serving the store until every other rank has finished, or ``timeout_s`` passes with
+        none finishing (a rank still at work must not lose the store it beats through)."""
+        store = self._connect()
+        finished, moved = -1, time.monotonic()
+        while time.monotonic() - moved < self.timeout_s:
+            count = []
+            if not _within(5 * self.heartbeat_s + 5.0, lambda: count.append(store.add("finished", 0))) or not count:
+                return
+            if count[0] >= self.world_size:
+                return
+            if count[0] != finished:
+                finished, moved = count[0], time.monotonic()
+            time.sleep(self.heartbeat_s / 2)
+
+    # -- the heartbeat thread ---------------------------------------------------------------------
 
     def _connect(self):
-        """A new connection to the store (the thread keeps its own; other callers open one each)."""
-        host, port = self._address
-        store = torch.distributed.TCPStore(host, port, is_master=False, wait_for_workers=False,
-                                           timeout=timedelta(seconds=max(5.0, self.heartbeat_s * 5)))
-        return torch.distributed.PrefixStore(_PREFIX, store)
+        """A new connection to the store, under this job's prefix."""
+        return torch.distributed.PrefixStore(f"{_PREFIX}{self.job}/", self.info.store.clone())
 
     def _client(self):
-        if self._store is None:
-            self._store = self._connect()
-        return self._store
+        if self._client_store is None:
+            self._client_store = self._connect()
+        return self._client_store
 
     def _loop(self) -> None:
         while not self._stop.wait(self.heartbeat_s):
             try:
                 self._beat_and_watch()
-                self._store_lost_since = None
-            except Exception as exc:  # noqa: BLE001 - any store error means the store is unreachable
-                if self._stop.is_set():
-                    return
-                self._store_lost(exc)
+                self._last_round = time.monotonic()
+            except Exception as exc:  # noqa: BLE001 - any store error: reconnect next round
+                self._last_error = exc
+                self._client_store = None
 
     def _beat_and_watch(self) -> None:
         store = self._client()
@@ -162,11 +234,15 @@ class Watchdog:
         if store.check(["failed"]):
             self._exit(store.get("failed").decode(errors="replace"), relayed=True)
         now = time.monotonic()
-        keys = [f"beat/{p}" for p in self.peers]
-        present = [p for p, k in zip(self.peers, keys) if store.check([k])]
-        values = store.multi_get([f"beat/{p}" for p in present]) if present else []
-        for peer, value in zip(present, values):
-            seen = self._last_seen.get(peer)
+        host = self.info.host_rank
+        watched = sorted(set(self.peers) | ({host} if host is not None and host != self.rank else set()))
+        present = [p for p in watched if store.check([f"beat/{p}"])]
+        values = dict(zip(present, store.multi_get([f"beat/{p}" for p in present]) if present else []))
+        self._host_done = values.get(host) == _DONE
+        for peer in self.peers:
+            if peer not in values:
+                continue
+            value, seen = values[peer], self._last_seen.get(peer)
             if seen is None or seen[0] != value:
                 self._last_seen[peer] = (value, now)
             elif value != _DONE and now - seen[1] > self.timeout_s:
@@ -176,44 +252,77 @@ class Watchdog:
                 self.report_failure(message)
                 self._exit(message, relayed=False)
 
-    def _store_lost(self, exc: Exception) -> None:
-        now = time.monotonic()
-        if self._store_lost_since is None:
-            self._store_lost_since = now
-            self._store = None   # reconnect next time
-            self._lost_batch = self._batch
-        in_same_batch = self._batch_started and self._batch == self._lost_batch
-        if in_same_batch and now - self._store_lost_since > self.timeout_s:
-            self._exit(f"the rendezvous store at {self._address[0]}:{self._address[1]}, hosted by global rank 0 "
-                       f"({self.describe(0)}), has not answered for {now - self._store_lost_since:.0f} s while this "
-                       f"rank waits in a batch: global rank 0 was killed or is frozen ({type(exc).__name__}: "
-                       f"{str(exc)[:200]})", relayed=False)
+    # -- the judge --------------------------------------------------------------------------------
+
+    def _judge_loop(self) -> None:
+        while not self._stop.wait(min(self.heartbeat_s, 1.0)):
+            silent = time.monotonic() - self._last_round
+            if silent <= self.timeout_s:
+                continue
+            if self._host_done:
+                return   # the host finished and waited for us as long as it could: stop watching
+            self._exit(self._store_lost_message(silent), relayed=False)
+
+    def _store_lost_message(self, silent: float) -> str:
+        host = self.info.host_rank
+        served = (f", served by global rank {host} ({self.describe(host)}),"
+                  if host is not None else "")
+        culprit = (f"global rank {host} was killed or is frozen" if host is not None else
+                   "its server was killed or is frozen")
+        where = (f" while this rank waits in a batch for {time.monotonic() - self._batch_started:.0f} s"
+                 if self._batch_started else "")
+        error = f" ({type(self._last_error).__name__}: {str(self._last_error)[:200]})" if self._last_error else ""
+        return (f"{self.info.where}{served} has not answered for {silent:.0f} s (graph_pipeline."
+                f"watchdog_timeout_s = {self.timeout_s:g}){where}: {culprit}{error}")
 
     def _exit(self, message: str, *, relayed: bool) -> None:
+        if not self._exiting.acquire(blocking=False):
+            time.sleep(3600)   # the other thread is already taking the process down
         who = f"global rank {self.rank} ({self.describe(self.rank)})"
         prefix = "stops: another rank reported" if relayed else "stops"
         sys.stderr.write(f"\n[gpp_deepspeed watchdog t={time.time():.1f}] {who} {prefix}: {message}\n")
         sys.stderr.flush()
         sys.stdout.flush()
-        # Linger two beats so every watcher reads "failed" before this process goes (global rank 0
-        # hosts the store: leaving at once would make the others blame it instead).
+        # Linger two beats so every watcher reads "failed" before this process goes (the store's
+        # host leaving at once would make the others blame it instead).
         time.sleep(2 * self.heartbeat_s + 0.5)
         os._exit(EXIT_CODE)
 
 
 _WATCHDOG: Watchdog | None = None
+_WARNED = False
+
+
+def _job_id() -> str:
+    """A random id drawn by global rank 0, the same on every rank (a collective of the world)."""
+    ids = [uuid.uuid4().hex[:12] if torch.distributed.get_rank() == 0 else None]
+    torch.distributed.broadcast_object_list(ids, src=0)
+    return ids[0]
 
 
 def start_watchdog(*, rank: int, peers: list[int], describe, heartbeat_s: float, timeout_s: float) -> Watchdog | None:
-    """This process's watchdog (started once; later engines reuse it, with their peers added)."""
-    global _WATCHDOG
+    """This process's watchdog (started once, on every rank together; later engines reuse it, with
+    their peers added). None, with a warning once, when the process group's store cannot serve it."""
+    global _WATCHDOG, _WARNED
     if _WATCHDOG is not None:
         _WATCHDOG.peers = sorted(set(_WATCHDOG.peers) | (set(peers) - {rank}))
         _WATCHDOG.describe = describe
         return _WATCHDOG
-    address = _default_store_address()
-    if address is None:
+    info = group_store()
+    usable = info is not None
+    if usable:
+        try:
+            info.store.clone()
+        except Exception:  # noqa: BLE001 - a store written in Python, say: no connection of our own
+            usable = False
+    job = _job_id()   # every rank takes part, whatever its store
+    if not usable:
+        if not _WARNED:
+            _log.warning("graph_pipeline.watchdog is on, but %s cannot be cloned into a connection of its own: "
+                         "no watchdog runs, so a dead or frozen rank is found only after graph_pipeline.p2p_timeout_s",
+                         info.where if info is not None else "no default process group store")
+            _WARNED = True
         return None
-    _WATCHDOG = Watchdog(rank=rank, peers=peers, describe=describe, heartbeat_s=heartbeat_s, timeout_s=timeout_s,
-                         address=address).start()
+    _WATCHDOG = Watchdog(rank=rank, world_size=torch.distributed.get_world_size(), peers=peers, describe=describe,
+                         heartbeat_s=heartbeat_s, timeout_s=timeout_s, store=info, job=job).start()
     return _WATCHDOG

@@ -12,6 +12,9 @@ stage edge
 output stage
     The stage holding the output layer: it reads the labels, computes the loss, and is the unique
     sink of the stage graph.
+loading stages
+    The stages that read the batch (``StageGraph.loading``): every stage whose layers read a graph
+    input, which need not be a source of the stage graph, and the output stage.
 depth
     Number of stages on the longest path from a stage to the output stage, itself included. In
     GraphPipe's synchronous 1F1B a stage keeps ``depth`` micro-batches in flight and runs
@@ -63,6 +66,21 @@ class StageGraph:
     frozen: frozenset[int] = frozenset()
     """Stages with nothing to differentiate (no trainable parameter, no input that needs a
     gradient): they run forwards only."""
+    loading: frozenset[int] = None  # type: ignore[assignment]
+    """Stages that read the batch: those whose layers read a graph input, and the output stage
+    (labels). :func:`derive_partition` sets it from the layers; a graph built by hand gets the
+    stages without predecessors and the output stage.
+
+    >>> sorted(StageGraph.chain(3).loading)
+    [0, 2]
+    """
+
+    def __post_init__(self):
+        if self.loading is None:
+            sources = {s for s in range(self.num_stages) if not self.preds(s)}
+            object.__setattr__(self, "loading", frozenset(sources | {self.output_stage}))
+        else:
+            object.__setattr__(self, "loading", frozenset(self.loading))
 
     def preds(self, stage: int) -> list[int]:
         return [e.src for e in self.edges if e.dst == stage]
@@ -113,6 +131,7 @@ class StageGraph:
             "edges": [{"src": e.src, "dst": e.dst, "tensors": [str(t) for t in e.tensors], "grad": e.grad}
                       for e in self.edges],
             "frozen": sorted(self.frozen),
+            "loading": sorted(self.loading),
         })
 
     @classmethod
@@ -120,8 +139,9 @@ class StageGraph:
         d = json.loads(text)
         edges = tuple(StageEdge(e["src"], e["dst"], tuple(TensorRef.parse(t) for t in e["tensors"]), e.get("grad", True))
                       for e in d["edges"])
+        loading = d.get("loading")
         return cls(num_stages=d["num_stages"], edges=edges, output_stage=d["output_stage"],
-                   frozen=frozenset(d.get("frozen", ())))
+                   frozen=frozenset(d.get("frozen", ())), loading=None if loading is None else frozenset(loading))
 
     @classmethod
     def chain(cls, num_stages: int) -> "StageGraph":
@@ -253,7 +273,8 @@ def derive_partition(graph: LayerGraph, stage_of: Mapping[str, int], *, num_stag
         sent = sorted({t for e in edges if e.src == s for t in e.tensors}, key=ref_key)
         stages.append(StageSpec(stage_idx=s, layers=layers, loads=loads,
                                 in_ports=tuple(TensorRef(i) for i in loads) + received, out_ports=tuple(sent)))
-    stage_graph = StageGraph(num_stages=num_stages, edges=edges, output_stage=output_stage)
+    loading = frozenset(spec.stage_idx for spec in stages if spec.loads) | {output_stage}
+    stage_graph = StageGraph(num_stages=num_stages, edges=edges, output_stage=output_stage, loading=loading)
     sinks = [s for s in range(num_stages) if not stage_graph.succs(s)]
     assert sinks == [output_stage], (sinks, output_stage)  # every layer is an ancestor of the output
     return Partition(graph=graph, stage_of=dict(stage_of), stages=tuple(stages), stage_graph=stage_graph)

@@ -1,7 +1,7 @@
 """Predicting a plan's iteration by running the engine's own instruction lists.
 
-The plan's stage graph is lowered with :func:`~gpp_deepspeed.schedule.build_schedule`, the very
-schedule :class:`~gpp_deepspeed.engine.GraphPipelineEngine` executes, and run through the
+The plan's stage graph is lowered into a :class:`~gpp_deepspeed.schedule.Program`, the very
+program :class:`~gpp_deepspeed.engine.GraphPipelineEngine` executes, and run through the
 schedule simulator (:func:`~gpp_deepspeed.schedule.simulate`) with each action priced by the
 shared stage cost model: ``F`` and ``B`` take the stage's forward and backward time (compute
 plus the transfers of its edges), ``I`` and ``W`` (the zero-bubble schedules' split backward)
@@ -18,9 +18,10 @@ from dataclasses import dataclass, replace
 
 from ..errors import PartitionError
 from ..graph.stages import StageGraph
-from ..schedule.asynchronous import async_segment, is_async, steady_batch_idx, validate_async
-from ..schedule.generators import build_schedule
+from ..schedule.asynchronous import steady_batch_idx
 from ..schedule.ir import Action, ActionKind as K, Schedule
+from ..schedule.program import AsyncProgram, build_program
+from ..schedule.registry import is_async
 from ..schedule.validate import Timeline, simulate
 from ..schedule.zero_bubble import peak_in_flight
 from .costs import CostDB, StageCost, StageCostModel
@@ -56,7 +57,8 @@ def simulate_plan(plan: Plan, db: CostDB, *, schedule: str | None = None, cluste
     masks = [model.mask_of(s.layers) for s in plan.stages]
     stage_graph = plan.partition(db.graph).stage_graph
     if plan.pipeline == "chain":
-        stage_graph = StageGraph.chain(plan.num_stages)
+        # The stages that read the batch are the layers' (a chain relays tensors, not the batch).
+        stage_graph = replace(StageGraph.chain(plan.num_stages), loading=stage_graph.loading)
     # Every message the engine sends: one per stage edge and peer rank, fan-in, fan-out and
     # resharding included (a chain relays skip tensors instead).
     bounds = model.stage_boundaries(masks, [s.devices for s in plan.stages], relay=plan.pipeline == "chain")
@@ -70,7 +72,7 @@ def simulate_plan(plan: Plan, db: CostDB, *, schedule: str | None = None, cluste
     if train and is_async(schedule):
         lists, versions, in_flight = _steady_async(stage_graph, plan.num_microbatches, schedule)
     else:
-        lists = build_schedule(stage_graph, plan.num_microbatches, name=schedule, train=train)
+        lists = build_program(stage_graph, plan.num_microbatches, schedule=schedule, train=train).actions
 
     def duration(a: Action) -> float:
         c = costs[a.stage_idx]
@@ -114,10 +116,9 @@ def _steady_async(stage_graph: StageGraph, num_microbatches: int, name: str):
     """An asynchronous schedule's steady-state batch (the pipeline full before and after it, no
     flush: what every batch but the first costs), and per stage its peak stashed weight versions
     and in-flight micro-batches over the whole program."""
-    loading = {s for s in range(stage_graph.num_stages) if not stage_graph.preds(s)} | {stage_graph.output_stage}
-    report = validate_async(stage_graph, num_microbatches, name=name, loading_stages=loading)
-    lists = async_segment(stage_graph, num_microbatches, steady_batch_idx(stage_graph, num_microbatches), name=name,
-                          loading_stages=loading)
+    program = AsyncProgram(stage_graph, num_microbatches, schedule=name)
+    report = program.validate()
+    lists = program.batch(steady_batch_idx(stage_graph, num_microbatches)).actions
     n = stage_graph.num_stages
     return lists, [report.peak_versions[s] for s in range(n)], tuple(report.peak_in_flight[s] for s in range(n))
 

@@ -1,25 +1,27 @@
-"""The schedule as data: IR, generators, lowering passes, validator and simulator.
+"""The schedule as data: IR, generators, lowering passes, programs, validator and simulator.
 
 Nothing in this package imports torch.distributed or deepspeed.
 """
 
-from .ir import Action, ActionKind, Schedule, format_schedule
-from .generators import (SCHEDULES, add_epilogue, add_load, add_send_recv, build_schedule, forward_only,
-                         get_schedule, gpipe, lower, one_f_one_b, warmup_forwards)
-from .lowering import (BufferSlots, add_release, assign_buffers, group_for_rendezvous, group_p2p, num_slots,
-                       order_transfers)
-from .validate import MODES, Timeline, default_duration, simulate, validate_schedule
+from .ir import KINDS, RELEASES, Action, ActionKind, Buffer, KindSpec, Schedule, Segment, format_schedule
+from .generators import forward_only, gpipe, one_f_one_b, warmup_forwards
 from .zero_bubble import peak_in_flight, unit_split_duration, zb1, zb2
-from .asynchronous import (ASYNC_SCHEDULES, AsyncReport, async_segment, async_slots, is_async, predicted_updates,
-                           steady_batch_idx, validate_async)
+from .asynchronous import WeightRule, async_compute, predicted_updates, steady_batch_idx
+from .registry import SCHEDULES, ScheduleSpec, get_schedule, is_async
+from .lowering import (BufferSlots, add_epilogue, add_load, add_release, add_send_recv, assign_buffers, defer_sends,
+                       drop_frozen_backward, group_for_rendezvous, group_p2p, lower, num_slots, order_transfers)
+from .validate import MODES, Timeline, check_lists, check_weight_versions, default_duration, simulate, validate_schedule
+from .program import (AsyncProgram, AsyncReport, Program, build_program, build_schedule, validate_async,
+                      validate_program)
 
 __all__ = [
-    "Action", "ActionKind", "Schedule", "format_schedule",
-    "SCHEDULES", "add_epilogue", "add_load", "add_send_recv", "build_schedule", "forward_only", "get_schedule",
-    "gpipe", "lower", "one_f_one_b", "warmup_forwards",
-    "BufferSlots", "add_release", "assign_buffers", "group_for_rendezvous", "group_p2p", "num_slots", "order_transfers",
-    "MODES", "Timeline", "default_duration", "simulate", "validate_schedule",
+    "KINDS", "RELEASES", "Action", "ActionKind", "Buffer", "KindSpec", "Schedule", "Segment", "format_schedule",
+    "forward_only", "gpipe", "one_f_one_b", "warmup_forwards",
     "peak_in_flight", "unit_split_duration", "zb1", "zb2",
-    "ASYNC_SCHEDULES", "AsyncReport", "async_segment", "async_slots", "is_async", "predicted_updates", "steady_batch_idx",
-    "validate_async",
+    "WeightRule", "async_compute", "predicted_updates", "steady_batch_idx",
+    "SCHEDULES", "ScheduleSpec", "get_schedule", "is_async",
+    "BufferSlots", "add_epilogue", "add_load", "add_release", "add_send_recv", "assign_buffers", "defer_sends",
+    "drop_frozen_backward", "group_for_rendezvous", "group_p2p", "lower", "num_slots", "order_transfers",
+    "MODES", "Timeline", "check_lists", "check_weight_versions", "default_duration", "simulate", "validate_schedule",
+    "AsyncProgram", "AsyncReport", "Program", "build_program", "build_schedule", "validate_async", "validate_program",
 ]

@@ -18,6 +18,10 @@ Representative forms::
     2I0  2SEND_B0@0  2W0          (split backward, as torch writes it: input gradient, then weight gradient)
     0WAIT_SENDS  0REDUCE_TIED  0REDUCE_GRAD  0STEP
     0STASH4  0PREDICT4  0UPDATE4          (weight versions of the asynchronous schedules)
+    2I0  2RELEASE_OUT0  2W0  2RELEASE_W0  (a split backward frees the outputs after I, W's inputs after W)
+
+What each kind reads, writes and frees of its micro-batch's buffers is declared once, in
+:data:`KINDS`.
 """
 
 from __future__ import annotations
@@ -28,11 +32,13 @@ from enum import Enum
 
 from ..errors import ScheduleError
 
-__all__ = ["ActionKind", "Action", "Schedule", "format_schedule"]
+__all__ = ["ActionKind", "Buffer", "KindSpec", "KINDS", "RELEASES", "Action", "Schedule", "Segment",
+           "format_schedule"]
 
 
 class ActionKind(str, Enum):
-    """What an action does. Values are the wire form used in :meth:`Action.__str__`."""
+    """What an action does. Values are the wire form used in :meth:`Action.__str__`; what each kind
+    reads, writes and frees is declared once, in :data:`KINDS`."""
 
     LOAD = "LOAD"                # read a micro-batch (graph inputs this stage needs, labels if output stage)
     FORWARD = "F"
@@ -44,8 +50,9 @@ class ActionKind(str, Enum):
     SEND_B = "SEND_B"            # send the gradients of received activations back to ``peer``
     RECV_B = "RECV_B"            # receive the gradients of sent activations from ``peer``
     P2P = "P2P"                  # transfers posted together and completed together (``ops``)
-    RELEASE_IN = "RELEASE_IN"    # free a micro-batch's loaded and received tensors (after their last use)
     RELEASE_OUT = "RELEASE_OUT"  # free a micro-batch's outputs, output gradients, labels and loss
+    RELEASE_IN = "RELEASE_IN"    # free a micro-batch's loaded and received tensors (after their last use)
+    RELEASE_W = "RELEASE_W"      # free what a split backward's ``W`` needed from its ``I``
     WAIT_SENDS = "WAIT_SENDS"    # wait until every asynchronous send has completed
     REDUCE_TIED = "REDUCE_TIED"  # all-reduce gradients of tied layers across the stages sharing them
     REDUCE_GRAD = "REDUCE_GRAD"  # all-reduce gradients across data-parallel replicas of the stage
@@ -57,24 +64,105 @@ class ActionKind(str, Enum):
     UPDATE = "UPDATE"            # optimizer step with version mb_idx's gradient, then free the version
 
     @property
+    def spec(self) -> "KindSpec":
+        """What this kind is, from :data:`KINDS`."""
+        return KINDS[self]
+
+    @property
     def has_mb(self) -> bool:
-        return self in _MB_KINDS
+        return KINDS[self].mb
 
     @property
     def has_peer(self) -> bool:
-        return self in _PEER_KINDS
+        return KINDS[self].message != ""
 
     @property
     def is_transfer(self) -> bool:
         """A point-to-point transfer, alone or grouped."""
-        return self in _PEER_KINDS or self is ActionKind.P2P
+        return self.has_peer or self is ActionKind.P2P
+
+    @property
+    def is_release(self) -> bool:
+        return bool(KINDS[self].frees)
 
 
-_MB_KINDS = frozenset({ActionKind.LOAD, ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT,
-                       ActionKind.BACKWARD_WEIGHT, ActionKind.SEND_F, ActionKind.RECV_F, ActionKind.SEND_B,
-                       ActionKind.RECV_B, ActionKind.RELEASE_IN, ActionKind.RELEASE_OUT,
-                       ActionKind.STASH, ActionKind.PREDICT, ActionKind.UPDATE})
-_PEER_KINDS = frozenset({ActionKind.SEND_F, ActionKind.RECV_F, ActionKind.SEND_B, ActionKind.RECV_B})
+class Buffer(str, Enum):
+    """What a stage holds for one micro-batch, in the buffer slot the schedule gives it
+    (:func:`~gpp_deepspeed.schedule.lowering.assign_buffers`). Values name the engine's buffers."""
+
+    LOADED = "loaded"            # graph inputs read from the batch
+    RECEIVED = "received"        # tensors received from predecessors (with their gradients after a backward)
+    INPUTS = "inputs"            # the flat tuple the stage's forward was called with
+    OUTPUTS = "outputs"          # the stage's outputs
+    LABELS = "labels"            # labels (output stage)
+    LOSS = "losses"              # the micro-batch's loss (output stage)
+    GRADS = "grads"              # gradients of the outputs, summed over the stages that read them
+    WEIGHT_GRAD = "weight_grad"  # what ``W`` needs from ``I``: the part of the autograd graph below the inputs
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class KindSpec:
+    """What one action kind does, declared once. The lowering passes (release points, buffer
+    slots, grouping), the validator, the simulator and the engine's handlers read it here.
+
+    ``reads``, ``writes`` and ``frees`` are the buffers of the action's micro-batch it uses (a
+    read or a write may not happen on every stage: the forward reads labels on the output stage
+    only). A transfer names the direction of its message (``"F"`` activations, ``"B"``
+    gradients) and whether it sends; ``waits`` marks what may block on another stage.
+    """
+
+    mb: bool = False
+    """The action carries a micro-batch index (a weight version for STASH, PREDICT, UPDATE)."""
+    message: str = ""
+    send: bool = False
+    waits: bool = False
+    reads: frozenset[Buffer] = frozenset()
+    writes: frozenset[Buffer] = frozenset()
+    frees: frozenset[Buffer] = frozenset()
+
+    @property
+    def touches(self) -> frozenset[Buffer]:
+        """The buffers the action uses (reads or writes): it must run before they are freed."""
+        return self.reads | self.writes
+
+
+def _kind(*, reads=(), writes=(), frees=(), **kw) -> KindSpec:
+    return KindSpec(reads=frozenset(reads), writes=frozenset(writes), frees=frozenset(frees), **kw)
+
+
+_B = Buffer
+KINDS: dict[ActionKind, KindSpec] = {
+    ActionKind.LOAD: _kind(mb=True, writes=(_B.LOADED, _B.LABELS)),
+    ActionKind.FORWARD: _kind(mb=True, reads=(_B.LOADED, _B.RECEIVED, _B.LABELS),
+                              writes=(_B.INPUTS, _B.OUTPUTS, _B.LOSS)),
+    # A backward leaves the gradients of the received tensors on them (what SEND_B sends).
+    ActionKind.BACKWARD: _kind(mb=True, reads=(_B.INPUTS, _B.OUTPUTS, _B.GRADS, _B.LOSS), writes=(_B.RECEIVED, )),
+    ActionKind.BACKWARD_INPUT: _kind(mb=True, reads=(_B.INPUTS, _B.OUTPUTS, _B.GRADS, _B.LOSS),
+                                     writes=(_B.RECEIVED, _B.WEIGHT_GRAD)),
+    ActionKind.BACKWARD_WEIGHT: _kind(mb=True, reads=(_B.WEIGHT_GRAD, )),
+    ActionKind.SEND_F: _kind(mb=True, message="F", send=True, reads=(_B.OUTPUTS, )),
+    ActionKind.RECV_F: _kind(mb=True, message="F", waits=True, writes=(_B.RECEIVED, )),
+    ActionKind.SEND_B: _kind(mb=True, message="B", send=True, reads=(_B.RECEIVED, )),
+    # A gradient's receive reads the outputs it belongs to (their shapes) and adds into GRADS.
+    ActionKind.RECV_B: _kind(mb=True, message="B", waits=True, reads=(_B.OUTPUTS, ), writes=(_B.GRADS, )),
+    ActionKind.P2P: _kind(waits=True),   # uses what its ops use
+    ActionKind.RELEASE_OUT: _kind(mb=True, frees=(_B.OUTPUTS, _B.LABELS, _B.LOSS, _B.GRADS)),
+    ActionKind.RELEASE_IN: _kind(mb=True, frees=(_B.LOADED, _B.RECEIVED, _B.INPUTS)),
+    ActionKind.RELEASE_W: _kind(mb=True, frees=(_B.WEIGHT_GRAD, )),
+    ActionKind.WAIT_SENDS: _kind(waits=True),
+    ActionKind.REDUCE_TIED: _kind(),
+    ActionKind.REDUCE_GRAD: _kind(),
+    ActionKind.STEP: _kind(),
+    ActionKind.STASH: _kind(mb=True),
+    ActionKind.PREDICT: _kind(mb=True),
+    ActionKind.UPDATE: _kind(mb=True),
+}
+"""Every action kind's :class:`KindSpec`: the one table to extend when adding a kind."""
+
+RELEASES: tuple[ActionKind, ...] = tuple(k for k in ActionKind if KINDS[k].frees)
+"""The release kinds, in the order :func:`~gpp_deepspeed.schedule.lowering.add_release` places
+releases that fall on the same action."""
+
 # Longest kinds first so that "SEND_F" is not read as "S" + ...
 _KIND_ALTERNATIVES = "|".join(sorted((re.escape(k.value) for k in ActionKind), key=len, reverse=True))
 _ACTION_RE = re.compile(rf"^(\d+)({_KIND_ALTERNATIVES})(\d*)(?:@(\d+))?$")
@@ -116,11 +204,29 @@ class Action:
         return (self, ) if self.kind.has_peer else ()
 
     @property
+    def parts(self) -> tuple["Action", ...]:
+        """The single actions this action performs: its ``ops`` when grouped, else itself."""
+        return self.ops if self.kind is ActionKind.P2P else (self, )
+
+    @property
     def mb_idxs(self) -> tuple[int, ...]:
-        """The micro-batches this action touches."""
-        if self.kind is ActionKind.P2P:
-            return tuple(dict.fromkeys(op.mb_idx for op in self.ops))
-        return () if self.mb_idx is None else (self.mb_idx, )
+        """The micro-batches this action names (weight versions included)."""
+        return tuple(dict.fromkeys(op.mb_idx for op in self.parts if op.mb_idx is not None))
+
+    @property
+    def buffer_mbs(self) -> tuple[int, ...]:
+        """The micro-batches whose buffers this action reads, writes or frees (:data:`KINDS`)."""
+        return tuple(dict.fromkeys(op.mb_idx for op in self.parts
+                                   if op.mb_idx is not None and (op.kind.spec.touches or op.kind.spec.frees)))
+
+    @property
+    def channel(self) -> tuple[int, int, str]:
+        """The ordered channel a single transfer's message travels: (sender stage, receiver stage,
+        ``"F"`` or ``"B"``). The n-th send of a channel matches its n-th receive."""
+        spec = KINDS[self.kind]
+        if not spec.message:
+            raise ScheduleError(f"{self} is not a single transfer")
+        return (self.stage_idx, self.peer, spec.message) if spec.send else (self.peer, self.stage_idx, spec.message)
 
     def __post_init__(self):
         if self.kind is ActionKind.P2P:
@@ -183,6 +289,30 @@ class Action:
 
 
 Schedule = dict[int, list[Action]]
+
+
+@dataclass(frozen=True, slots=True)
+class Segment:
+    """Which part of an asynchronous schedule's never-draining program a list of actions is: the
+    ``train_batch`` number ``batch_idx`` since the pipeline was last empty, or, with ``flush``, the
+    drain after ``batch_idx`` batches. Micro-batches are numbered from the last empty pipeline.
+
+    >>> Segment(2, num_microbatches=4).first_mb, Segment(2, num_microbatches=4).next()
+    (8, Segment(batch_idx=3, num_microbatches=4, flush=False))
+    """
+
+    batch_idx: int
+    num_microbatches: int
+    flush: bool = False
+
+    @property
+    def first_mb(self) -> int:
+        """The first micro-batch whose forward this segment runs (batch ``k`` forwards ``k*M .. k*M + M - 1``)."""
+        return self.batch_idx * self.num_microbatches
+
+    def next(self) -> "Segment":
+        """The batch after this one."""
+        return Segment(self.batch_idx + 1, self.num_microbatches)
 
 
 def format_schedule(schedule: Schedule) -> str:

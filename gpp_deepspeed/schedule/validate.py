@@ -11,9 +11,12 @@ The simulator executes every stage's action list under one of two communication 
     ``P2P`` action posts all its transfers at once and completes when each has.
 
 If no stage can move and some have actions left, the schedule deadlocks, and the error says
-where. :func:`validate_schedule` checks the structure (including buffer slots and release points)
-and runs the rendezvous mode, which implies the async one. The same simulator gives the makespan
-and per-stage busy time of a schedule under given action durations.
+where. :func:`check_lists` checks the structure (including buffer slots and release points, read
+from the table of what every action kind uses and frees, :data:`~gpp_deepspeed.schedule.ir.KINDS`)
+and :func:`check_weight_versions` the weight versions of an asynchronous program;
+:func:`validate_schedule` checks the structure and runs the rendezvous mode, which implies the
+async one. The same simulator gives the makespan and per-stage busy time of a schedule under
+given action durations.
 """
 
 from __future__ import annotations
@@ -23,9 +26,10 @@ from typing import Callable
 
 from ..errors import ScheduleError
 from ..graph.stages import StageGraph
-from .ir import Action, ActionKind as K, Schedule
+from .ir import RELEASES, Action, ActionKind as K, Schedule
 
-__all__ = ["Timeline", "simulate", "validate_schedule", "default_duration"]
+__all__ = ["Timeline", "simulate", "validate_schedule", "check_lists", "check_weight_versions", "default_duration",
+           "MODES"]
 
 
 def default_duration(action: Action) -> float:
@@ -52,18 +56,6 @@ class Timeline:
         return 0.0 if span == 0 else 1.0 - self.busy(stage_idx) / span
 
 
-def _channel(a: Action) -> tuple[int, int, str]:
-    """The ordered message channel an action uses: (sender stage, receiver stage, direction)."""
-    if a.kind is K.SEND_F:
-        return (a.stage_idx, a.peer, "F")
-    if a.kind is K.RECV_F:
-        return (a.peer, a.stage_idx, "F")
-    if a.kind is K.SEND_B:
-        return (a.stage_idx, a.peer, "B")
-    return (a.peer, a.stage_idx, "B")
-
-
-_SENDS = frozenset({K.SEND_F, K.SEND_B})
 MODES = ("async", "rendezvous")
 
 
@@ -75,8 +67,8 @@ class _Channels:
         self.posted: dict[tuple, list[list[tuple[int, float]]]] = {}   # channel -> [sends, receives]
 
     def post(self, op: Action, time: float) -> tuple[tuple, int]:
-        ch = _channel(op)
-        side = self.posted.setdefault(ch, [[], []])[0 if op.kind in _SENDS else 1]
+        ch = op.channel
+        side = self.posted.setdefault(ch, [[], []])[0 if op.kind.spec.send else 1]
         side.append((op.mb_idx, time))
         return ch, len(side) - 1
 
@@ -126,8 +118,8 @@ def simulate(schedule: Schedule, *, duration: Callable[[Action], float] = defaul
                 if a.kind.is_transfer:
                     if s not in posted:
                         posted[s] = [(op, *channels.post(op, start)) for op in a.transfers]
-                        my_sends[s] += [(ch, n) for op, ch, n in posted[s] if op.kind in _SENDS]
-                    waits = [(ch, n) for op, ch, n in posted[s] if mode == "rendezvous" or op.kind not in _SENDS]
+                        my_sends[s] += [(ch, n) for op, ch, n in posted[s] if op.kind.spec.send]
+                    waits = [(ch, n) for op, ch, n in posted[s] if mode == "rendezvous" or not op.kind.spec.send]
                     times = [channels.match_time(ch, n) for ch, n in waits]
                     if None in times:
                         break
@@ -153,9 +145,9 @@ def _deadlock_message(stuck, pc, posted, channels: _Channels, mode: str) -> str:
     waits = []
     for s, a in sorted(stuck.items()):
         missing = [op for op, ch, n in posted.get(s, ()) if channels.match_time(ch, n) is None
-                   and (mode == "rendezvous" or op.kind not in _SENDS)]
+                   and (mode == "rendezvous" or not op.kind.spec.send)]
         other = "; ".join(f"{op} waits for stage {op.peer} to post its "
-                          f"{'receive' if op.kind in _SENDS else 'send'}" for op in missing)
+                          f"{'receive' if op.kind.spec.send else 'send'}" for op in missing)
         waits.append(f"stage {s} at {a} (slot {pc[s]})" + (f" [{other}]" if other else ""))
     text = "schedule deadlocks"
     if mode == "rendezvous":
@@ -171,7 +163,16 @@ def _deadlock_message(stuck, pc, posted, channels: _Channels, mode: str) -> str:
 def validate_schedule(schedule: Schedule, stage_graph: StageGraph, num_microbatches: int, *, train: bool,
                       num_buffers: dict[int, int] | None = None, slots: dict[int, dict[int, int]] | None = None,
                       mode: str = "rendezvous") -> Timeline:
-    """Check a schedule's structure and run it through :func:`simulate` (rendezvous mode by default).
+    """Check a schedule's structure (:func:`check_lists`) and run it through :func:`simulate`
+    (rendezvous mode by default). Returns the simulated timeline."""
+    check_lists(schedule, stage_graph, num_microbatches, train=train, num_buffers=num_buffers, slots=slots)
+    return simulate(schedule, mode=mode)
+
+
+def check_lists(schedule: Schedule, stage_graph: StageGraph, num_microbatches: int, *, train: bool,
+                num_buffers: dict[int, int] | None = None, slots: dict[int, dict[int, int]] | None = None) -> None:
+    """Check every stage's list of a whole program (a synchronous batch, or an asynchronous
+    program's batches and flush put end to end, its weight actions aside).
 
     Checks, per stage: every micro-batch has one forward (and, when training, one backward after
     its forward: a ``B``, or an ``I`` followed by a ``W``); every forward is preceded by a receive
@@ -180,7 +181,6 @@ def validate_schedule(schedule: Schedule, stage_graph: StageGraph, num_microbatc
     and after every use of what they free; and no two micro-batches that share a buffer slot are
     live at once. Slots are ``slots[stage][mb]`` (what
     :func:`~gpp_deepspeed.schedule.lowering.assign_buffers` returns) or ``mb % num_buffers[stage]``.
-    Returns the simulated timeline.
     """
     if sorted(schedule) != list(range(stage_graph.num_stages)):
         raise ScheduleError(f"schedule has stages {sorted(schedule)}, expected 0..{stage_graph.num_stages - 1}")
@@ -192,13 +192,12 @@ def validate_schedule(schedule: Schedule, stage_graph: StageGraph, num_microbatc
         _check_releases(s, actions)
         if slot_of is not None:
             _check_buffers(s, actions, slot_of)
-    return simulate(schedule, mode=mode)
 
 
 def _flat(actions: list[Action]):
     """(slot, action) for every action, with a grouped transfer's ops at its slot."""
     for i, a in enumerate(actions):
-        for op in (a.ops if a.kind is K.P2P else (a, )):
+        for op in a.parts:
             yield i, op
 
 
@@ -268,22 +267,18 @@ def _check_backward_kinds(s: int, j: int, where: dict[tuple, int]) -> None:
                             "the weight gradient needs the output gradients that the input-gradient pass received")
 
 
-# What each release frees, and so which actions must not follow it (see lowering.add_release).
-_FREED_BY = {K.RELEASE_IN: frozenset({K.LOAD, K.RECV_F, K.FORWARD, K.BACKWARD, K.BACKWARD_INPUT, K.SEND_B}),
-             K.RELEASE_OUT: frozenset({K.LOAD, K.FORWARD, K.BACKWARD, K.BACKWARD_INPUT, K.BACKWARD_WEIGHT,
-                                       K.SEND_F, K.RECV_B})}
-
-
 def _check_releases(s: int, actions: list[Action]) -> None:
+    """Every release comes once per micro-batch, and nothing uses what a release freed
+    (:data:`~gpp_deepspeed.schedule.ir.KINDS`)."""
     released: dict[tuple, int] = {}
     for i, a in _flat(actions):
-        if a.kind in _FREED_BY:
+        if a.kind.is_release:
             if (a.kind, a.mb_idx) in released:
                 raise ScheduleError(f"stage {s} runs {a} twice (slots {released[(a.kind, a.mb_idx)]} and {i})")
             released[(a.kind, a.mb_idx)] = i
             continue
-        for kind, reads in _FREED_BY.items():
-            if a.kind in reads and (kind, a.mb_idx) in released:
+        for kind in RELEASES:
+            if kind.spec.frees & a.kind.spec.touches and (kind, a.mb_idx) in released:
                 raise ScheduleError(f"stage {s} slot {i}: {a} uses what {Action(s, kind, a.mb_idx)} freed at slot "
                                     f"{released[(kind, a.mb_idx)]}")
 
@@ -292,7 +287,7 @@ def _check_buffers(s: int, actions: list[Action], slot_of: dict[int, int]) -> No
     first: dict[int, int] = {}
     last: dict[int, int] = {}
     for i, a in enumerate(actions):
-        for j in a.mb_idxs:
+        for j in a.buffer_mbs:
             first.setdefault(j, i)
             last[j] = i
     missing = sorted(set(first) - set(slot_of))
@@ -303,3 +298,44 @@ def _check_buffers(s: int, actions: list[Action], slot_of: dict[int, int]) -> No
             if j < k and slot_of[j] == slot_of[k] and first[k] <= last[j] and first[j] <= last[k]:
                 raise ScheduleError(f"stage {s}: micro-batches {j} and {k} share buffer {slot_of[j]} "
                                     f"while both are in flight; use more buffers")
+
+
+def check_weight_versions(s: int, program: list[Action]) -> int:
+    """Check one stage's weight versions over a whole asynchronous program: a forward runs on a
+    live version, a backward before its version's ``UPDATE``, every version is made once and
+    updated once, after all its backwards. Returns the most versions alive at once."""
+    alive: set[int] = set()
+    made: set[int] = set()
+    users: dict[int, set[int]] = {}
+    version_of: dict[int, int] = {}
+    backward_done: set[int] = set()
+    current = None
+    peak = 0
+    for a in program:
+        if a.kind in (K.STASH, K.PREDICT):
+            if a.mb_idx in made:
+                raise ScheduleError(f"stage {s} makes weight version {a.mb_idx} twice")
+            made.add(a.mb_idx)
+            alive.add(a.mb_idx)
+            users[a.mb_idx] = set()
+            current = a.mb_idx
+            peak = max(peak, len(alive))
+        elif a.kind is K.FORWARD:
+            if current not in alive:
+                raise ScheduleError(f"stage {s} runs {a} on no live weight version")
+            version_of[a.mb_idx] = current
+            users[current].add(a.mb_idx)
+        elif a.kind is K.BACKWARD:
+            backward_done.add(a.mb_idx)
+            if version_of[a.mb_idx] not in alive:
+                raise ScheduleError(f"stage {s} runs {a} after its weight version {version_of[a.mb_idx]} was updated")
+        elif a.kind is K.UPDATE:
+            if a.mb_idx not in alive or not users[a.mb_idx]:
+                raise ScheduleError(f"stage {s} runs {a} on a version that is not live or has no forward")
+            pending = sorted(users[a.mb_idx] - backward_done)
+            if pending:
+                raise ScheduleError(f"stage {s} runs {a} before the backwards of micro-batches {pending}")
+            alive.discard(a.mb_idx)
+    if alive:
+        raise ScheduleError(f"stage {s} never updates weight versions {sorted(alive)} (the flush must drain them)")
+    return peak

@@ -139,6 +139,8 @@ def run_case(case, out, rank, world_size):
         result["resumed"] = train(engine, mc, case, range(2, 4))
     else:
         result["losses"] = train(engine, mc, case, range(case["steps"]))
+        # What this rank ran in its last training batch (the program's list for its stage).
+        result["actions"] = [str(a) for a, _, _ in getattr(engine, "last_timeline", ())]
         it = iter(to_model_dtype(make_batches(mc, step=100, dp_rank=replica(engine),
                                               micro_batches=case["gas"], micro_batch_size=case["mbs"]), case))
         loss, logits = engine.eval_batch(it, return_logits=True)

@@ -1,0 +1,316 @@
+"""The program a pipeline runs: every stage's lowered actions and the buffer slot of every
+micro-batch, one :class:`Program` per ``train_batch`` for every schedule.
+
+A schedule's compute order (its generator in :data:`~gpp_deepspeed.schedule.SCHEDULES`) goes
+through the same lowering passes (:func:`~gpp_deepspeed.schedule.lowering.lower`) whatever the
+schedule, synchronous, split backward or asynchronous, and its slots come from
+:func:`~gpp_deepspeed.schedule.lowering.assign_buffers`. The engine executes a program's list for
+its stage and nothing else; the validator, the simulator and the planner read the same object.
+
+Glossary
+--------
+program
+    Every stage's actions for one batch (or one asynchronous segment): loads, compute, grouped
+    transfers, releases, weight-version actions and the epilogue, with the buffer slots.
+segment
+    One ``train_batch`` of an asynchronous schedule's never-draining program, or the drain
+    after some batches (:class:`~gpp_deepspeed.schedule.ir.Segment`).
+
+Representative use::
+
+    program = build_program(stage_graph, 8, schedule="zb1")       # a synchronous batch
+    validate_program(program, stage_graph)                         # NCCL-safe, buffers, releases
+    print(program)                                                 # the golden-file form
+    pipeline = AsyncProgram(stage_graph, 8, schedule="pipedream")  # batch(k) and flush(k)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Callable
+
+from ..errors import GPPConfigError, ScheduleError
+from ..graph.stages import StageGraph
+from .asynchronous import async_compute, check_async_microbatches, predicted_updates, prediction_steps, shift, \
+    steady_batch_idx
+from .generators import forward_only
+from .ir import Action, ActionKind as K, Schedule, Segment
+from .lowering import BufferSlots, assign_buffers, lower, num_slots
+from .registry import get_schedule
+from .validate import Timeline, check_lists, check_weight_versions, simulate
+
+__all__ = ["Program", "build_program", "build_schedule", "validate_program", "AsyncProgram", "AsyncReport",
+           "validate_async"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Program:
+    """Every stage's actions for one batch, with the buffer slot of each micro-batch.
+
+    ``slots[stage_idx][mb_idx]`` is the buffer the stage keeps the micro-batch's tensors in;
+    ``segment`` is set for an asynchronous schedule (which batch, or the flush after how many).
+
+    >>> print(build_program(StageGraph.chain(2), 1, schedule="1f1b", train=False))
+    program "1f1b": 2 stages, 1 micro-batch, evaluation
+    stage 0: 0LOAD0 0F0 0RELEASE_IN0 0SEND_F0@1 0RELEASE_OUT0 0WAIT_SENDS
+      slots: 0:0
+    stage 1: 1LOAD0 1RECV_F0@0 1F0 1RELEASE_OUT0 1RELEASE_IN0 1WAIT_SENDS
+      slots: 0:0
+    """
+
+    schedule: str
+    num_microbatches: int
+    train: bool
+    actions: Schedule
+    slots: BufferSlots
+    segment: Segment | None = None
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.actions)
+
+    def num_buffers(self, stage_idx: int) -> int:
+        """Buffer slots the stage needs for this program."""
+        return num_slots(self.slots[stage_idx])
+
+    def shifted(self, delta: int, segment: Segment | None = None) -> "Program":
+        """The same program ``delta`` micro-batches later (a steady asynchronous batch repeats)."""
+        return replace(self, actions={s: shift(a, delta) for s, a in self.actions.items()},
+                       slots={s: {j + delta: k for j, k in slot_of.items()} for s, slot_of in self.slots.items()},
+                       segment=segment)
+
+    def __str__(self) -> str:
+        mb = "micro-batch" if self.num_microbatches == 1 else "micro-batches"
+        if self.segment is None:
+            what = "training" if self.train else "evaluation"
+        elif self.segment.flush:
+            what = f"flush after {self.segment.batch_idx} batches"
+        else:
+            what = f"batch {self.segment.batch_idx}"
+        lines = [f'program "{self.schedule}": {self.num_stages} stages, {self.num_microbatches} {mb}, {what}']
+        for s in sorted(self.actions):
+            lines.append(f"stage {s}: " + " ".join(str(a) for a in self.actions[s]))
+            lines.append("  slots: " + " ".join(f"{j}:{k}" for j, k in sorted(self.slots[s].items())))
+        return "\n".join(lines)
+
+
+def build_program(stage_graph: StageGraph, num_microbatches: int, *, schedule: str = "1f1b", train: bool = True,
+                  duration: Callable[[Action], float] | None = None) -> Program:
+    """The program of one batch of a synchronous schedule (or of any schedule in evaluation,
+    which runs forwards only). ``duration``: the compute times the transfers are ordered for,
+    when they must be reordered (:func:`~gpp_deepspeed.schedule.lowering.group_for_rendezvous`)."""
+    if num_microbatches < 1:
+        raise GPPConfigError(f"need at least one micro-batch, got {num_microbatches}")
+    spec = get_schedule(schedule)
+    if train and spec.asynchronous:
+        raise GPPConfigError(f'schedule "{spec.name}" is asynchronous: its batches are AsyncProgram(...).batch(k)')
+    compute = spec.generator(stage_graph, num_microbatches) if train else forward_only(stage_graph, num_microbatches)
+    actions = lower(compute, stage_graph, train=train, duration=duration)
+    return Program(schedule=spec.name, num_microbatches=num_microbatches, train=train, actions=actions,
+                   slots=assign_buffers(actions))
+
+
+def build_schedule(stage_graph: StageGraph, num_microbatches: int, *, name: str = "1f1b",
+                   train: bool = True) -> Schedule:
+    """The action lists of :func:`build_program` (what tests and pictures read)."""
+    return build_program(stage_graph, num_microbatches, schedule=name, train=train).actions
+
+
+def validate_program(program: Program, stage_graph: StageGraph, *, mode: str = "rendezvous") -> Timeline:
+    """Check a synchronous program (structure, releases, buffer slots:
+    :func:`~gpp_deepspeed.schedule.validate.check_lists`) and simulate it in ``mode``."""
+    check_lists(program.actions, stage_graph, program.num_microbatches, train=program.train, slots=program.slots)
+    return simulate(program.actions, mode=mode)
+
+
+@dataclass(frozen=True)
+class AsyncReport:
+    """What :meth:`AsyncProgram.validate` found, per stage: the most weight versions stashed at
+    once (the optimizer's own copy not counted) and the most micro-batches in flight."""
+
+    peak_versions: dict[int, int]
+    peak_in_flight: dict[int, int]
+
+
+class AsyncProgram:
+    """The never-draining program of an asynchronous schedule, as one :class:`Program` per
+    ``train_batch`` (:meth:`batch`) and per drain (:meth:`flush`).
+
+    Every segment goes through the same lowering as a synchronous batch, with the batches after it
+    in view (its releases may lie there). Buffer slots are assigned as the program runs: a
+    micro-batch keeps its slot across batch boundaries until its last release. From
+    :func:`~gpp_deepspeed.schedule.asynchronous.steady_batch_idx` on, every batch is the one before
+    shifted by ``M`` micro-batches; once the slots a stage holds at a batch boundary repeat
+    (shifted) too, the stage's batch ``k + periods[s]`` is its batch ``k`` shifted, so a program of
+    any length is a few batches made once. (Slots rotate: a stage holding ``d`` micro-batches
+    across a boundary cannot give micro-batch ``j + M`` the slot of ``j`` while both live.)
+
+    >>> pipeline = AsyncProgram(StageGraph.chain(2), 1, schedule="pipedream")
+    >>> pipeline.periods, [pipeline.batch(k).slots[0] for k in (5, 6)]
+    ({0: 2, 1: 1}, [{4: 0, 5: 1}, {5: 1, 6: 0}])
+    """
+
+    def __init__(self, stage_graph: StageGraph, num_microbatches: int, *, schedule: str):
+        spec = get_schedule(schedule)
+        if not spec.asynchronous:
+            raise GPPConfigError(f'"{spec.name}" is not an asynchronous schedule')
+        check_async_microbatches(stage_graph, num_microbatches, spec.weights, name=spec.name)
+        no_grad = [(e.src, e.dst) for e in stage_graph.edges if not e.grad]
+        if stage_graph.frozen or no_grad:
+            raise GPPConfigError(f'schedule "{spec.name}" runs a backward on every stage of every micro-batch; '
+                                 f"this stage graph has frozen stages {sorted(stage_graph.frozen)} and edges without "
+                                 f"gradients {no_grad}")
+        self.spec, self.stage_graph, self.num_microbatches = spec, stage_graph, num_microbatches
+        self._steady = steady_batch_idx(stage_graph, num_microbatches)
+        self._lowered: dict[tuple[int, bool], Schedule] = {}
+        self._batches: list[Program] = []
+        self._held: list[BufferSlots] = []     # slots still held after each batch
+        self._flushes: dict[tuple[int, int], tuple[list[Action], dict[int, int]]] = {}
+        self.first_periodic: dict[int, int] = {}
+        self.periods: dict[int, int] = {}
+        self._unroll()
+
+    def batch(self, batch_idx: int) -> Program:
+        """The program of ``train_batch`` number ``batch_idx`` since the pipeline was last empty."""
+        if batch_idx < len(self._batches):
+            return self._batches[batch_idx]
+        actions, slots = {}, {}
+        for s in range(self.stage_graph.num_stages):
+            rep = self._representative(s, batch_idx)
+            delta = (batch_idx - rep) * self.num_microbatches
+            actions[s] = shift(self._batches[rep].actions[s], delta)
+            slots[s] = {j + delta: slot for j, slot in self._batches[rep].slots[s].items()}
+        return self._program(actions, Segment(batch_idx, self.num_microbatches), slots)
+
+    def flush(self, num_batches: int) -> Program:
+        """The program that drains the pipeline after ``num_batches`` batches (at least one)."""
+        if num_batches < 1:
+            raise ScheduleError("an empty pipeline has nothing to flush")
+        actions, slots = {}, {}
+        for s in range(self.stage_graph.num_stages):
+            rep = self._representative(s, num_batches)
+            if (s, rep) not in self._flushes:
+                lists = {s: self._lists(rep, flush=True)[s]}
+                self._flushes[(s, rep)] = lists[s], assign_buffers(lists, live={s: self._held[rep - 1][s]})[s]
+            delta = (num_batches - rep) * self.num_microbatches
+            stage_actions, slot_of = self._flushes[(s, rep)]
+            actions[s] = shift(stage_actions, delta)
+            slots[s] = {j + delta: slot for j, slot in slot_of.items()}
+        return self._program(actions, Segment(num_batches, self.num_microbatches, flush=True), slots)
+
+    def num_buffers(self, stage_idx: int) -> int:
+        """Buffer slots the stage needs over the whole program."""
+        flushes = [self.flush(k) for k in range(1, len(self._batches) + 1)]
+        return max(p.num_buffers(stage_idx) for p in [*self._batches, *flushes])
+
+    def validate(self, num_batches: int | None = None) -> AsyncReport:
+        """Check ``num_batches`` batches and the flush after them (by default enough to cover the
+        repeating part of every stage's program and its first repetition).
+
+        Every batch and the flush are simulated on their own in rendezvous mode (deadlock-free
+        under NCCL, and every message sent in a segment is received in it); their concatenation,
+        per stage, must pass the synchronous checks (one forward and one backward per micro-batch,
+        receives before compute, sends after, releases after the last use, no two live
+        micro-batches in one slot; a micro-batch keeps its slot across batches) and the
+        weight-version rules (:func:`~gpp_deepspeed.schedule.validate.check_weight_versions`), and
+        PipeOptim's predictions must span the updates the program makes.
+        """
+        n = num_batches if num_batches is not None else len(self._batches) + max(self.periods.values())
+        segments = [self.batch(k) for k in range(n)] + [self.flush(n)]
+        for k, program in enumerate(segments):
+            try:
+                simulate(program.actions, mode="rendezvous")
+            except ScheduleError as exc:
+                where = "the flush" if k == n else f"batch {k}"
+                raise ScheduleError(f'schedule "{self.spec.name}", {where}: {exc}') from None
+        versions, in_flight = {}, {}
+        data, slots = {}, {}
+        for s in range(self.stage_graph.num_stages):
+            program = [a for seg in segments for a in seg.actions[s]]
+            data[s] = [a for a in program if a.kind not in _WEIGHT_KINDS and a.kind is not K.WAIT_SENDS]
+            slots[s] = _one_slot_each(s, segments)
+            versions[s] = check_weight_versions(s, program)
+            for v, steps in prediction_steps(program).items():
+                if steps != predicted_updates(self.stage_graph, s, v):
+                    raise ScheduleError(f"stage {s}: version {v} meets {steps} updates before its backward, not "
+                                        f"{predicted_updates(self.stage_graph, s, v)}")
+            live = peak = 0
+            for a in program:
+                live += (a.kind is K.FORWARD) - (a.kind is K.BACKWARD)
+                peak = max(peak, live)
+            in_flight[s] = peak
+        check_lists(data, self.stage_graph, n * self.num_microbatches, train=True, slots=slots)
+        return AsyncReport(versions, in_flight)
+
+    # -- making the batches --------------------------------------------------------------------------
+
+    def _lists(self, batch_idx: int, *, flush: bool = False) -> Schedule:
+        """The lowered lists of a batch (or of the flush after ``batch_idx`` batches); from the
+        steady batch on, those of the steady batch shifted."""
+        key = (min(batch_idx, self._steady), flush)
+        if key not in self._lowered:
+            segment = Segment(key[0], self.num_microbatches, flush)
+            ahead = [] if flush else [self._compute(Segment(k, self.num_microbatches))
+                                      for k in range(key[0] + 1, key[0] + self._steady + 1)]
+            self._lowered[key] = lower(self._compute(segment), self.stage_graph, train=True, segment=segment,
+                                       ahead=ahead)
+        delta = (batch_idx - key[0]) * self.num_microbatches
+        return {s: shift(actions, delta) for s, actions in self._lowered[key].items()}
+
+    def _compute(self, segment: Segment) -> Schedule:
+        return async_compute(self.stage_graph, segment, rule=self.spec.weights)
+
+    def _program(self, actions: Schedule, segment: Segment, slots: BufferSlots) -> Program:
+        return Program(schedule=self.spec.name, num_microbatches=self.num_microbatches, train=True, actions=actions,
+                       slots=slots, segment=segment)
+
+    def _unroll(self) -> None:
+        """Make batches until the slots every stage holds at a boundary repeat (shifted): sets
+        each stage's first batch of its repeating part and its period, in batches."""
+        m, stages = self.num_microbatches, range(self.stage_graph.num_stages)
+        held: BufferSlots = {s: {} for s in stages}
+        seen: dict[int, dict[tuple, int]] = {s: {} for s in stages}
+        for k in range(self._steady + 256):
+            actions = self._lists(k)
+            later = [self._lists(j) for j in range(k + 1, k + self._steady + 1)]
+            kept = {s: {j for lists in later for a in lists[s] for j in a.buffer_mbs} for s in stages}
+            slots = assign_buffers(actions, live=held, kept=kept)
+            self._batches.append(self._program(actions, Segment(k, m), slots))
+            held = {s: {j: slot for j, slot in slots[s].items() if j in kept[s]} for s in stages}
+            self._held.append(held)
+            if k + 1 < self._steady:  # from batch k + 1 = steady on, every batch has the same shape
+                continue
+            for s in stages:
+                key = tuple(sorted((j - (k + 1) * m, slot) for j, slot in held[s].items()))
+                if s not in self.periods and key in seen[s]:
+                    self.first_periodic[s], self.periods[s] = seen[s][key] + 1, k - seen[s][key]
+                seen[s].setdefault(key, k)
+            if len(self.periods) == len(stages):
+                self.first_periodic = dict(sorted(self.first_periodic.items()))
+                self.periods = dict(sorted(self.periods.items()))
+                return
+        raise ScheduleError(f'schedule "{self.spec.name}": the buffer slots never repeat')  # finite states: cannot
+
+    def _representative(self, stage_idx: int, batch_idx: int) -> int:
+        first, period = self.first_periodic[stage_idx], self.periods[stage_idx]
+        return batch_idx if batch_idx < first else first + (batch_idx - first) % period
+
+
+_WEIGHT_KINDS = frozenset({K.STASH, K.PREDICT, K.UPDATE})
+
+
+def _one_slot_each(s: int, segments: list[Program]) -> dict[int, int]:
+    """A stage's slot of every micro-batch over the segments, checking that none changes slot."""
+    slot_of: dict[int, int] = {}
+    for program in segments:
+        for j, slot in program.slots[s].items():
+            if slot_of.setdefault(j, slot) != slot:
+                raise ScheduleError(f"stage {s}: micro-batch {j} moves from buffer slot {slot_of[j]} to {slot} "
+                                    f"between batches")
+    return slot_of
+
+
+def validate_async(stage_graph: StageGraph, num_microbatches: int, *, schedule: str,
+                   num_batches: int | None = None) -> AsyncReport:
+    """Check an asynchronous schedule (:meth:`AsyncProgram.validate`)."""
+    return AsyncProgram(stage_graph, num_microbatches, schedule=schedule).validate(num_batches)

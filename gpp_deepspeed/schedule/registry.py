@@ -1,0 +1,83 @@
+"""The schedules, registered once: each name's generator and properties.
+
+Everything that depends on which schedule runs reads its :class:`ScheduleSpec` here: the program
+builders (:mod:`.program`), the engine (whether the pipeline drains, whether the backward is
+split, how weights are versioned), the planner, the command line and the config, whose accepted
+names are :data:`SCHEDULES`' keys.
+
+>>> get_schedule("ZB1").splits_backward, get_schedule("2bw").weights
+(True, <WeightRule.DOUBLE_BUFFER: 'double_buffer'>)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from ..errors import GPPConfigError
+from ..graph.stages import StageGraph
+from .asynchronous import WeightRule
+from .generators import gpipe, one_f_one_b
+from .ir import Schedule
+from .zero_bubble import zb1, zb2
+
+__all__ = ["ScheduleSpec", "SCHEDULES", "get_schedule", "is_async"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ScheduleSpec:
+    """One registered schedule.
+
+    A synchronous schedule has a ``generator``, the compute order of one batch, and ends every
+    batch with one optimizer step. An asynchronous one never drains between batches: it has a
+    ``weights`` rule instead, and its compute order is
+    :func:`~gpp_deepspeed.schedule.asynchronous.async_compute` of that rule.
+    """
+
+    name: str
+    summary: str
+    """One line: what it is, after whom (the paper)."""
+    generator: Callable[[StageGraph, int], Schedule] | None = None
+    weights: WeightRule | None = None
+    splits_backward: bool = False
+    """The backward runs as ``I`` (input gradients) and ``W`` (weight gradients)."""
+
+    @property
+    def asynchronous(self) -> bool:
+        """The pipeline never drains between batches; weights update inside it."""
+        return self.weights is not None
+
+
+SCHEDULES: dict[str, ScheduleSpec] = {spec.name: spec for spec in (
+    ScheduleSpec(name="1f1b", generator=one_f_one_b,
+                 summary="branch-aware 1F1B (GraphPipe arXiv 2406.17145 Sec. 6; PipeDream-Flush on a chain)"),
+    ScheduleSpec(name="gpipe", generator=gpipe, summary="all forwards, then all backwards (GPipe, NeurIPS'19)"),
+    ScheduleSpec(name="zb1", generator=zb1, splits_backward=True,
+                 summary="zero-bubble ZB-H1 on a DAG (Qi et al., arXiv 2401.10241 Sec. 3.1)"),
+    ScheduleSpec(name="zb2", generator=zb2, splits_backward=True,
+                 summary="ZB-H2-like greedy schedule (Qi et al., arXiv 2401.10241 Sec. 3)"),
+    ScheduleSpec(name="pipedream", weights=WeightRule.STASH,
+                 summary="asynchronous 1F1B with weight stashing (PipeDream, SOSP'19 Sec. 3.3)"),
+    ScheduleSpec(name="2bw", weights=WeightRule.DOUBLE_BUFFER,
+                 summary="asynchronous, double-buffered weights (PipeDream-2BW, ICML'21 Sec. 3.1)"),
+    ScheduleSpec(name="pipeoptim", weights=WeightRule.PREDICT,
+                 summary="asynchronous with weight prediction (PipeOptim, arXiv 2312.00839 Sec. IV)"),
+)}
+"""Every schedule by name; the config accepts exactly these names."""
+
+
+def get_schedule(name: str) -> ScheduleSpec:
+    """Look up a schedule by case-insensitive name; unknown names list the valid ones."""
+    try:
+        return SCHEDULES[name.lower()]
+    except KeyError:
+        raise GPPConfigError(f'unknown schedule "{name}"; valid: {sorted(SCHEDULES)}') from None
+
+
+def is_async(name: str) -> bool:
+    """True for the schedules that never drain between batches.
+
+    >>> is_async("PipeDream"), is_async("1f1b")
+    (True, False)
+    """
+    return get_schedule(name).asynchronous
