@@ -15,6 +15,7 @@ Representative signature of a stage's forward (called by :class:`GraphPipelineEn
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from typing import Any, Sequence
 
 import torch
@@ -28,7 +29,8 @@ from ..errors import GPPError, PartitionError
 from ..graph.ir import LayerGraph, TensorRef, build_layer_graph
 from ..graph.placement import Placement
 from ..graph.stages import Partition, StageSpec
-from ..partitioning import PARTITION_METHODS, ResolvedPartition, parse_partition_method, resolve_partition
+from ..partitioning import (PARTITION_METHODS, GraphPipeSearch, ResolvedPartition, parse_partition_method,
+                            resolve_partition)
 from ..spec import LayerEntry, call_layer, normalize_layers, port_leaves, resolve
 from ..checkpoint import layer_model_file, layer_model_files
 from .compat import broadcast_tied_weights, pipeline_grid
@@ -87,7 +89,12 @@ class GraphPipelineModule(PipelineModule):
             dist.init_distributed(dist_backend=get_accelerator().communication_backend_name())
         world_size = dist.get_world_size()
         by_name = {e.name: e for e in entries}
-        resolved = resolve_partition(graph, parse_partition_method(partition_method, cost_db=cost_db),
+        option = parse_partition_method(partition_method, cost_db=cost_db)
+        measured = None
+        if isinstance(option, GraphPipeSearch) and option.profile is not None and option.cost_db is None:
+            option = _measured(option, layers, input_names, output)
+            measured = option.cost_db
+        resolved = resolve_partition(graph, option,
                                      num_stages=_pipe_stages(num_stages, topology, world_size),
                                      stage_degrees=stage_degrees, world_size=world_size,
                                      param_count=lambda name: _count_params(by_name[name]),
@@ -106,6 +113,8 @@ class GraphPipelineModule(PipelineModule):
         self.engine_attached = False
         self.placement: Placement = placement
         self.resolved_partition: ResolvedPartition = resolved
+        # partition_method="graphpipe" with a DeviceProfile: the costs timed at start-up (same on every rank)
+        self.measured_costs = measured
         # The schedule a plan was priced with; the engine runs it unless its config names one.
         self.plan_schedule: str | None = resolved.schedule
         # The first communication: every rank has passed init_distributed, so each can unlink its
@@ -369,6 +378,19 @@ def _layer_bytes(entry: LayerEntry) -> int:
     tensors = {id(t): t for t in (*layer.parameters(), *layer.buffers())}.values()
     return sum(t.numel() * t.element_size() * (2 if t.requires_grad and isinstance(t, nn.Parameter) else 1)
                for t in tensors)
+
+
+def _measured(option: GraphPipeSearch, layers, input_names, output) -> GraphPipeSearch:
+    """``partition_method="graphpipe"`` with a :class:`~gpp_deepspeed.partitioning.DeviceProfile`:
+    the layers timed on every rank's device now, agreed across ranks, priced at the profile's
+    micro-batch (default: the largest timed)."""
+    from ..profiler import profile_on_ranks
+
+    profile = option.profile
+    with torch.random.fork_rng(devices=_rng_devices()):   # building and timing leave the user's RNG alone
+        db = profile_on_ranks(layers, input_names=input_names, output=output, profile=profile,
+                              device=get_accelerator().current_device_name())
+    return replace(option, cost_db=db, profile=None, micro_batch=profile.micro_batch or profile.micro_batches[-1])
 
 
 def _rng_devices() -> list[int]:
