@@ -38,6 +38,7 @@ bench: setup
 	$(PY) benchmarks/async_convergence.py
 	$(PY) benchmarks/transport_costs.py
 	$(PY) benchmarks/planned_runs.py
+	$(PY) benchmarks/large_models.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info
