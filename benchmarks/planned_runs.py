@@ -13,11 +13,11 @@ step takes about one second. Sleeping occupies a rank without a core, so 16 rank
 the plan's timing. Each plan is simulated twice:
 
 * **nominal**: the layers' sleeps, free links (what the schedule alone costs);
-* **calibrated**: what this machine adds, measured apart: a message and a gloo all-reduce step
-  (``benchmarks/transport_costs.py`` at this world size, on the bytes the emulated layers send),
-  the emulated layer's own overhead beyond its sleep (timed here in one process), and the
-  once-per-step cost of an empty pipeline (``step_s``: a run of the same world whose layers do not
-  sleep, minus what the calibrated simulator gives it).
+* **calibrated**: what this machine adds, measured apart: a message (busy at both ends, in flight
+  between: ``transport_costs.py``'s message model at this world size) and a gloo all-reduce step
+  (``benchmarks/transport_costs.py``), the emulated layer's own overhead beyond its sleep (timed
+  here in one process), and the once-per-step cost (``step_s``: in a run of the same world whose
+  layers do not sleep, the optimizer's ``STEP`` action and the engine's time outside every action).
 
 Every rank also records its own actions' durations, so each run is broken down: the schedule
 replayed with the measured compute, all-reduce and step, next to the measured step.
@@ -237,7 +237,8 @@ def run_plan(plan, emu, steps, tmp: Path, tag: str, world: int, cluster=None) ->
 def replay(plan, emu, ranks, *, link=None) -> dict:
     """The plan's schedule simulated with what its actions cost in the run (medians over the steps
     after the first and the ranks of each stage): compute alone, then with the all-reduce and
-    the step, then with each message at ``link``'s cost."""
+    the step, then with each message at ``link``'s cost (busy at both ends, in flight between)."""
+    from gpp_deepspeed.planner import CommFit
     from gpp_deepspeed.planner.simulate import simulate_plan
     from gpp_deepspeed.schedule.ir import ActionKind as K
     from gpp_deepspeed.schedule.validate import simulate
@@ -256,14 +257,16 @@ def replay(plan, emu, ranks, *, link=None) -> dict:
                               if a.kind in kinds else 0.0).makespan
     if link is not None:
         kinds = compute | {K.REDUCE_GRAD, K.STEP}
+        link = CommFit(**link)
 
         def priced(a):
             if a.kind in kinds:
                 return med.get((a.stage_idx, a.kind.value), 0.0)
-            if a.kind.is_transfer:   # every message a latency (the bytes are a few hundred)
-                return link["alpha_s"] * len(a.transfers)
+            if a.kind.is_transfer:   # each message busy at both ends (the bytes are a few hundred)
+                return link.busy_s * len(a.transfers)
             return 0.0
-        out["+ messages"] = simulate(schedule, duration=priced).makespan
+        out["+ messages"] = simulate(schedule, duration=priced, latency=link.latency_s,
+                                     late_receive=link.late_receive_s).makespan
     return out
 
 
@@ -302,8 +305,14 @@ def calibration(world: int, steps: int, tmp: Path) -> dict:
     transport = json.loads((ROOT / "benchmarks" / "results" / "transport_costs.json").read_text())[str(world)]
     reduce = transport["allreduce_s"]
     step = statistics.median(float(t) / (2 * (int(g) - 1)) for g, t in reduce.items())
-    link = transport["message_all_pairs_fit"]   # the bytes are a few hundred: a noisy slope is clamped at 0
-    calib = {"link": {"alpha_s": link["alpha_s"], "beta_s_per_byte": max(0.0, link["beta_s_per_byte"])},
+    # A message: busy overhead at each end, and a latency in flight once both ends are posted
+    # (transport_costs.py's message model). The bytes are a few hundred: no per-byte term.
+    messages = transport["message_model"]
+    overhead, latency = messages["overhead_s"], messages["latency_s"]
+    calib = {"link": {"alpha_s": 2 * overhead + latency, "beta_s_per_byte": 0.0, "overhead_s": overhead,
+                      "late_receive_s": messages["late_receive_s"]},
+             # the model before: a ping-pong's half round trip busy at both ends of every message
+             "blocking_link": {"alpha_s": transport["message_all_pairs_fit"]["alpha_s"], "beta_s_per_byte": 0.0},
              "collective": {"alpha_s": step, "beta_s_per_byte": 0.0},
              "layer_overhead_s": layer_overhead()}
     # An empty pipeline: CANDLE-Uno's branches cut into `world` single-rank stages, no sleeping.
@@ -315,8 +324,25 @@ def calibration(world: int, steps: int, tmp: Path) -> dict:
     empty = scaled_db(db, 0.0)
     data = run_plan(plan, empty, steps, tmp, "empty", world)
     calib["empty_step_s"] = data["median_s"]
-    calib["step_s"] = max(0.0, data["median_s"] - predict(plan, calibrated_db(empty, calib)).predicted.iteration_time_s)
+    calib["step_action_s"], calib["outside_actions_s"] = per_step_costs(data)
+    calib["step_s"] = calib["step_action_s"] + calib["outside_actions_s"]
+    calib["empty_calibrated_s"] = predict(plan, calibrated_db(empty, calib)).predicted.iteration_time_s
     return calib
+
+
+def per_step_costs(data: dict) -> tuple[float, float]:
+    """What a run spends once per iteration besides its schedule's transfers and compute, from the
+    actions its ranks recorded (steps after the first): the optimizer step (the median ``STEP``
+    action) and the engine's work outside every action (the step's wall time less the span from
+    the first action's start on any rank to the last one's end: batch set-up, loss aggregation)."""
+    steps, outside = [], []
+    for k in range(1, len(data["times"])):
+        per_rank = [r["actions"][k] for r in data["ranks"]]
+        steps += [end - start for actions in per_rank for name, start, end in actions if _kind(name) == "STEP"]
+        span = max(end for actions in per_rank for _, _, end in actions) - \
+            min(start for actions in per_rank for _, start, _ in actions)
+        outside.append(data["times"][k] - span)
+    return statistics.median(steps), max(0.0, statistics.median(outside))
 
 
 def main():
@@ -362,6 +388,7 @@ def main():
             emu_cluster = cluster
             nominal = predict(plan, emu, cluster=emu_cluster)
             calibrated = predict(plan, calibrated_db(emu, calib), cluster=emu_cluster)
+            blocking = predict(plan, calibrated_db(emu, {**calib, "link": calib["blocking_link"]}), cluster=emu_cluster)
             tag = f"{name.split()[0]}_{kind}"
             data = run_plan(plan, emu, args.steps, tmp, tag, plan.num_devices, cluster)
             breakdown = replay(nominal, emu, data["ranks"], link=calib["link"])
@@ -371,7 +398,8 @@ def main():
                    "micro_batch": plan.micro_batch, "micro_batches": plan.num_microbatches, "fan_in": fan_in(nominal),
                    "measured_s": data["median_s"], "times_s": data["times"],
                    "simulated_s": nominal.predicted.iteration_time_s,
-                   "calibrated_s": calibrated.predicted.iteration_time_s, "replay_s": breakdown}
+                   "calibrated_s": calibrated.predicted.iteration_time_s,
+                   "calibrated_blocking_s": blocking.predicted.iteration_time_s, "replay_s": breakdown}
             rows.append(row)
             print(f"{name:20s} {kind:10s} {plan.method:14s} measured {row['measured_s']:.3f} s  nominal "
                   f"{row['simulated_s']:.3f} s  calibrated {row['calibrated_s']:.3f} s  ratio "
@@ -409,15 +437,27 @@ def write_section(results):
             "pessimistic there.\n"]
     for world, res in sorted(results.items(), key=lambda kv: -int(kv[0])):
         c = res["calibration"]
-        text.append(f"### {world} ranks\n\nCalibration: a message {c['link']['alpha_s'] * 1e3:.3f} ms + "
-                    f"{c['link']['beta_s_per_byte'] * 1e9:.2f} ns/byte, an all-reduce ring step "
+        link = c["link"]
+        busy = link.get("overhead_s")
+        message = (f"a message busy {busy * 1e3:.3f} ms at each end and in flight "
+                   f"{(link['alpha_s'] - 2 * busy) * 1e3:.3f} ms once both ends are posted, "
+                   f"{link.get('late_receive_s', 0.0) * 1e3:.3f} ms more when its receive is posted last (the model "
+                   f"before: {c['blocking_link']['alpha_s'] * 1e3:.3f} ms busy at both ends)" if busy is not None else
+                   f"a message {link['alpha_s'] * 1e3:.3f} ms busy at both ends")
+        text.append(f"### {world} ranks\n\nCalibration: {message}, an all-reduce ring step "
                     f"{c['collective']['alpha_s'] * 1e3:.3f} ms, the emulated layer's overhead "
                     f"{c['layer_overhead_s'][0] * 1e3:.3f} ms forward / {c['layer_overhead_s'][1] * 1e3:.3f} ms "
-                    f"backward, an empty {world}-stage pipeline {c['empty_step_s'] * 1e3:.1f} ms per step "
-                    f"(step_s {c['step_s'] * 1e3:.1f} ms).\n")
+                    f"backward, once per step {c['step_s'] * 1e3:.1f} ms" + (
+                        f" (the STEP action {c['step_action_s'] * 1e3:.1f} ms, outside every action "
+                        f"{c['outside_actions_s'] * 1e3:.1f} ms)" if "step_action_s" in c else "") +
+                    f"; an empty {world}-stage pipeline (layers that do not sleep) ran "
+                    f"{c['empty_step_s'] * 1e3:.1f} ms per step" + (
+                        f", calibrated {c['empty_calibrated_s'] * 1e3:.1f} ms" if "empty_calibrated_s" in c else "")
+                    + ".\n")
         table = ["| model | plan | stages (ranks each) | fan-in | b x M | measured (s) | nominal (s) | calibrated (s) | "
-                 "replay: compute / + all-reduce, step / + messages (s) | measured / nominal | measured / calibrated |",
-                 "|---|---|---|---|---|---|---|---|---|---|---|"]
+                 "replay: compute / + all-reduce, step / + messages (s) | measured / nominal | measured / calibrated | "
+                 "measured / calibrated with blocking messages (the model before) |",
+                 "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         by_model = collections.defaultdict(dict)
         for r in res["rows"]:
             by_model[r["model"]][r["kind"]] = r
@@ -428,21 +468,27 @@ def write_section(results):
                          f"{classes}) | {r['fan_in']} | {r['micro_batch']} x {r['micro_batches']} | "
                          f"{r['measured_s']:.3f} | {r['simulated_s']:.3f} | {r['calibrated_s']:.3f} | "
                          + " / ".join(f"{v:.3f}" for v in rp.values()) + f" | {r['measured_s'] / r['simulated_s']:.3f} | "
-                         f"{r['measured_s'] / r['calibrated_s']:.3f} |")
+                         f"{r['measured_s'] / r['calibrated_s']:.3f} | " + _ratio(r, "calibrated_blocking_s") + " |")
         speed = ["| model | GPP / SPP (fan-in: DAG / chain) measured | predicted (nominal) | predicted (calibrated) | "
-                 "measured / calibrated |",
-                 "|---|---|---|---|---|"]
+                 "measured / calibrated | predicted (blocking messages) |",
+                 "|---|---|---|---|---|---|"]
         for model, kinds in by_model.items():
             pair = next(((a, b) for a, b in (("graphpipe", "sequential"), ("dag", "chain")) if {a, b} <= set(kinds)), None)
             if pair:
                 g, s = kinds[pair[0]], kinds[pair[1]]
                 m, pn, pc = s["measured_s"] / g["measured_s"], s["simulated_s"] / g["simulated_s"], \
                     s["calibrated_s"] / g["calibrated_s"]
-                speed.append(f"| {model} | {m:.3f} | {pn:.3f} | {pc:.3f} | {m / pc:.3f} |")
+                pb = (f"{s['calibrated_blocking_s'] / g['calibrated_blocking_s']:.3f}"
+                      if "calibrated_blocking_s" in g and "calibrated_blocking_s" in s else "-")
+                speed.append(f"| {model} | {m:.3f} | {pn:.3f} | {pc:.3f} | {m / pc:.3f} | {pb} |")
         text += ["\n".join(table), "", "\n".join(speed), ""]
     (ROOT / "benchmarks" / "results" / "planned_runs.md").write_text("\n".join(text))
     import report
     report.main()
+
+
+def _ratio(row: dict, key: str) -> str:
+    return f"{row['measured_s'] / row[key]:.3f}" if key in row else "-"
 
 
 if __name__ == "__main__":

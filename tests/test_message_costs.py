@@ -3,8 +3,9 @@ overlaps other work and that a grouped transfer pays once (pure, no torch).
 
 The references are iterations written out by hand, action by action, from the link model
 (:class:`~gpp_deepspeed.planner.costs.CommFit`: each end busy ``overhead_s`` per message, a
-message in flight ``alpha_s - 2 * overhead_s`` once both ends have posted it), and the
-paper's stage time for a link without an overhead (the whole ``alpha_s`` busy at both ends).
+message in flight ``alpha_s - 2 * overhead_s`` once both ends have posted it, ``late_receive_s``
+more when its receive was posted last), and the paper's stage time for a link without an
+overhead (the whole ``alpha_s`` busy at both ends).
 """
 
 from __future__ import annotations
@@ -85,6 +86,28 @@ def test_a_two_stage_chain_waits_the_latency_after_a_receive_posted_behind_its_s
     assert simulate_plan(plan, db).prediction.iteration_time_s == pytest.approx(b1_on_0_done)
 
 
+def test_a_receive_posted_behind_its_send_waits_the_late_receive_time_on_top_and_only_it():
+    # The same chain on a link where a message whose receive comes last waits 0.2 s more (gloo's
+    # receive-ready notice): only F1's receive on stage 1 is posted behind its send; every other
+    # receive is posted first and waits for its send.
+    late = 0.2
+    link = CommFit(alpha_s=SPLIT.alpha_s, beta_s_per_byte=0.0, overhead_s=OVERHEAD, late_receive_s=late)
+    db = chain(2, out_bytes={"l0": 4}, hw=hardware(link=link))
+    plan = Plan(model="chain", method="manual", source="test", micro_batch=1, mini_batch=2,
+                stages=(PlanStage(layers=("l0",)), PlanStage(layers=("l1",))))
+    o, lat = OVERHEAD, LATENCY
+    b0_on_1_done = (1 + o) + lat + (1 + o) + (2 + o)
+    b1_on_1_done = b0_on_1_done + lat + late + (1 + o) + (2 + o)
+    b0_on_0_done = b0_on_1_done + lat + (2 + o)
+    assert simulate_plan(plan, db).prediction.iteration_time_s == pytest.approx(
+        max(b0_on_0_done, b1_on_1_done + lat) + (2 + o))
+
+
+def test_a_negative_late_receive_time_is_refused():
+    with pytest.raises(GPPConfigError, match="late_receive_s = -0.1 s"):
+        CommFit(alpha_s=0.5, beta_s_per_byte=0.0, overhead_s=0.1, late_receive_s=-0.1)
+
+
 def test_the_schedule_simulator_starts_a_message_when_the_later_of_its_two_ends_is_posted():
     # Forward only, two micro-batches: stage 0 sends F0 at 1 and F1 at 2; stage 1 (5 s a forward)
     # posts its receive of F1 at 6 + L, so F1 arrives at 6 + 2L, not at 2 + L.
@@ -95,6 +118,9 @@ def test_the_schedule_simulator_starts_a_message_when_the_later_of_its_two_ends_
         return {0: 1.0, 1: 5.0}[a.stage_idx] if a.kind is K.FORWARD else 0.0
 
     assert simulate(sched, duration=duration, latency=lat).makespan == pytest.approx(1 + lat + 5 + lat + 5)
+    # the receive of F1 came last: with a late-receive time it waits that much more
+    assert simulate(sched, duration=duration, latency=lat, late_receive=0.25).makespan == \
+        pytest.approx(1 + lat + 5 + lat + 0.25 + 5)
 
 
 def test_the_search_prices_a_stages_messages_as_the_simulator_does():

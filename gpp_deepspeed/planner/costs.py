@@ -55,6 +55,9 @@ class CommFit:
     message's end-to-end time, ``o + L + o``); the simulator lets that latency overlap other work,
     so a group of messages posted together pays it once. ``None`` (the default, and the paper's
     stage time) counts the whole ``alpha_s`` as busy at both ends and nothing in flight.
+    ``late_receive_s`` is what a message whose receive is posted after its send waits on top of the
+    latency: gloo's TCP pair answers a send nobody is receiving yet with a "receive ready" notice
+    and only then gets the data, one exchange more than when the receive came first (NCCL: 0).
 
     >>> round(CommFit(alpha_s=1e-5, beta_s_per_byte=1e-9).time(1000), 12)
     1.1e-05
@@ -66,12 +69,15 @@ class CommFit:
     alpha_s: float
     beta_s_per_byte: float
     overhead_s: float | None = None
+    late_receive_s: float = 0.0
 
     def __post_init__(self):
         if self.overhead_s is not None and not 0 <= 2 * self.overhead_s <= self.alpha_s:
             raise GPPConfigError(f"link overhead_s = {self.overhead_s:g} s must be between 0 and half of alpha_s = "
                                  f"{self.alpha_s:g} s (an isolated message takes alpha_s = overhead + latency + "
                                  "overhead end to end)")
+        if self.late_receive_s < 0:
+            raise GPPConfigError(f"link late_receive_s = {self.late_receive_s:g} s must not be negative")
 
     def time(self, nbytes: float) -> float:
         """An isolated message's end-to-end seconds (the affine fit)."""

@@ -27,7 +27,7 @@ from ..schedule.program import AsyncProgram, build_program
 from ..schedule.registry import is_async
 from ..schedule.validate import Timeline, simulate
 from ..schedule.zero_bubble import peak_in_flight
-from .costs import CostDB, StageCost, StageCostModel
+from .costs import CommFit, CostDB, StageCost, StageCostModel
 from .plan import Plan, Prediction
 
 __all__ = ["SimulatedPlan", "simulate_plan", "predict", "choose_schedule"]
@@ -45,18 +45,19 @@ class SimulatedPlan:
 
 def simulate_plan(plan: Plan, db: CostDB, *, schedule: str | None = None, cluster=None,
                   train: bool = True, stage_costs: tuple[StageCost, ...] | None = None,
-                  latency_s: float | None = None) -> SimulatedPlan:
+                  link: CommFit | None = None) -> SimulatedPlan:
     """Simulate one iteration (one mini-batch) of ``plan`` priced by ``db``, under ``schedule``
     (default: the plan's own). With a :class:`~gpp_deepspeed.planner.hetero.Cluster`, each stage
     is priced for its ``device_class``; ``train=False`` runs forwards only (inference);
-    ``stage_costs`` replaces the cost model's prices and ``latency_s`` the links' time in flight
-    (a placement on a topology prices its own links).
+    ``stage_costs`` replaces the cost model's prices and ``link`` the links' time in flight (a
+    placement on a topology prices its own links).
 
     A message keeps both its stages busy (:meth:`~gpp_deepspeed.planner.costs.CommFit.busy`, in
     their ``F``/``B`` prices, as the search prices them) and is in flight the link's
-    :attr:`~gpp_deepspeed.planner.costs.CommFit.latency_s` once both ends have posted it, during
-    which both go on with other work: a stage that receives ``k`` messages in one grouped action
-    is busy ``k`` times and waits for the latency once."""
+    :attr:`~gpp_deepspeed.planner.costs.CommFit.latency_s` once both ends have posted it (and its
+    ``late_receive_s`` more when the receive came last), during which both go on with other work:
+    a stage that receives ``k`` messages in one grouped action is busy ``k`` times and waits for
+    the latency once. With a cluster, the slowest class's link."""
     schedule = schedule or plan.schedule
     names = set(db.by_name)
     planned = [n for s in plan.stages for n in s.layers]
@@ -102,9 +103,9 @@ def simulate_plan(plan: Plan, db: CostDB, *, schedule: str | None = None, cluste
             return step_s[a.stage_idx]
         return 0.0
 
-    if latency_s is None:
-        latency_s = max(mdl.link.latency_s for mdl in models)
-    timeline = simulate(lists, duration=duration, latency=latency_s)
+    if link is None:
+        link = max((mdl.link for mdl in models), key=lambda x: (x.latency_s, x.late_receive_s))
+    timeline = simulate(lists, duration=duration, latency=link.latency_s, late_receive=link.late_receive_s)
     if not (train and is_async(schedule)):
         in_flight = tuple(peak_in_flight(lists[s]) for s in range(plan.num_stages))
     if train:

@@ -106,9 +106,9 @@ def contiguous(plan: Plan) -> tuple[tuple[int, ...], ...]:
 
 
 def _edge_times(topo: Topology, placement: Sequence[Sequence[int]], micro_batch: int,
-                edges: dict[tuple[int, int], float]) -> tuple[list[float], float]:
+                edges: dict[tuple[int, int], float]) -> tuple[list[float], CommFit]:
     """Per stage: seconds its busiest replica is busy with one micro-batch's messages, each
-    direction, and the longest time in flight of the links they use.
+    direction, and the link of the longest time in flight among those they use.
 
     Every edge moves what the engine sends (:func:`~gpp_deepspeed.graph.placement.reshard`): each
     producer replica sends its own rows to the consumer replicas that hold them, one message per
@@ -117,7 +117,7 @@ def _edge_times(topo: Topology, placement: Sequence[Sequence[int]], micro_batch:
     the same time.
     """
     busy = [[0.0] * len(p) for p in placement]
-    latency = 0.0
+    slowest = CommFit(alpha_s=0.0, beta_s_per_byte=0.0)
     for (u, v), nbytes in edges.items():
         a, c = placement[u], placement[v]
         for t in reshard(math.lcm(len(a), len(c)), num_src=len(a), num_dst=len(c)):
@@ -126,8 +126,9 @@ def _edge_times(topo: Topology, placement: Sequence[Sequence[int]], micro_batch:
             dt = link.busy(nbytes * rows)
             busy[u][t.src_idx] += dt
             busy[v][t.dst_idx] += dt
-            latency = max(latency, link.latency_s if nbytes > 0 else 0.0)
-    return [max(b) for b in busy], latency
+            if nbytes > 0 and (link.latency_s, link.late_receive_s) > (slowest.latency_s, slowest.late_receive_s):
+                slowest = link
+    return [max(b) for b in busy], slowest
 
 
 def _ring_allreduce(topo: Topology, ring: Sequence[int], param_bytes: float) -> float:
@@ -146,13 +147,13 @@ def placement_time(plan: Plan, db: CostDB, topo: Topology, placement: Sequence[S
     compute_db = replace(db, hardware=replace(db.hardware, intra=free, inter=free))
     cm = StageCostModel(compute_db, plan.mini_batch, p2p_devices=plan.num_devices)
     edges = edge_bytes(db, plan.stage_of, relay=plan.pipeline == "chain")
-    comm, latency = _edge_times(topo, placement, plan.micro_batch, edges)
+    comm, slowest = _edge_times(topo, placement, plan.micro_batch, edges)
     costs = []
     for s, stage in enumerate(plan.stages):
         c = cm.stage(cm.mask_of(stage.layers), plan.micro_batch, stage.devices, recompute=stage.recompute)
         costs.append(replace(c, fwd_s=c.fwd_s + comm[s], bwd_s=c.bwd_s + comm[s], bwd_input_s=c.bwd_input_s + comm[s],
                              allreduce_s=_ring_allreduce(topo, placement[s], c.param_bytes)))
-    return simulate_plan(plan, db, stage_costs=costs, latency_s=latency).prediction.iteration_time_s
+    return simulate_plan(plan, db, stage_costs=costs, link=slowest).prediction.iteration_time_s
 
 
 def _distinct(counts: Sequence[int], n: int) -> int:

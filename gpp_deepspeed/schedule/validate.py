@@ -62,8 +62,8 @@ MODES = ("async", "rendezvous")
 class _Channels:
     """Posted sends and receives per channel; the n-th send of a channel matches its n-th receive."""
 
-    def __init__(self, latency: float):
-        self.latency = latency
+    def __init__(self, latency: float, late_receive: float = 0.0):
+        self.latency, self.late_receive = latency, late_receive
         self.posted: dict[tuple, list[list[tuple[int, float]]]] = {}   # channel -> [sends, receives]
 
     def post(self, op: Action, time: float) -> tuple[tuple, int]:
@@ -82,12 +82,15 @@ class _Channels:
             raise ScheduleError(f"message {n} on channel {ch[0]}->{ch[1]} ({ch[2]}) carries micro-batch {sent_mb} "
                                 f"but its receive expects micro-batch {recv_mb}")
         # A message moves once both ends are posted (NCCL; gloo's TCP pair answers a send posted
-        # before its receive with a "receive ready" notice, and only then sends the data).
-        return max(sent_at, recv_at) + self.latency
+        # before its receive with a "receive ready" notice, and only then sends the data: the
+        # late receive's extra exchange).
+        if recv_at > sent_at:
+            return recv_at + self.latency + self.late_receive
+        return sent_at + self.latency
 
 
 def simulate(schedule: Schedule, *, duration: Callable[[Action], float] = default_duration,
-             latency: float = 0.0, mode: str = "async") -> Timeline:
+             latency: float = 0.0, late_receive: float = 0.0, mode: str = "async") -> Timeline:
     """Run every stage's list and time it.
 
     ``mode="async"`` is gloo's behaviour, what the engine relies on at least: a send never blocks
@@ -105,11 +108,13 @@ def simulate(schedule: Schedule, *, duration: Callable[[Action], float] = defaul
     ``latency``: seconds every message is in flight once both its send and its receive are posted
     (the part of a message's cost that overlaps other work: :attr:`CommFit.latency_s
     <gpp_deepspeed.planner.costs.CommFit.latency_s>`); a grouped action waits for its last message,
-    so it pays the latency once, not once per message.
+    so it pays the latency once, not once per message. ``late_receive``: what a message whose
+    receive is posted after its send waits on top of that (:attr:`CommFit.late_receive_s
+    <gpp_deepspeed.planner.costs.CommFit.late_receive_s>`).
     """
     if mode not in MODES:
         raise ScheduleError(f'unknown simulation mode "{mode}"; valid: {list(MODES)}')
-    channels = _Channels(latency)
+    channels = _Channels(latency, late_receive)
     pc = {s: 0 for s in schedule}
     clock = {s: 0.0 for s in schedule}
     posted: dict[int, list[tuple[Action, tuple, int]]] = {}      # stage -> its current action's posted ops
