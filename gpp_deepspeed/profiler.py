@@ -23,7 +23,9 @@ Representative use::
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -40,12 +42,12 @@ from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from .errors import GPPConfigError, GPPError
-from .graph.ir import TensorRef
-from .model import GraphModel
+from .graph.ir import TensorRef, build_layer_graph
 from .planner.costs import CommFit, CostDB, Hardware, LayerCost
-from .spec import LayerEntry, call_layer, resolve
+from .spec import LayerEntry, build_entry, call_layer, normalize_layers, resolve
 
 __all__ = ["profile_layers", "profile_on_ranks", "fit_affine", "measure_p2p", "measure_hardware", "with_links",
            "P2P_SIZES"]
@@ -60,11 +62,15 @@ def profile_layers(layers: Sequence[Any], *, input_names: Sequence[str], output:
                    only: Callable[[int, str], bool] | None = None) -> CostDB:
     """Measure every layer of a layer list on ``device`` and return its :class:`CostDB`.
 
-    ``layers``, ``input_names`` and ``output`` are what ``GraphPipelineModule`` takes; the model is
-    built as a :class:`GraphModel`. ``make_inputs(b)`` returns the graph inputs (a tensor or a tuple
-    in ``input_names`` order) for a micro-batch of ``b`` samples. For each ``b`` the whole model runs
-    forward once to capture each layer's inputs; then each layer alone runs forward and backward
-    (towards its inputs and parameters, with a random output gradient) on fresh copies of them.
+    ``layers``, ``input_names`` and ``output`` are what ``GraphPipelineModule`` takes. ``make_inputs(b)``
+    returns the graph inputs (a tensor or a tuple in ``input_names`` order) for a micro-batch of
+    ``b`` samples. The layers are built one at a time, in the graph's order, under the build seeds
+    a :class:`~gpp_deepspeed.GraphModel` gives them (a captured meta layer is materialised then,
+    :mod:`gpp_deepspeed.meta`), and each is dropped once it has run (a tied module once its last
+    entry has): the model is never whole, and what is live is one layer and the activations later
+    layers still read. Each layer runs forward on what the layers before it produced, at every
+    micro-batch size, and alone forward and backward (towards its inputs and parameters, with a
+    random output gradient) on fresh copies of those inputs.
 
     Byte counts per sample are the largest over the measured sizes, so a part that does not grow
     with the batch is not under-counted at small micro-batches. A tensor saved by both its producer
@@ -72,50 +78,109 @@ def profile_layers(layers: Sequence[Any], *, input_names: Sequence[str], output:
     stashes the copy it received), an over-estimate otherwise. The parameters of a
     ``TiedLayerSpec`` count once, at the key's first entry in the list; parameters hidden in a plain
     callable are invisible. ``hardware`` defaults to :func:`measure_hardware` on ``device``.
-    ``only(index, name)`` picks the layers to time (the others get zero times; their bytes are
-    still counted): :func:`profile_on_ranks` shares the layers among ranks with it.
+    ``only(index, name)`` picks the layers to time (the others get zero times; they are still built
+    and run, for their outputs and bytes): :func:`profile_on_ranks` shares the layers among ranks
+    with it.
     """
     mbs = tuple(sorted(set(int(b) for b in micro_batches)))
     if not mbs or mbs[0] <= 0 or warmup < 0 or repeats < 1:
         raise GPPConfigError(f"need positive micro_batches, warmup >= 0 and repeats >= 1, got "
                              f"micro_batches={list(micro_batches)}, warmup={warmup}, repeats={repeats}")
     device = torch.device(device)
-    model = GraphModel(layers, input_names=input_names, output=output).to(device)
+    entries = normalize_layers(layers, input_names, base_seed=_BASE_SEED)
+    graph = build_layer_graph(input_names, [(e.name, e.inputs) for e in entries], output=output)
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
-    rows = {e.name: dict(fwd_s=[], bwd_s=[], bwd_input_s=[], bwd_weight_s=[], out_bytes=0, stash_bytes=0)
-            for e in model.entries}
-    for b in mbs:
-        inputs = make_inputs(b)
-        inputs = (inputs, ) if torch.is_tensor(inputs) else tuple(inputs)
-        args_of = _capture(model, _map_tensors(lambda t: t.to(device), inputs))
-        for index, e in enumerate(model.entries):
-            params, buffers = _layer_state(model, e)
-            fn, args = model._funcs[e.name], args_of[e.name]
-            timed = only is None or only(index, e.name)
-            times = _time_layer(e, fn, args, params, warmup=warmup, repeats=repeats, sync=sync) if timed else (0.0,) * 4
+    index = {e.name: i for i, e in enumerate(entries)}
+    by_name = {e.name: e for e in entries}
+    envs = {b: _graph_inputs(graph.input_names, make_inputs(b), device) for b in mbs}
+    layers_alive = _LayerStream(entries, graph.order, device)
+    costs: dict[str, LayerCost] = {}
+    for name in graph.order:
+        e = by_name[name]
+        fn, params, buffers, count_params = layers_alive.build(e)
+        timed = only is None or only(index[name], name)
+        times, out_bytes, stash_bytes = [], 0, 0
+        for b in mbs:
+            args = [resolve(envs[b], TensorRef.parse(r)) for r in e.inputs]
+            times.append(_time_layer(e, fn, args, params, warmup=warmup, repeats=repeats, sync=sync) if timed
+                         else (0.0,) * 4)
             out, stashed = _stash(e, fn, args, params + buffers)
-            row = rows[e.name]
-            for key, t in zip(("fwd_s", "bwd_s", "bwd_input_s", "bwd_weight_s"), times):
-                row[key].append(t)
-            out_bytes = sum(t.numel() * t.element_size() for t in _tensors(out))
-            row["out_bytes"] = max(row["out_bytes"], math.ceil(out_bytes / b))
-            row["stash_bytes"] = max(row["stash_bytes"], math.ceil(stashed / b))
-        del args_of
-    costs, seen_ties = [], set()
-    for e in model.entries:
-        params, _ = _layer_state(model, e)
-        counted = e.tie_key is None or e.tie_key not in seen_ties
-        seen_ties.add(e.tie_key)
-        r = rows[e.name]
-        costs.append(LayerCost(name=e.name, inputs=tuple(e.inputs), micro_batches=mbs, fwd_s=tuple(r["fwd_s"]),
-                               bwd_s=tuple(r["bwd_s"]), bwd_input_s=tuple(r["bwd_input_s"]),
-                               bwd_weight_s=tuple(r["bwd_weight_s"]), out_bytes=r["out_bytes"],
-                               stash_bytes=r["stash_bytes"],
-                               param_bytes=sum(p.numel() * p.element_size() for p in params) if counted else 0))
+            out_bytes = max(out_bytes, math.ceil(sum(t.numel() * t.element_size() for t in _tensors(out)) / b))
+            stash_bytes = max(stash_bytes, math.ceil(stashed / b))
+            del out
+            with torch.no_grad():   # the value later layers read, as GraphModel.forward computes it
+                envs[b][TensorRef(name)] = call_layer(e, fn, args)
+        fwd, bwd, grad_in, grad_w = (tuple(t[k] for t in times) for k in range(4))
+        costs[name] = LayerCost(name=name, inputs=tuple(e.inputs), micro_batches=mbs, fwd_s=fwd, bwd_s=bwd,
+                                bwd_input_s=grad_in, bwd_weight_s=grad_w, out_bytes=out_bytes, stash_bytes=stash_bytes,
+                                param_bytes=sum(p.numel() * p.element_size() for p in params) if count_params else 0)
+        del fn, params, buffers
+        for dead in layers_alive.done(name):
+            for env in envs.values():
+                env.pop(TensorRef(dead), None)
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({torch.get_num_threads()} threads)"
     return CostDB(model=model_name, source=f"measured on {where}, torch {torch.__version__}",
-                  input_names=tuple(model.graph.input_names), output=model.graph.output, layers=tuple(costs),
+                  input_names=tuple(graph.input_names), output=graph.output,
+                  layers=tuple(costs[e.name] for e in entries),
                   hardware=hardware if hardware is not None else measure_hardware(device=device))
+
+
+_BASE_SEED = 1234   # GraphModel's and GraphPipelineModule's default: the same weights as training
+
+
+class _LayerStream:
+    """Builds :func:`profile_layers`' layers one at a time and says when a layer's output, or a tied
+    module, is no longer needed (after the last layer in ``order`` that reads it)."""
+
+    def __init__(self, entries: Sequence[LayerEntry], order: Sequence[str], device: torch.device):
+        self.device = device
+        by_name = {e.name: e for e in entries}
+        self.last_reader: dict[str, str] = {}    # producer -> its last reader in order
+        self.tie_last: dict[str, str] = {}       # tie key -> its last entry in order
+        for name in order:
+            for ref in by_name[name].inputs:
+                self.last_reader[TensorRef.parse(ref).node] = name
+            if by_name[name].tie_key is not None:
+                self.tie_last[by_name[name].tie_key] = name
+        self.readers_done: dict[str, list[str]] = {}
+        for producer, reader in self.last_reader.items():
+            self.readers_done.setdefault(reader, []).append(producer)
+        self.tied: dict[str, nn.Module] = {}
+        self.tie_counted: set[str] = set()
+        self.entry_of = by_name
+
+    def build(self, e: LayerEntry):
+        """The layer's callable on the device, its parameters and buffers, and whether its
+        parameters count here (a tie's count once, at its first entry)."""
+        key = e.tie_key
+        if key is not None:
+            if key not in self.tied:
+                self.tied[key] = build_entry(e).to(self.device)
+            module = self.tied[key]
+            fn = module if e.layer.forward_fn is None else functools.partial(e.layer.forward_fn, module)
+            counted = key not in self.tie_counted
+            self.tie_counted.add(key)
+        else:
+            built = build_entry(e)
+            if isinstance(e.layer, nn.Module):   # the user's module stays where it is, untouched
+                built = copy.deepcopy(built)
+            module = built.to(self.device) if isinstance(built, nn.Module) else None
+            fn, counted = module if module is not None else built, True
+        if module is None:
+            return fn, [], [], counted
+        return fn, [p for p in module.parameters() if p.requires_grad], list(module.buffers()), counted
+
+    def done(self, name: str) -> list[str]:
+        """After ``name`` ran: drop a tie whose last entry it was; the outputs nobody reads any more."""
+        key = self.entry_of[name].tie_key
+        if key is not None and self.tie_last[key] == name:
+            del self.tied[key]
+        return self.readers_done.get(name, []) + ([name] if name not in self.last_reader else [])
+
+
+def _graph_inputs(input_names: Sequence[str], inputs: Any, device: torch.device) -> dict[TensorRef, Any]:
+    inputs = (inputs, ) if torch.is_tensor(inputs) else tuple(inputs)
+    return {TensorRef(n): _map_tensors(lambda t: t.to(device), x) for n, x in zip(input_names, inputs)}
 
 
 def profile_on_ranks(layers: Sequence[Any], *, input_names: Sequence[str], output: str | None = None,
@@ -123,13 +188,13 @@ def profile_on_ranks(layers: Sequence[Any], *, input_names: Sequence[str], outpu
     """The cost database of a :class:`~gpp_deepspeed.partitioning.DeviceProfile`, measured by
     every rank of ``group`` (default: the world) on its own ``device`` and agreed: rank ``r``
     times layers ``r, r + W, r + 2W, ...`` (:func:`profile_layers`), the ranks exchange their rows
-    (``all_gather_object``), and every rank assembles the same database. The link is a ping-pong
-    between the group's first two ranks on the running process group (:func:`fit_affine`), the
-    memory the device's (or this host's RAM shared by the ranks on it). Collective: call it on
-    every rank of ``group``.
+    (``all_gather_object``), and every rank assembles the same database. The links are ping-pongs
+    between pairs of ranks on the running process group, inside a node and across nodes
+    (:func:`_device_hardware`), the memory the device's (or this host's RAM shared by the ranks on
+    it). Collective: call it on every rank of ``group``.
 
-    Every rank builds the whole model once to time its share (the inputs of a layer are what the
-    layers before it produce): a model that does not fit on one device needs ``gpp profile``.
+    Every rank builds the layers one at a time (:func:`profile_layers`): it runs each of them
+    forward, for the inputs of the next, and times its share; the model is never whole on a rank.
     """
     device = torch.device(device)
     world, rank = dist.get_world_size(group), dist.get_rank(group)
@@ -148,70 +213,73 @@ def profile_on_ranks(layers: Sequence[Any], *, input_names: Sequence[str], outpu
 
 
 def _device_hardware(device: torch.device, group) -> Hardware:
-    """This group's link, from a ping-pong of its first two ranks, and the device's memory; the
-    same on every rank (broadcast from the group's first rank)."""
+    """This group's links and the device's memory, the same on every rank.
+
+    The links are ping-pongs between pairs of ranks, every pair at once (as a pipeline's stages
+    exchange at once): inside a node, each rank paired with its neighbour; across nodes (when the
+    group spans several, ``LOCAL_SIZE`` ranks each), the k-th rank of a node with the k-th of the
+    next. Each link is the affine fit (:func:`fit_affine`) of the median pair at each size, so one
+    slow or fast pair does not stand for every link; a group inside one node has one link.
+    """
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     ranks = dist.get_process_group_ranks(group) if group is not None else list(range(world))
-    seconds = []
-    if world > 1 and rank < 2:
-        peer = ranks[1 - rank]
-        sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
-        for nbytes in (1 << 10, 1 << 16, 1 << 20):
-            buf = torch.zeros(nbytes // 4, device=device)
-            times = []
-            for i in range(6):
-                sync()
-                t0 = time.perf_counter()
-                if rank == 0:
-                    dist.send(buf, peer, group=group)
-                    dist.recv(buf, peer, group=group)
-                else:
-                    dist.recv(buf, peer, group=group)
-                    dist.send(buf, peer, group=group)
-                sync()
-                if i:
-                    times.append((time.perf_counter() - t0) / 2)
-            seconds.append(statistics.median(times))
+    local = int(os.environ.get("LOCAL_SIZE", os.environ.get("LOCAL_WORLD_SIZE", world)))
+    nodes: dict[int, list[int]] = {}
+    for r in ranks:
+        nodes.setdefault(r // max(1, local), []).append(r)
+    members = list(nodes.values())
+    intra = [(m[i], m[i + 1]) for m in members for i in range(0, len(m) - 1, 2)]
+    inter = [(a[k], b[k]) for a, b in zip(members[0::2], members[1::2]) for k in range(min(len(a), len(b)))]
+    sizes = (1 << 10, 1 << 16, 1 << 20)
+    fits = {}
+    for label, pairs in (("intra", intra), ("inter", inter)):
+        mine = _ping_pong(next((p for p in pairs if ranks[rank] in p), None), ranks[rank], sizes, device, group)
+        everyone: list = [None] * world
+        dist.all_gather_object(everyone, mine, group=group)
+        measured = [t for t in everyone if t is not None]
+        fits[label] = fit_affine(sizes, [statistics.median(t[i] for t in measured) for i in range(len(sizes))]) \
+            if measured else None
+    free = CommFit(alpha_s=0.0, beta_s_per_byte=0.0)
+    intra_fit = fits["intra"] or fits["inter"] or free
     if device.type == "cuda":
         memory, label = torch.cuda.get_device_properties(device).total_memory, torch.cuda.get_device_name(device)
     else:
-        local = int(os.environ.get("LOCAL_SIZE", os.environ.get("LOCAL_WORLD_SIZE", world)))
-        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // max(1, local)
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // max(1, min(local, world))
         label = f"cpu ({os.cpu_count()} cores)"
-    fit = [None]
-    if rank == 0:
-        fit[0] = dataclasses.asdict(fit_affine([1 << 10, 1 << 16, 1 << 20], seconds)) if seconds else \
-            {"alpha_s": 0.0, "beta_s_per_byte": 0.0}
-    dist.broadcast_object_list(fit, src=ranks[0], group=group)
     memory_all = [memory]
     dist.broadcast_object_list(memory_all, src=ranks[0], group=group)
-    link = CommFit(**fit[0])
-    return Hardware(name=f"{label}; link timed between two ranks at start-up", memory_bytes=int(memory_all[0]),
-                    devices_per_node=world, intra=link, inter=link)
+    where = f"{len(intra)} pairs inside a node" + (f", {len(inter)} across nodes" if inter else "")
+    return Hardware(name=f"{label}; links timed at start-up between {where}, the median pair",
+                    memory_bytes=int(memory_all[0]), devices_per_node=min(local, world), intra=intra_fit,
+                    inter=fits["inter"] or intra_fit)
 
 
-def _layer_state(model: GraphModel, entry: LayerEntry) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """The parameters and buffers a layer's call uses (its module's, or its tied module's)."""
-    if entry.tie_key is not None:
-        module = model.tied[entry.tie_key]
-    elif entry.name in model.layers:
-        module = model.layers[entry.name]
-    else:
-        return [], []
-    return [p for p in module.parameters() if p.requires_grad], list(module.buffers())
-
-
-def _capture(model: GraphModel, inputs: tuple) -> dict[str, list]:
-    """Run the model forward once without autograd; return each layer's input values."""
-    # The same loop as GraphModel.forward, keeping every layer's arguments as well.
-    env: dict[TensorRef, Any] = {TensorRef(n): x for n, x in zip(model.graph.input_names, inputs)}
-    args_of = {}
-    with torch.no_grad():
-        for name in model.graph.order:
-            entry = model._by_name[name]
-            args_of[name] = [resolve(env, TensorRef.parse(r)) for r in entry.inputs]
-            env[TensorRef(name)] = call_layer(entry, model._funcs[name], args_of[name])
-    return args_of
+def _ping_pong(pair: tuple[int, int] | None, me: int, sizes: Sequence[int], device: torch.device,
+               group) -> list[float] | None:
+    """Half the median round trip at each size between the ranks of ``pair`` (global ranks), the
+    first sending first; None for a rank in no pair."""
+    if pair is None:
+        return None
+    peer = pair[1] if me == pair[0] else pair[0]
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    seconds = []
+    for nbytes in sizes:
+        buf = torch.zeros(nbytes // 4, device=device)
+        times = []
+        for i in range(6):
+            sync()
+            t0 = time.perf_counter()
+            if me == pair[0]:
+                dist.send(buf, peer, group=group)
+                dist.recv(buf, peer, group=group)
+            else:
+                dist.recv(buf, peer, group=group)
+                dist.send(buf, peer, group=group)
+            sync()
+            if i:
+                times.append((time.perf_counter() - t0) / 2)
+        seconds.append(statistics.median(times))
+    return seconds
 
 
 def _map_tensors(fn: Callable, value: Any) -> Any:

@@ -34,3 +34,17 @@ def test_graphpipe_plans_from_layers_timed_at_start_up_and_every_rank_agrees(tmp
     stage_of = profiled[0]["stage_of"]
     assert [n for n, s in stage_of.items() if s == stage_of["slow"]] == ["slow"]
     assert len([n for n, s in proxy[0]["stage_of"].items() if s == proxy[0]["stage_of"]["slow"]]) > 1
+
+
+def test_the_start_up_links_are_timed_between_every_pair_inside_and_across_nodes(tmp_path):
+    # 4 ranks, LOCAL_SIZE=2: two "nodes". Pairs (0, 1) and (2, 3) time the link inside a node, all
+    # at once; (0, 2) and (1, 3) the link across. Every rank assembles the same database.
+    worker = ROOT / "tests" / "workers" / "device_links.py"
+    res = launch(4, worker, str(tmp_path / "links"), timeout=300, log_dir=tmp_path / "logs", env={"LOCAL_SIZE": "2"})
+    assert res.ok, res.report()
+    dbs = [CostDB.from_json((tmp_path / f"links.rank{r}").read_text()) for r in range(4)]
+    assert all(db == dbs[0] for db in dbs)
+    hw = dbs[0].hardware
+    assert "between 2 pairs inside a node, 2 across nodes" in hw.name and hw.devices_per_node == 2
+    assert hw.intra.alpha_s + hw.intra.beta_s_per_byte > 0 and hw.inter.alpha_s + hw.inter.beta_s_per_byte > 0
+    assert [c.param_bytes for c in dbs[0].layers] == [(16 + 4) * 4] * 2

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from gpp_deepspeed import GPPConfigError, GPPError, GraphLayerSpec
+from gpp_deepspeed import GPPConfigError, GPPError, GraphLayerSpec, GraphModel
 from gpp_deepspeed.planner.costs import CommFit, CostDB, Hardware
 from gpp_deepspeed.profiler import fit_affine, measure_p2p, profile_layers, with_links
 from models import diamond, tied
@@ -56,6 +56,51 @@ def test_profile_layers_matches_hand_counts():
     assert all(t > 0 for c in db.layers for t in c.fwd_s + c.bwd_s)
     assert db.source.startswith("measured on cpu") and db.hardware == HW
     assert CostDB.from_json(db.to_json()) == db
+
+
+class Counted(nn.Linear):
+    """A linear layer that counts how many of its kind are alive at once."""
+
+    alive = peak = 0
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        Counted.alive += 1
+        Counted.peak = max(Counted.peak, Counted.alive)
+
+    def __del__(self):
+        Counted.alive -= 1
+
+
+class Probe(nn.Module):
+    """Adds its inputs and records what it was called with (outside autograd: the real values)."""
+
+    seen: list = []
+
+    def forward(self, *xs):
+        if not torch.is_grad_enabled():
+            Probe.seen.append(torch.stack(xs).detach().clone())
+        return sum(xs)
+
+
+def test_profile_layers_builds_one_layer_at_a_time_on_the_values_graph_model_computes():
+    # Five linear layers and a skip (l0 read by l1 and by the probe): one layer alive at a time, an
+    # output kept only until its last reader ran; the probe sees what it sees in the GraphModel
+    # built from the same list (same build seeds, so the same weights).
+    layers = [GraphLayerSpec("l0", Counted, 4, 4, inputs=["x"])] + [
+        GraphLayerSpec(f"l{i}", Counted, 4, 4, inputs=[f"l{i - 1}"]) for i in range(1, 5)] + [
+        GraphLayerSpec("probe", Probe, inputs=["l4", "l0"])]
+    x = torch.linspace(-1, 1, 8).reshape(2, 4)
+    Counted.alive = Counted.peak = 0
+    Probe.seen = []
+    db = profile_layers(layers, input_names=["x"], make_inputs=lambda b: x[:b], **FAST)
+    assert Counted.peak == 1 and Counted.alive == 0
+    assert [c.param_bytes for c in db.layers] == [(16 + 4) * 4] * 5 + [0]
+    profiled = Probe.seen[-1]
+    Probe.seen = []
+    with torch.no_grad():
+        GraphModel(layers, input_names=["x"])(x)
+    torch.testing.assert_close(profiled, Probe.seen[-1], rtol=0, atol=0)
 
 
 def test_profile_layers_names_and_tuple_outputs_on_the_diamond():
