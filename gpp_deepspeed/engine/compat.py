@@ -17,6 +17,11 @@ what that API leaves out is here: which flat partition holds a parameter's group
 (:func:`base_optimizer_state`), and linking the fragments to state created before the first step
 (:func:`link_fragment_state`).
 
+An asynchronous schedule's updates happen inside the pipeline, outside DeepSpeed's backward and
+step: :func:`hand_grads_to_master` gives DeepSpeed's bf16 optimizer a gradient that reached the
+live weights without a backward, :func:`stage_local_norm` keeps one stage's own update from
+summing its norm over the whole pipeline, and :func:`loss_scale` reads an fp16 optimizer's scale.
+
 ``tests/test_placement.py`` pins the DeepSpeed version these were written against.
 """
 
@@ -32,7 +37,8 @@ from deepspeed import comm as dist
 import deepspeed.runtime.pipe.module as _ds_pipe_module
 
 __all__ = ["DEEPSPEED_VERSION", "pipeline_grid", "count_each_stage_once", "flat_optimizer_groups",
-           "base_optimizer", "base_optimizer_state", "link_fragment_state"]
+           "base_optimizer", "base_optimizer_state", "link_fragment_state", "hand_grads_to_master",
+           "stage_local_norm", "loss_scale"]
 
 DEEPSPEED_VERSION = "0.19.8"  # the version whose internals this module reaches into
 
@@ -93,6 +99,44 @@ def link_fragment_state(optimizer) -> None:
     ``safe_set_full_optimizer_state`` writes into state made before any step."""
     optimizer._hp_optimizer_states_linked = False
     optimizer._lazy_init_hp_params_optimizer_state()
+
+
+def hand_grads_to_master(optimizer) -> None:
+    """DeepSpeed's bf16 optimizer keeps fp32 gradients beside its fp32 master weights and adds a
+    backward's low-precision gradients into them (``_update_hp_grad``, which also links the tied
+    weights' ``_hp_grad``). An asynchronous schedule's gradient reaches the live weights by
+    ``RETIRE``, not by a backward: add it the same way (whether ``immediate_grad_update`` is on or
+    not) and drop the low-precision copy. Nothing to do for any other optimizer."""
+    groups = getattr(optimizer, "bf16_groups", None)
+    if groups is None:
+        return
+    for i, group in enumerate(groups):
+        for j, lp in enumerate(group):
+            if lp.grad is not None:
+                optimizer._update_hp_grad(lp, i, j, clear_lp_grads=False)
+                lp.grad = None
+
+
+@contextlib.contextmanager
+def stage_local_norm(optimizer):
+    """While active, DeepSpeed's bf16 optimizer computes the gradient norm (its overflow check, and
+    clipping) over this rank's gradients only, instead of summing it over its ``mpu``'s
+    model-parallel group, a whole replica of the pipeline here: an asynchronous schedule's own
+    update is one stage's, at a time no other stage meets (the stage's data-parallel ranks hold the
+    same reduced gradients, so they agree)."""
+    if getattr(optimizer, "mpu", None) is None:
+        yield
+        return
+    mpu, optimizer.mpu = optimizer.mpu, None
+    try:
+        yield
+    finally:
+        optimizer.mpu = mpu
+
+
+def loss_scale(optimizer) -> float:
+    """The loss scale an fp16 optimizer multiplies the loss by (``cur_scale``), 1 for any other."""
+    return float(getattr(optimizer, "cur_scale", 1.0))
 
 
 def installed_version() -> str:
