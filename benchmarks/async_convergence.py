@@ -1,13 +1,14 @@
 """What asynchrony costs in convergence and gains in step time: PipeDream, PipeDream-2BW and
 PipeOptim beside 1F1B and ZB-H1, on a small GPT, with whole-pipeline replicas and bf16.
 
-The task is learnable and not trivial: a sequence of 16 tokens whose second half copies its first
-half (8 random tokens of 15); the model is trained on next-token prediction, scored on the second
-half only, which needs attention 8 positions back (an induction pattern; a model that has not
-learnt it stays near ln 15 = 2.7, one that has reaches 0). The model is a GPT: token and position
+The task is learnable and not trivial: a sequence of 24 tokens whose second half copies its first
+half (12 random tokens of 31); the model is trained on next-token prediction, scored on the second
+half only, which needs attention 12 positions back (an induction pattern: a model that has not
+learnt it stays near ln 31 = 3.4, one that has reaches 0; one process with one update per batch
+learns it between batches 50 and 100). The model is a GPT: token and position
 embeddings, 4 pre-LN transformer blocks (d = 64, 4 heads, MLP 4d), a final layer norm and the head,
 in 4 stages (embeddings with block 0, blocks 1 and 2, block 3 with the head), replicated twice
-(8 gloo ranks), in bf16 (DeepSpeed's bf16 optimizer, fp32 master weights), Adam (lr 2e-3), no
+(8 gloo ranks), in bf16 (DeepSpeed's bf16 optimizer, fp32 master weights), Adam (lr 1e-3), no
 clipping; M = 4 micro-batches of 8 sequences per replica, the same batches for every schedule.
 Every schedule trains one engine in one launch, one batch each in turn, so machine load falls on
 all alike.
@@ -20,15 +21,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-VOCAB, HALF, D, HEADS, BLOCKS = 16, 8, 64, 4, 4
+VOCAB, HALF, D, HEADS, BLOCKS = 32, 12, 64, 4, 4
 MBS, M, STAGES, REPLICAS = 8, 4, 4, 2
 SCHEDULES = ("1f1b", "zb1", "pipedream", "2bw", "pipeoptim")
-OPTIMIZER = {"type": "Adam", "params": {"lr": 2e-3, "torch_adam": True, "adam_w_mode": False}}
+OPTIMIZER = {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True, "adam_w_mode": False}}
 STAGE_OF = {"embed": 0, "block0": 0, "block1": 1, "block2": 2, "block3": 3, "norm": 3, "head": 3}
 
 
@@ -208,10 +210,10 @@ def table(results: dict, steps: int) -> None:
                     f"{results['eval'][name]:.3f} | {_median_ms(results['seconds'][name]):.0f} | {shown} |")
     text = ("## Asynchronous schedules: convergence and step time (measured)\n\n"
             f"`python benchmarks/async_convergence.py` (`make bench`): a GPT of {BLOCKS} pre-LN blocks (d = {D}, "
-            f"{HEADS} heads) learning to copy the first half of a 16-token sequence into its second half "
-            "(scored on the second half; ln 15 = 2.71 is chance, 0 is learnt), in "
+            f"{HEADS} heads) learning to copy the first half of a {2 * HALF}-token sequence into its second half "
+            f"(scored on the second half; ln {VOCAB - 1} = {math.log(VOCAB - 1):.2f} is chance, 0 is learnt), in "
             f"{STAGES} stages x {REPLICAS} whole-pipeline replicas ({STAGES * REPLICAS} gloo ranks), bf16 with fp32 "
-            f"master weights, Adam lr 2e-3, {steps} batches of {M} micro-batches of {MBS} sequences per replica, "
+            f"master weights, Adam lr 1e-3, {steps} batches of {M} micro-batches of {MBS} sequences per replica, "
             "the same batches for every schedule, one batch of each schedule in turn. Run with both test "
             "slots taken (`/work/bin/slot --exclusive`) on a 2-core CPU machine shared with other engineers, whose "
             f"single-process work may have run beside it (the whole run took {results['wall_s']:.0f} s); step "

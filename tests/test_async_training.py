@@ -216,7 +216,7 @@ def async_reference(case, stage_of: dict, lag: dict, *, replicas: int = 1, resum
 
 def _stashed(c, res) -> int:
     """The weight copies a stage holds at its peak besides its live weights (its program's count)."""
-    if not res["trainable"]:
+    if res["frozen"]:
         return 0
     if c["schedule"] == "2bw":
         return 2
@@ -266,7 +266,7 @@ def test_replicated_stages_train_like_one_pipeline_on_the_replicas_micro_batches
     _check_against_reference(c, ranks)
     if c["model"] == "skip_frozen":
         frozen = [res for res in ranks if res["stage"] == 0]
-        assert all(not res["trainable"] and "B" not in res["ran"] and "RECV_B" not in res["ran"] for res in frozen)
+        assert all(res["frozen"] and "B" not in res["ran"] and "RECV_B" not in res["ran"] for res in frozen)
     if c["partition"] == "golden/plan_skip_pipedream.json":
         assert sorted(res["stage"] for res in ranks) == [0, 1, 2, 2], "the plan's replicated last stage"
     if c["partition"] == "golden/plan_skip_2bw.json":

@@ -146,6 +146,8 @@ def check_async_options(engine) -> None:
                         'use "2bw", whose one update per batch is DeepSpeed\'s step)')
     if problems:
         raise GPPConfigError(f'schedule "{spec.name}" cannot honour: ' + "; ".join(problems))
+    if rule.predicts and engine.optimizer is not None:
+        MasterWeights(engine.optimizer, []).check_predictable(spec.name)
 
 
 class AsyncPipeline:
@@ -158,8 +160,6 @@ class AsyncPipeline:
         self.stage_idx = engine.stage_id
         self.versions = WeightVersions(engine.module)
         self.masters = MasterWeights(engine.optimizer, self.versions.params)
-        if self.spec.weights.predicts and self.versions.params:
-            self.masters.check_predictable(self.spec.name)
         self.batches = 0                      # batches trained since the pipeline was last empty
         self.micro_batches: int | None = None
         self.validate = engine.gpp_config.validate_schedule

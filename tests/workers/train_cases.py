@@ -139,6 +139,7 @@ def run_case(case, out, rank, world_size):
               "ckpt_func": getattr(module.activation_checkpoint_func, "__name__", None)}
     if hasattr(engine, "stage_graph"):
         result["depth"] = engine.stage_graph.depth(engine.stage_id)
+        result["frozen"] = engine.stage_id in engine.stage_graph.frozen
         result["reads_batch"] = engine.is_first_stage() or engine.is_last_stage()
     if case.get("checkpoint"):
         ckpt = str(out / f"ckpt_{case['id']}")
