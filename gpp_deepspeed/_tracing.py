@@ -107,6 +107,12 @@ class _SizedProxy(MetaProxy):
             return meta.ndim
         return self.tracer.create_proxy("call_function", getattr, (self, "ndim"), {})
 
+    @property
+    def dtype(self):
+        # A node, not the capture-time dtype: casts such as Llava's .to(inputs_embeds.dtype) then
+        # follow the dtype the stage runs in (bf16 training). Its meta answers control flow.
+        return self.tracer.create_proxy("call_function", getattr, (self, "dtype"), {})
+
     def __len__(self):
         size = self._length()
         return super().__len__() if size is None else size
@@ -181,6 +187,14 @@ class ShapeLeafTracer(LeafTracer, MetaTracer):
             return forward(*args, **kwargs)
         return super().call_module(m, forward, args, kwargs)
 
+    def to_bool(self, obj):
+        # Control flow on a value the trace knows without data (a dtype comparison) takes the
+        # branch of the capture-time value, as control flow on sizes does.
+        meta = getattr(obj, "_tensor_meta", None)
+        if isinstance(meta, bool):
+            return meta
+        return super().to_bool(obj)
+
     def _hooked_value(self, out):
         meta = getattr(out, "_tensor_meta", None)
         return tuple(out[i] for i in range(len(meta))) if isinstance(meta, tuple) else out
@@ -241,6 +255,28 @@ def _checks_on_traced_values_skipped():
             setattr(torch, name, original)
 
 
+@contextlib.contextmanager
+def _dtype_info_of_traced_dtypes():
+    """While tracing, ``torch.finfo`` / ``torch.iinfo`` of a traced dtype give the limits of its
+    capture-time dtype (transformers' eager masks fill with ``torch.finfo(dtype).min``)."""
+    originals = {name: getattr(torch, name) for name in ("finfo", "iinfo")}
+
+    def known(original):
+        def info(*args):
+            if args and isinstance(args[0], fx.Proxy):
+                args = (getattr(args[0], "_tensor_meta"), *args[1:])
+            return original(*args)
+        return info
+
+    for name, original in originals.items():
+        setattr(torch, name, known(original))
+    try:
+        yield
+    finally:
+        for name, original in originals.items():
+            setattr(torch, name, original)
+
+
 # torch's runtime checks -> the position of their condition argument
 _CHECKS = {"_check": 0, "_check_with": 1, "_check_tensor_all": 0, "_check_tensor_all_with": 1}
 
@@ -248,7 +284,7 @@ _CHECKS = {"_check": 0, "_check_with": 1, "_check_tensor_all": 0, "_check_tensor
 def trace(module: nn.Module, tracer: LeafTracer, concrete_args, *, shaped: bool = False, **meta) -> fx.Graph:
     """``tracer.trace(module)``, its failures turned into a :class:`GraphError` about the model's line."""
     try:
-        with _checks_on_traced_values_skipped():
+        with _checks_on_traced_values_skipped(), _dtype_info_of_traced_dtypes():
             return tracer.trace(module, concrete_args=concrete_args, **meta)
     except GPPError:
         raise

@@ -48,18 +48,20 @@ re-initialised) and share no parameter with it or with each other.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import difflib
 import functools
 import inspect
 import operator
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import fx, nn
 
+from ._batch import BATCH_ARGS, BATCH_DIM, batch_source, mark_batch, substitute_batch
 from ._tracing import META, LeafTracer, model_line, propagate_meta, trace, trace_with_shapes
 from .errors import GPPConfigError, GraphError
 from .graph.ir import TensorRef
@@ -115,7 +117,10 @@ class CapturedModel:
     ``aliases`` maps the name of a tensor the module holds under several names (T5's token
     embedding is ``shared``, ``encoder.embed_tokens`` and ``decoder.embed_tokens``) to all of them;
     ``unused`` names the module's parameters that no layer holds, because the output does not
-    depend on them (they get no gradient in the module either).
+    depend on them (they get no gradient in the module either); ``input_shapes`` gives the shapes
+    the captured code assumes for each graph input (``None``: any size; empty: no shape assumed),
+    see :func:`capture`; ``paths`` maps each layer that calls a submodule to that submodule's
+    dotted path in the module (``"llama_model_layers_0"`` -> ``"llama.model.layers.0"``).
     """
 
     layers: list[CapturedLayerSpec]
@@ -124,11 +129,54 @@ class CapturedModel:
     prefixes: dict[str, str]
     aliases: dict[str, tuple[str, ...]] = field(default_factory=dict)
     unused: tuple[str, ...] = ()
+    input_shapes: dict[str, tuple[int | None, ...]] = field(default_factory=dict)
+    paths: dict[str, str] = field(default_factory=dict)
 
     def graph_model(self, **kwargs: Any):
         """The single-device :class:`~gpp_deepspeed.GraphModel` of the captured layers."""
         from .model import GraphModel
         return GraphModel(self.layers, input_names=self.input_names, output=self.output, **kwargs)
+
+    def stage_map(self, stages: Mapping[str, int], *, default: int | None = None) -> dict[str, int]:
+        """``{layer name: stage}`` for ``partition_method=``, from stages given by module path.
+
+        A key of ``stages`` is a submodule's dotted path as in the model (``"llama.model.layers.3"``,
+        or ``"llava.model.vision_tower"`` for every layer inside it; the longest matching key wins)
+        or a layer name. Layers no key covers get ``default``; glue layers (``getitem_9``, ``mul``)
+        that no key names go where the first layer reading them is (or, read by none, where their
+        last input is made), so a map need not name them.
+
+        Raises :class:`~gpp_deepspeed.errors.GPPConfigError` for a key that is neither (naming
+        close ones) and for layers left without a stage when there is no ``default``.
+        """
+        names = [s.name for s in self.layers]
+        known = set(names) | {p for path in self.paths.values() for p in _ancestors(path)}
+        for key in stages:
+            if key not in known:
+                close = difflib.get_close_matches(key, sorted(known), n=5, cutoff=0.5)
+                raise GPPConfigError(f'stage_map: "{key}" is neither a layer nor a submodule holding one; '
+                                     f"close names: {close or sorted(known)[:10]}")
+        stage_of: dict[str, int] = {}
+        for name in names:
+            keys = [name] if name in stages else [p for p in _ancestors(self.paths.get(name, "")) if p in stages]
+            if keys:
+                stage_of[name] = stages[max(keys, key=len)]
+            elif name in self.paths and default is not None:
+                stage_of[name] = default
+        inputs = {s.name: [TensorRef.parse(r).node for r in s.inputs] for s in self.layers}
+        for name in reversed(names):   # readers come after what they read
+            readers = [stage_of[s] for s in names if name in inputs[s] and s in stage_of]
+            if name not in stage_of and readers:
+                stage_of[name] = min(readers)
+        for name in names:
+            made = [stage_of[i] for i in inputs[name] if i in stage_of]
+            if name not in stage_of and made:
+                stage_of[name] = max(made)
+        missing = [n for n in names if n not in stage_of]
+        if missing:
+            raise GPPConfigError(f"stage_map: no stage for layers {missing[:6]}; name them (or a submodule holding "
+                                 "them) or pass default=")
+        return stage_of
 
     def module_state_dict(self, graph_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Rename a GraphModel (or ``graph_state_dict()``) state to the original module's names
@@ -154,10 +202,15 @@ def capture(module: nn.Module, *, input_names: Sequence[str] | None = None, laye
 
     Where plain torch.fx stops at control flow on tensor sizes (``transformers``' mask builders
     check ``batch_size != position_ids.shape[0]``), ``example_inputs`` (one tensor per forward
-    argument, in order) lets capture trace again on meta tensors of their shapes. That graph is
-    specialised to those shapes: every micro-batch must have them.
+    argument, in order: one micro-batch as one rank sees it) lets capture trace again on meta
+    tensors of their shapes. The sizes the code reads are then constants, except the batch
+    dimension where they follow it linearly (see :mod:`gpp_deepspeed._batch`);
+    ``CapturedModel.input_shapes`` says which remain, and a micro-batch of another shape is refused
+    naming both. With a plain trace, ``example_inputs`` only tell capture the dtypes of the values
+    (so that an input read only for its dtype need not cross stages); nothing is specialised.
     """
     named = _check_layers(module, layers)
+    shapes: list[tuple] = []    # the example inputs' shapes where the graph assumes them
     try:
         graph, consts = trace(module, LeafTracer(named), concrete_args), {}
         if example_inputs is not None and not concrete_args:
@@ -166,6 +219,12 @@ def capture(module: nn.Module, *, input_names: Sequence[str] | None = None, laye
         if example_inputs is None:
             raise
         graph, consts = trace_with_shapes(module, named, concrete_args, example_inputs, plain)
+        shapes = [tuple(x.shape) for x in example_inputs]
+        rows = {s[0] if s else None for s in shapes}
+        if len(rows) == 1 and None not in rows and mark_batch(graph, consts, lambda r: trace_with_shapes(
+                module, named, concrete_args, [x.new_empty((r, *x.shape[1:]), device="meta") for x in example_inputs],
+                plain), rows.pop()):
+            shapes = [(None, *s[1:]) for s in shapes]
     placeholders = _strip_concrete(graph, module, concrete_args or {})
     dropped = _drop_dead_calls(graph)
     if dropped:
@@ -178,7 +237,26 @@ def capture(module: nn.Module, *, input_names: Sequence[str] | None = None, laye
     elif isinstance(input_names, str) or len(input_names) != len(placeholders):
         raise GPPConfigError(f"input_names {input_names!r} must list one name per input of "
                              f"{type(module).__name__}.forward: {[str(p.target) for p in placeholders]}")
-    return _to_layers(module, graph, placeholders, tuple(input_names), consts)
+    captured = _to_layers(module, graph, placeholders, tuple(input_names), consts)
+    if layers is None and len(captured.paths) == 1:
+        warnings.warn(_one_layer_hint(module, next(iter(captured.paths.values()))), stacklevel=2)
+    if shapes:
+        fixed = dict(zip(captured.input_names, shapes))
+        for spec in captured.layers:
+            spec.input_shapes = fixed
+        captured = dataclasses.replace(captured, input_shapes=fixed)
+    return captured
+
+
+def _one_layer_hint(module: nn.Module, child: str) -> str:
+    """Why a default capture gave one layer, and which submodules to name instead."""
+    blocks = max(((n, m) for n, m in module.named_modules() if isinstance(m, nn.ModuleList)),
+                 key=lambda item: len(item[1]), default=None)
+    example = (f'; for instance the {len(blocks[1])} blocks of "{blocks[0]}" ("{blocks[0]}.0", "{blocks[0]}.1", ...) '
+               "and the modules before and after them" if blocks else "")
+    return (f'capture kept each top-level child of {type(module).__name__} whole (layers=None), and it has one, '
+            f'"{child}": the captured model is one layer and cannot be cut into stages. Name the submodules to '
+            f"keep whole in layers=[...]{example}")
 
 
 def _check_layers(module: nn.Module, layers: Sequence[str] | None) -> set[str]:
@@ -364,7 +442,14 @@ def _to_layers(module: nn.Module, graph: fx.Graph, placeholders: list[fx.Node],
     aliases = _aliases(module)
     held = {prefixes[s.name] + n for s in specs for n, _ in s.module.named_parameters()}
     unused = tuple(n for n, _ in module.named_parameters() if not held & set(aliases.get(n, (n, ))))
-    return CapturedModel(_tie_shared(specs), input_names, name_of[result], prefixes, aliases, unused)
+    paths = {name_of[r]: str(r.target) for r in roots if r.op == "call_module"}
+    return CapturedModel(_tie_shared(specs), input_names, name_of[result], prefixes, aliases, unused, paths=paths)
+
+
+def _ancestors(path: str) -> list[str]:
+    """``"a.b.c"`` -> ``["a", "a.b", "a.b.c"]`` (``""`` -> ``[]``)."""
+    parts = path.split(".") if path else []
+    return [".".join(parts[:i]) for i in range(1, len(parts) + 1)]
 
 
 def _aliases(module: nn.Module) -> dict[str, tuple[str, ...]]:
@@ -444,10 +529,19 @@ def _function_layer(module, members, root, inline, is_param, ref, owners, name, 
                          "layers; compute it inside a submodule or from an input")
     keep = set(copied) | member_set
     donors = _metadata_donors(module, external, keep)
+    inputs = [a for a in external if a not in donors]
+    source = None
+    if any(BATCH_ARGS in n.meta for n in keep):
+        # Sizes that follow the rows are computed from the rows of a tensor the layer reads
+        # (else of a graph input, which the layer's stage then loads).
+        source = batch_source(inputs) or batch_source([n for n in root.graph.nodes if n.op == "placeholder"])
+        donors.pop(source, None)
+        inputs += [source] if source not in inputs else []
     sub = fx.Graph()
-    env = {a: sub.placeholder(f"in{i}") for i, a in enumerate(a for a in external if a not in donors)}
+    env = {a: sub.placeholder(f"in{i}") for i, a in enumerate(inputs)}
     for a, donor in donors.items():
         env[a] = env[donor] if isinstance(donor, fx.Node) else sub.get_attr(donor)
+    rows = functools.cache(lambda: sub.call_method("size", (env[source], source.meta[BATCH_DIM])))
     for n in (n for n in root.graph.nodes if n in keep):
         if is_param(n):
             owner = owners.setdefault(n.target, name)
@@ -455,10 +549,11 @@ def _function_layer(module, members, root, inline, is_param, ref, owners, name, 
                 raise GraphError(f'parameter "{n.target}" is read by the glue code of two layers ("{owner}" and '
                                  f'"{name}"){model_line(n)}; move the code that uses it into a submodule')
         env[n] = sub.node_copy(n, lambda a: env[a])
+        substitute_batch(sub, env[n], n, rows)
     sub.output(env[root])
     targets = {n.target for n in sub.nodes if n.op in ("get_attr", "call_module")}
     owner = {t: consts[t] if t in consts else functools.reduce(getattr, t.split("."), module) for t in targets}
-    return fx.GraphModule(owner, sub, class_name=f"Glue_{name}"), [ref(a) for a in external if a not in donors]
+    return fx.GraphModule(owner, sub, class_name=f"Glue_{name}"), [ref(a) for a in inputs]
 
 
 def _metadata_donors(module: nn.Module, external: list[fx.Node], keep: set[fx.Node]) -> dict[fx.Node, Any]:

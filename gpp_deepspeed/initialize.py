@@ -24,6 +24,7 @@ from .engine.module import GraphPipelineModule
 from .engine.shm import release_own_shm
 from .engine.topology import stage_batch_config
 from .errors import GPPConfigError
+from .spec import check_captured_rows
 
 __all__ = ["initialize"]
 
@@ -41,6 +42,16 @@ def _load_config(args, config, config_params) -> dict[str, Any]:
     if not isinstance(config, dict):
         config = load_ds_config(config)
     return dict(config)
+
+
+def _rows_per_stage(config: dict[str, Any], placement) -> list[int] | None:
+    """Rows a rank of each stage processes per micro-batch: the pipeline micro-batch over the
+    stage's degree (None when the config gives no micro-batch size)."""
+    b = config.get("train_micro_batch_size_per_gpu")
+    tb, m = config.get("train_batch_size"), config.get("gradient_accumulation_steps")
+    if b is None and tb is not None and m is not None:
+        b = tb // (m * placement.replicas)
+    return None if b is None else [b // n for n in placement.degrees]
 
 
 def initialize(args=None, model=None, optimizer=None, model_parameters=None, training_data=None, lr_scheduler=None,
@@ -66,6 +77,9 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     ds_config = {k: v for k, v in config.items() if k != CONFIG_KEY}
     # Per-stage degrees: the user's batch values describe the pipeline; DeepSpeed gets this rank's.
     ds_config = stage_batch_config(ds_config, model.placement, model.stage_id)
+    rows = _rows_per_stage(config, model.placement)
+    if rows is not None:
+        check_captured_rows(model._entries, model.partition.stage_of, rows)
     if args is not None and getattr(args, "deepspeed_config", None) is not None:
         args.deepspeed_config = None  # the config travels as a dict from here on
 

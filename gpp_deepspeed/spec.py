@@ -25,11 +25,11 @@ from torch import nn
 from torch.utils._pytree import tree_flatten_with_path
 from deepspeed.runtime.pipe.module import LayerSpec, TiedLayerSpec
 
-from .errors import GraphError
+from .errors import GPPConfigError, GraphError
 from .graph.ir import LayerGraph, TensorRef, build_layer_graph
 
 __all__ = ["GraphLayerSpec", "LayerEntry", "normalize_layers", "layer_graph", "layer_seed", "call_layer", "build_entry",
-           "resolve", "port_leaves"]
+           "check_captured_rows", "resolve", "port_leaves"]
 
 
 class GraphLayerSpec(LayerSpec):
@@ -42,7 +42,13 @@ class GraphLayerSpec(LayerSpec):
     The layer's forward gets them positionally::
 
         GraphLayerSpec("fuse", Concat, inputs=["text_block", "image_block"])  # Concat.forward(a, b)
+
+    ``input_shapes`` maps graph input names to the shapes the layer's code assumes (``None`` for a
+    dimension of any size); :func:`~gpp_deepspeed.capture` sets it when it traces with
+    ``example_inputs``, and every call checks the graph inputs the layer reads against it.
     """
+
+    input_shapes: Mapping[str, tuple[int | None, ...]] = {}
 
     def __init__(self, name: str, typename: type, *module_args, inputs: Sequence[str] = (), **module_kwargs):
         super().__init__(typename, *module_args, **module_kwargs)
@@ -133,10 +139,55 @@ def build_entry(entry: LayerEntry) -> Any:
 
 
 def call_layer(entry: LayerEntry, fn: Callable, args: Sequence[Any]) -> Any:
-    """Call a layer with its inputs in its calling convention."""
+    """Call a layer with its inputs in its calling convention (checking the graph inputs it reads
+    against the sizes its code was captured for, if any)."""
+    shapes = getattr(entry.layer, "input_shapes", None)
+    if shapes:
+        _check_input_shapes(entry, shapes, args)
     if entry.packed:
         return fn(args[0] if len(args) == 1 else tuple(args))
     return fn(*args)
+
+
+def _check_input_shapes(entry: LayerEntry, shapes: Mapping[str, tuple], args: Sequence[Any]) -> None:
+    for ref, value in zip(entry.inputs, args):
+        want = shapes.get(ref)
+        if want is None or not torch.is_tensor(value):
+            continue
+        if len(want) != value.dim() or any(w is not None and w != n for w, n in zip(want, value.shape)):
+            raise GPPConfigError(
+                f'input "{ref}" has shape {tuple(value.shape)}, but layer "{entry.name}" was captured for '
+                f"{_shape_text(want)}: capture(..., example_inputs=...) fixes the sizes the model's code reads "
+                f"({_free_text(want)}). Capture with example inputs of the shape every micro-batch has on one rank "
+                "(train_micro_batch_size_per_gpu rows, divided by the stage's degree)")
+
+
+def check_captured_rows(entries: Sequence[LayerEntry], stage_of: Mapping[str, int],
+                        rows_of_stage: Sequence[int]) -> None:
+    """Refuse, before any communication, a micro-batch whose rows on some stage differ from the
+    rows a layer of that stage was captured for (a capture whose batch dimension stayed fixed).
+    Every rank runs it on the same values and raises the same error."""
+    for entry in entries:
+        shapes = getattr(entry.layer, "input_shapes", None) or {}
+        fixed = {s[0] for s in shapes.values() if s and s[0] is not None}
+        stage = stage_of[entry.name]
+        for rows in fixed:
+            if rows != rows_of_stage[stage]:
+                raise GPPConfigError(
+                    f'layer "{entry.name}" (stage {stage}) was captured for micro-batches of {rows} rows, but a rank '
+                    f"of stage {stage} runs {rows_of_stage[stage]} rows per micro-batch. The capture could not keep "
+                    "the batch dimension symbolic (its traced code depends on the rows beyond sizes that follow them: "
+                    "Llava unrolls list(image_features) one step per row), so every rank of every stage must see "
+                    f"{rows} rows: capture with example inputs of {rows_of_stage[stage]} rows, or choose the micro-batch "
+                    "and stage degrees so that every rank sees the same rows")
+
+
+def _shape_text(shape: tuple) -> str:
+    return "(" + ", ".join("any" if d is None else str(d) for d in shape) + ")"
+
+
+def _free_text(shape: tuple) -> str:
+    return "the batch dimension stays free" if shape and shape[0] is None else "every dimension is fixed"
 
 
 def resolve(env: dict[TensorRef, Any], ref: TensorRef) -> Any:

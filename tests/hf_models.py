@@ -173,11 +173,12 @@ class LlamaLogits(nn.Module):
     """``transformers.LlamaForCausalLM`` as it is: every decoder layer's mask and positions are
     built from ``inputs_embeds.device``, which capture reads on the layer's own stage instead."""
 
-    def __init__(self):
+    def __init__(self, attention: str = "sdpa"):
         super().__init__()
         from transformers import LlamaConfig, LlamaForCausalLM
         self.llama = LlamaForCausalLM(LlamaConfig(**_tiny(num_hidden_layers=2, vocab_size=VOCAB, num_key_value_heads=1,
-                                                          max_position_embeddings=SEQ, use_cache=False)))
+                                                          max_position_embeddings=SEQ, use_cache=False),
+                                                  attn_implementation=attention))
 
     def forward(self, input_ids):
         return self.llama(input_ids=input_ids).logits
@@ -301,14 +302,15 @@ class HFCase:
     # lets sdpa apply it (is_causal=True): the same function through another kernel, whose
     # gradients may differ in the last bits. The forward stays exact.
     masks_materialised: bool = False
+    stage_degrees: tuple[int, ...] | None = None     # ranks per stage (default one each)
 
     def model(self) -> nn.Module:
         torch.manual_seed(0)
         return self.build()
 
     def partition_method(self, captured) -> Any:
-        """``partition``, or what it returns for the captured layer names when it is a function."""
-        return self.partition([s.name for s in captured.layers]) if callable(self.partition) else self.partition
+        """``partition``, or what it returns for the captured model when it is a function."""
+        return self.partition(captured) if callable(self.partition) else self.partition
 
     def capture(self, module: nn.Module):
         from gpp_deepspeed.capture import capture
@@ -326,46 +328,42 @@ VED_LAYERS = ["ved.encoder", *(f"ved.decoder.transformer.{n}" for n in ("wte", "
               "ved.decoder.lm_head"]
 # Stage 0: the image encoder; stage 1: caption embeddings and the first decoder layer, in parallel
 # with stage 0; stage 2: the second decoder layer and the head. Both decoder stages read the image.
-VED_STAGES = {"ved_encoder": 0, "ved_decoder_transformer_h_1": 2, "ved_decoder_transformer_ln_f": 2, "getitem_10": 2,
-              "ved_decoder_lm_head": 2}
+VED_STAGES = {"ved.encoder": 0, "ved.decoder.transformer.h.1": 2, "ved.decoder.transformer.ln_f": 2,
+              "ved.decoder.lm_head": 2}
 
 BERT_LAYERS = ["bert.bert.embeddings", "bert.bert.encoder.layer.0", "bert.bert.encoder.layer.1", "bert.bert.pooler",
                "bert.classifier"]
-# The attention mask, built from the padding mask on stage 0, is read by the layers of stages 1 and 2.
-BERT_STAGES = {"bert_bert_embeddings": 0, "expand": 0, "bert_bert_encoder_layer_0": 1}
+# The attention mask, built from the padding mask on stage 0 (the glue layer "expand", named so it
+# does not follow its first reader to stage 1), is read by the layers of stages 1 and 2.
+BERT_STAGES = {"bert.bert.embeddings": 0, "expand": 0, "bert.bert.encoder.layer.0": 1}
 
 T5_LAYERS = [f"t5.{stack}.block.{i}" for stack in ("encoder", "decoder") for i in range(2)] + [
     "t5.encoder.final_layer_norm", "t5.decoder.final_layer_norm", "t5.lm_head"]
 # Stage 0: the encoder; stage 1: the target embedding and the first decoder layer; stage 2: the
 # second decoder layer and the head. The embedding is tied to the head across all three stages.
-T5_STAGES = {"t5_decoder_embed_tokens": 1, "t5_decoder_dropout": 1, "t5_decoder_block_0": 1,
-             **{n: 2 for n in ("t5_decoder_block_1", "t5_decoder_final_layer_norm", "t5_decoder_dropout_1", "mul",
-                               "t5_lm_head")}}
+# The decoder calls its dropout twice: the first call, a layer of its own, goes with the embedding.
+T5_STAGES = {"t5.encoder": 0, "t5.decoder.embed_tokens": 1, "t5_decoder_dropout": 1, "t5.decoder.block.0": 1}
 
 LLAMA_LAYERS = ["llama.model.embed_tokens", "llama.model.rotary_emb", "llama.model.layers.0", "llama.model.layers.1",
                 "llama.model.norm", "llama.lm_head"]
 # Stage 0: the embedding and the rotary tables; stage 1: the first decoder layer; stage 2: the rest.
-LLAMA_STAGES = {"llama_model_embed_tokens": 0, "llama_model_rotary_emb": 0, "llama_model_layers_0": 1}
+LLAMA_STAGES = {"llama.model.embed_tokens": 0, "llama.model.rotary_emb": 0, "llama.model.layers.0": 1}
 
 LLAVA_VISION = "llava.model.vision_tower"
 LLAVA_TEXT = "llava.model.language_model"
 LLAVA_LAYERS = [f"{LLAVA_VISION}.{n}" for n in ("embeddings", "pre_layrnorm", "encoder.layers.0", "encoder.layers.1")] + [
     "llava.model.multi_modal_projector", f"{LLAVA_TEXT}.embed_tokens", f"{LLAVA_TEXT}.layers.0", f"{LLAVA_TEXT}.layers.1",
     f"{LLAVA_TEXT}.norm", "llava.lm_head"]
-
-
-# Stage 0: the vision tower (its glue "getitem": the pooled CLS token, "getitem_1": the patch
-# features of the second-to-last layer) and the projector; stage 1: the token embedding,
-# concurrently; stage 2: the merge (masked_scatter), the decoder and the head.
-LLAVA_STAGES = {"getitem": 0, "getitem_1": 0, "llava_model_multi_modal_projector": 0,
-                f"{LLAVA_TEXT.replace('.', '_')}_embed_tokens": 1}
-
-
-def _llava_stages(names: list[str]) -> dict[str, int]:
-    return {n: 0 if n.startswith(LLAVA_VISION.replace(".", "_")) else LLAVA_STAGES.get(n, 2) for n in names}
-
+# Stage 0: the vision tower and the projector; stage 1: the token embedding, concurrently; stage 2:
+# the merge (the glue layer "masked_scatter"), the decoder and the head.
+LLAVA_STAGES = {LLAVA_VISION: 0, "llava.model.multi_modal_projector": 0, f"{LLAVA_TEXT}.embed_tokens": 1}
 
 HIDDEN_SUM_LAYERS = ["bert.embeddings", "bert.encoder.layer.0", "bert.encoder.layer.1", "head"]
+
+
+def _stages(stages: dict[str, int], default: int) -> Callable:
+    return lambda captured: captured.stage_map(stages, default=default)
+
 
 CASES: dict[str, HFCase] = {
     "clip": HFCase(CLIPLogits, CLIP_LAYERS, 3, _clip_batches, ContrastiveLoss()),
@@ -376,16 +374,26 @@ CASES: dict[str, HFCase] = {
     # The token embedding (stage 0) and the output projection (stage 2) share one weight.
     "gpt2": HFCase(GPT2Logits, GPT2_LAYERS, 3, _lm_batches, NextTokenLoss(), shaped=True),
     "bert": HFCase(BertClassifier, BERT_LAYERS, 3, _bert_batches, nn.CrossEntropyLoss(), shaped=True,
-                   partition=lambda names: {n: BERT_STAGES.get(n, 2) for n in names}),
+                   partition=_stages(BERT_STAGES, 2)),
+    # Captured at the pipeline's 4 rows; a rank of the 2-rank stage 0 runs 2 of them (the mask
+    # code's sizes follow the rows).
+    "bert_wide": HFCase(BertClassifier, BERT_LAYERS, 3, _bert_batches, nn.CrossEntropyLoss(), shaped=True,
+                        partition=_stages(BERT_STAGES, 2), stage_degrees=(2, 1, 1)),
     "ved": HFCase(ImageCaptioner, VED_LAYERS, 3, _caption_batches, NextTokenLoss(), shaped=True,
-                  partition=lambda names: {n: VED_STAGES.get(n, 1) for n in names}),
+                  partition=_stages(VED_STAGES, 1)),
     "llama": HFCase(LlamaLogits, LLAMA_LAYERS, 3, _lm_batches, NextTokenLoss(), shaped=True, masks_materialised=True,
-                    partition=lambda names: {n: LLAMA_STAGES.get(n, 2) for n in names}),
-    "llava": HFCase(LlavaLogits, LLAVA_LAYERS, 3, _llava_batches, NextTokenLoss(), shaped=True, partition=_llava_stages,
+                    partition=_stages(LLAMA_STAGES, 2)),
+    # Eager attention: the mask is filled with torch.finfo(dtype).min of the embedding's dtype.
+    "llama_eager": HFCase(lambda: LlamaLogits("eager"), LLAMA_LAYERS, 3, _lm_batches, NextTokenLoss(), shaped=True,
+                          partition=_stages(LLAMA_STAGES, 2)),
+    "llava": HFCase(LlavaLogits, LLAVA_LAYERS, 3, _llava_batches, NextTokenLoss(), shaped=True, partition=_stages(LLAVA_STAGES, 2),
                     masks_materialised=True),
+    # Llava's capture unrolls over the rows, so it fits 4 rows only: refused with 2 on stage 0.
+    "llava_wide": HFCase(LlavaLogits, LLAVA_LAYERS, 3, _llava_batches, NextTokenLoss(), shaped=True,
+                         partition=_stages(LLAVA_STAGES, 2), masks_materialised=True, stage_degrees=(2, 1, 1)),
     "hidden_sum": HFCase(HiddenStateSum, HIDDEN_SUM_LAYERS, 3, _classify_batches, nn.CrossEntropyLoss()),
     "t5": HFCase(T5Logits, T5_LAYERS, 3, _t5_batches, NextTokenLoss(), shaped=True,
-                 partition=lambda names: {n: T5_STAGES.get(n, 0) for n in names}),
+                 partition=_stages(T5_STAGES, 2)),
 }
 
 

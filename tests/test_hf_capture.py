@@ -20,9 +20,9 @@ from dist import launch  # noqa: E402
 from gpp_deepspeed.capture import CapturedTiedLayerSpec, capture  # noqa: E402
 from gpp_deepspeed.graph import build_layer_graph  # noqa: E402
 from gpp_deepspeed.graph.stages import derive_partition  # noqa: E402
-from gpp_deepspeed.errors import GraphError  # noqa: E402
+from gpp_deepspeed.errors import GPPConfigError, GraphError  # noqa: E402
 from gpp_deepspeed.graph.ir import TensorRef  # noqa: E402
-from gpp_deepspeed.spec import port_leaves  # noqa: E402
+from gpp_deepspeed.spec import check_captured_rows, normalize_layers, port_leaves  # noqa: E402
 from hf_models import CASES, train_module  # noqa: E402
 
 WORKER = Path(__file__).resolve().parent / "workers" / "hf_cases.py"
@@ -183,9 +183,89 @@ def test_a_structured_value_read_whole_by_another_stage_is_refused_naming_its_le
     assert port_leaves(TensorRef("enc", "pair"), value["pair"]) is value["pair"]
 
 
+def test_hf_capture_of_a_wrapper_with_default_settings_says_it_is_one_layer_and_what_to_name():
+    with pytest.warns(UserWarning, match=r'each top-level child of LlamaLogits whole \(layers=None\), and it has '
+                                         r'one, "llama": the captured model is one layer.*the 2 blocks of '
+                                         r'"llama.model.layers" \("llama.model.layers.0"'):
+        captured = capture(CASES["llama"].model())
+    assert captured.paths == {"llama": "llama"}
+
+
+def test_hf_capture_stage_map_places_layers_by_module_path_and_glue_beside_its_reader():
+    case = CASES["llava"]
+    captured = case.capture(case.model())
+    stage_of = captured.stage_map({"llava.model.vision_tower": 0, "llava.model.multi_modal_projector": 0,
+                                   "llava.model.language_model.embed_tokens": 1}, default=2)
+    assert stage_of["llava_model_vision_tower_encoder_layers_0"] == 0
+    assert stage_of["getitem_1"] == 0           # the vision features' slice, read by the projector
+    assert stage_of["masked_scatter"] == 2      # the merge, read by the decoder
+    assert captured.paths["llava_model_language_model_layers_1"] == "llava.model.language_model.layers.1"
+    with pytest.raises(GPPConfigError, match=r'"llava.model.vision_towr" is neither.*close names: '
+                                             r"\['llava.model.vision_tower'"):
+        captured.stage_map({"llava.model.vision_towr": 0}, default=2)
+    with pytest.raises(GPPConfigError, match=r"no stage for layers \['llava_model_language_model_embed_tokens'"):
+        captured.stage_map({"llava.model.vision_tower": 0})
+
+
 def test_hf_capture_clip_has_a_zero_dim_parameter():
     # What DeepSpeed 0.19.8's _broadcast_model cannot send; the trained CLIP case below covers it.
     assert CASES["clip"].model().clip.logit_scale.dim() == 0
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2", "bert", "t5", "ved"])
+def test_hf_capture_keeps_the_batch_dimension_symbolic(name):
+    # Captured at 4 rows, the captured layers compute the module's function at 2 and 3 rows: the
+    # sizes the mask code read follow the rows of a tensor each layer holds.
+    case = CASES[name]
+    module = case.model()
+    captured = case.capture(module)
+    assert all(shape[0] is None for shape in captured.input_shapes.values()), captured.input_shapes
+    model = captured.graph_model()
+    inputs, _ = case.batches(0)[0]
+    inputs = inputs if isinstance(inputs, tuple) else (inputs, )
+    for rows in (2, 3):
+        few = tuple(x[:rows] for x in inputs)
+        torch.testing.assert_close(model(*few), module(*few), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name", ["llava", "llama", "llama_eager", "t5", "bert"])
+def test_hf_capture_in_float32_runs_in_bfloat16_exactly_like_the_module(name):
+    # DeepSpeed's bf16 casts the captured layers as a whole: dtypes the model's code reads from
+    # tensors follow (Llava casts its image features to inputs_embeds.dtype), not the capture's.
+    case = CASES[name]
+    module = case.model()
+    model = case.capture(module).graph_model().to(torch.bfloat16)
+    module = module.to(torch.bfloat16)
+    inputs, _ = case.batches(0)[0]
+    inputs = tuple(x.to(torch.bfloat16) if x.is_floating_point() else x
+                   for x in (inputs if isinstance(inputs, tuple) else (inputs, )))
+    out = model(*inputs)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out, module(*inputs), rtol=0, atol=0)
+
+
+def test_hf_capture_llava_stays_specialised_to_its_rows_and_names_both_shapes():
+    case = CASES["llava"]
+    captured = case.capture(case.model())
+    assert captured.input_shapes == {"input_ids": (4, 10), "pixel_values": (4, 3, 8, 8)}
+    inputs, _ = case.batches(0)[0]
+    with pytest.raises(GPPConfigError, match=r'input "pixel_values" has shape \(2, 3, 8, 8\), but layer '
+                                             r'"llava_model_vision_tower_embeddings" was captured for \(4, 3, 8, 8\)'):
+        captured.graph_model()(*(x[:2] for x in inputs))
+
+
+def test_captured_rows_are_checked_against_every_stage_before_training():
+    case = CASES["llava"]
+    captured = case.capture(case.model())
+    entries = normalize_layers(captured.layers, captured.input_names, base_seed=0)
+    stage_of = case.partition_method(captured)
+    check_captured_rows(entries, stage_of, [4, 4, 4])
+    with pytest.raises(GPPConfigError, match=r"\(stage 0\) was captured for micro-batches of 4 rows, but a rank of "
+                                             r"stage 0 runs 2 rows"):
+        check_captured_rows(entries, stage_of, [2, 4, 4])
+    symbolic = CASES["bert"].capture(CASES["bert"].model())
+    entries = normalize_layers(symbolic.layers, symbolic.input_names, base_seed=0)
+    check_captured_rows(entries, CASES["bert"].partition_method(symbolic), [2, 4, 4])
 
 
 @pytest.fixture(scope="module")
@@ -196,13 +276,20 @@ def trained(tmp_path_factory):
     return out
 
 
-@pytest.mark.dist
-@pytest.mark.parametrize("name", TRAINED)
-def test_hf_capture_trains_pipelined_like_the_module_on_one_process(trained, name):
+@pytest.fixture(scope="module")
+def trained_wide(tmp_path_factory):
+    """The cases whose stage 0 has two ranks (stage degrees 2, 1, 1)."""
+    out = tmp_path_factory.mktemp("hf_wide")
+    result = launch(4, WORKER, str(out), "bert_wide", "llava_wide", timeout=400, log_dir=out / "logs")
+    assert result.ok, result.report()
+    return out
+
+
+def _trained_like_the_module(out: Path, name: str, world_size: int):
     losses, state = train_module(CASES[name])
     unused = set(CASES[name].capture(CASES[name].model()).unused)   # never trained, in neither run
-    ranks = [torch.load(trained / f"{name}.rank{r}.pt") for r in range(WORLD_SIZE)]
-    assert sorted(r["stage"] for r in ranks) == list(range(WORLD_SIZE))
+    ranks = [torch.load(out / f"{name}.rank{r}.pt") for r in range(world_size)]
+    assert sorted({r["stage"] for r in ranks}) == list(range(CASES[name].stages))
     seen = set()
     for res in ranks:
         assert res["losses"] == pytest.approx(losses, rel=1e-5)
@@ -210,6 +297,37 @@ def test_hf_capture_trains_pipelined_like_the_module_on_one_process(trained, nam
             torch.testing.assert_close(value, state[key], rtol=1e-5, atol=1e-6, msg=key)
             seen.add(key)
     assert seen == set(state) - unused
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("name", TRAINED)
+def test_hf_capture_trains_pipelined_like_the_module_on_one_process(trained, name):
+    _trained_like_the_module(trained, name, WORLD_SIZE)
+
+
+@pytest.mark.dist
+def test_one_capture_serves_a_stage_whose_ranks_see_half_the_rows(trained_wide):
+    # Captured at 4 rows; each rank of stage 0 runs 2 of every micro-batch's 4 rows.
+    _trained_like_the_module(trained_wide, "bert_wide", 4)
+
+
+@pytest.mark.dist
+def test_a_capture_fixed_to_its_rows_is_refused_on_every_rank_before_training(trained_wide):
+    ranks = [torch.load(trained_wide / f"llava_wide.rank{r}.pt") for r in range(4)]
+    messages = {r["refused"] for r in ranks}
+    assert len(messages) == 1 and "captured for micro-batches of 4 rows, but a rank of stage 0 runs 2" in messages.pop()
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("name", ["gpt2", "t5"])
+def test_tied_weights_across_stages_train_without_autograd_warnings(trained, name):
+    # GPT-2 ties its embedding (stage 0) to its head (stage 2); T5 ties it across all three stages.
+    # DeepSpeed's broadcast of their initial values ran under autograd, and the first backward
+    # warned "c10d::broadcast_: an autograd kernel was not registered".
+    ranks = [torch.load(trained / f"{name}.rank{r}.pt") for r in range(WORLD_SIZE)]
+    assert sum(bool(r["tied"]) for r in ranks) >= 2   # the tie spans stages
+    for res in ranks:
+        assert not [w for w in res["warnings"] if "autograd kernel" in w], res["warnings"]
 
 
 def test_hf_capture_gpt2_ties_the_embedding_and_the_output_projection_across_layers():

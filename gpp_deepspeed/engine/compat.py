@@ -22,12 +22,17 @@ step: :func:`hand_grads_to_master` gives DeepSpeed's bf16 optimizer a gradient t
 live weights without a backward, :func:`stage_local_norm` keeps one stage's own update from
 summing its norm over the whole pipeline, and :func:`loss_scale` reads an fp16 optimizer's scale.
 
+``PipelineModule._synchronize_tied_weights`` broadcasts each tied weight, a leaf that requires
+grad, with autograd recording: torch then warns at the first backward that ``c10d::broadcast_`` has
+no autograd kernel. :func:`broadcast_tied_weights` is the same broadcast of the values alone.
+
 ``tests/test_placement.py`` pins the DeepSpeed version these were written against.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Callable
 
 import torch
@@ -37,8 +42,8 @@ from deepspeed import comm as dist
 import deepspeed.runtime.pipe.module as _ds_pipe_module
 
 __all__ = ["DEEPSPEED_VERSION", "pipeline_grid", "count_each_stage_once", "flat_optimizer_groups",
-           "base_optimizer", "base_optimizer_state", "link_fragment_state", "hand_grads_to_master",
-           "stage_local_norm", "loss_scale"]
+           "base_optimizer", "base_optimizer_state", "link_fragment_state", "broadcast_tied_weights",
+           "hand_grads_to_master", "stage_local_norm", "loss_scale"]
 
 DEEPSPEED_VERSION = "0.19.8"  # the version whose internals this module reaches into
 
@@ -137,6 +142,16 @@ def stage_local_norm(optimizer):
 def loss_scale(optimizer) -> float:
     """The loss scale an fp16 optimizer multiplies the loss by (``cur_scale``), 1 for any other."""
     return float(getattr(optimizer, "cur_scale", 1.0))
+def broadcast_tied_weights(tied_comms: dict) -> None:
+    """Give every copy of each tied weight the value of the first rank holding it, as
+    ``PipelineModule._synchronize_tied_weights`` does (at construction and after loading a
+    checkpoint), but outside autograd: the copy is an initial value, not an operation to
+    differentiate, so no graph node is recorded on the leaf and backward never reaches it."""
+    with torch.no_grad():
+        for comm in tied_comms.values():
+            for attr in comm["weight_attr"]:
+                weight = functools.reduce(getattr, attr.split("."), comm["module"])
+                dist.broadcast(weight.detach(), src=min(comm["ranks"]), group=comm["group"])
 
 
 def installed_version() -> str:

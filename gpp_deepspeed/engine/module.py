@@ -31,7 +31,7 @@ from ..graph.stages import Partition, StageSpec
 from ..partitioning import PARTITION_METHODS, ResolvedPartition, parse_partition_method, resolve_partition
 from ..spec import LayerEntry, call_layer, normalize_layers, port_leaves, resolve
 from ..checkpoint import layer_model_file, layer_model_files
-from .compat import pipeline_grid
+from .compat import broadcast_tied_weights, pipeline_grid
 from .flat import flatten, unflatten
 from .shm import release_own_shm
 from .topology import StageGrid, StageTopology
@@ -186,6 +186,11 @@ class GraphPipelineModule(PipelineModule):
                     for p in self.tied_modules[key].parameters():
                         p.ds_pipe_replicated = True
         return tied_comms
+
+    def _synchronize_tied_weights(self):
+        """DeepSpeed's initial broadcast of tied weights, outside autograd (see
+        :func:`~gpp_deepspeed.engine.compat.broadcast_tied_weights`)."""
+        broadcast_tied_weights(self.tied_comms)
 
     # -- stage forward ------------------------------------------------------------------------
 
