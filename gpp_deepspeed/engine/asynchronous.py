@@ -29,7 +29,6 @@ from ..errors import GPPConfigError
 from ..schedule import AsyncProgram, Program, predicted_updates
 from ..schedule.ir import ActionKind as K
 from ..checkpoint import layer_optim_file
-from .compat import loss_scale
 from .portable import local_layers
 from .weights import MasterWeights, WeightVersions
 
@@ -135,6 +134,10 @@ def check_async_options(engine) -> None:
         problems.append(f'"gradient_clipping" = {engine.gradient_clipping()} (the global norm of one micro-batch\'s '
                         "gradient needs every stage's part of it, but the last stage updates with it before the "
                         'first has computed its own; set "gradient_clipping": 0, or use "2bw")')
+    if engine.fp16_enabled() and engine.zero_optimization_stage() == 0:
+        problems.append('"fp16" with "zero_optimization.stage" 0 (DeepSpeed 0.19.8\'s engine.backward scales the loss '
+                        "only for its ZeRO optimizers, while its stage-0 fp16 optimizers still divide every gradient by "
+                        'the loss scale; use stage 1, or "bf16")')
     if rule is rule.PREDICT_INPLACE and engine.module.activation_checkpoint_interval > 0:
         problems.append('"activation_checkpoint_interval" > 0 (the recomputed forward would run on the live weights, '
                         'not on the prediction written over them for the forward; use "pipeoptim")')
@@ -200,6 +203,12 @@ class AsyncPipeline:
         scale the optimizer will divide by."""
         scale = 1.0 if self.spec.weights.updates_per_batch else float(self.micro_batches)
         return scale * loss_scale(optimizer) / self.versions.loss_scale_of[version]
+
+
+def loss_scale(optimizer) -> float:
+    """The loss scale DeepSpeed's fp16 optimizers multiply the loss by (their public
+    ``loss_scale``), 1 for any other optimizer."""
+    return float(getattr(optimizer, "loss_scale", 1.0))
 
 
 def _state_file(ckpt_dir: str, layer: str) -> str:

@@ -19,8 +19,8 @@ what that API leaves out is here: which flat partition holds a parameter's group
 
 An asynchronous schedule's updates happen inside the pipeline, outside DeepSpeed's backward and
 step: :func:`hand_grads_to_master` gives DeepSpeed's bf16 optimizer a gradient that reached the
-live weights without a backward, :func:`stage_local_norm` keeps one stage's own update from
-summing its norm over the whole pipeline, and :func:`loss_scale` reads an fp16 optimizer's scale.
+live weights without a backward, and :func:`stage_local_norm` keeps one stage's own update from
+summing its norm over the whole pipeline.
 
 ``PipelineModule._synchronize_tied_weights`` broadcasts each tied weight, a leaf that requires
 grad, with autograd recording: torch then warns at the first backward that ``c10d::broadcast_`` has
@@ -43,7 +43,7 @@ import deepspeed.runtime.pipe.module as _ds_pipe_module
 
 __all__ = ["DEEPSPEED_VERSION", "pipeline_grid", "count_each_stage_once", "flat_optimizer_groups",
            "base_optimizer", "base_optimizer_state", "link_fragment_state", "broadcast_tied_weights",
-           "hand_grads_to_master", "stage_local_norm", "loss_scale"]
+           "hand_grads_to_master", "stage_local_norm"]
 
 DEEPSPEED_VERSION = "0.19.8"  # the version whose internals this module reaches into
 
@@ -137,11 +137,6 @@ def stage_local_norm(optimizer):
         yield
     finally:
         optimizer.mpu = mpu
-
-
-def loss_scale(optimizer) -> float:
-    """The loss scale an fp16 optimizer multiplies the loss by (``cur_scale``), 1 for any other."""
-    return float(getattr(optimizer, "cur_scale", 1.0))
 def broadcast_tied_weights(tied_comms: dict) -> None:
     """Give every copy of each tied weight the value of the first rank holding it, as
     ``PipelineModule._synchronize_tied_weights`` does (at construction and after loading a

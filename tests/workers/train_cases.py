@@ -170,6 +170,8 @@ def run_case(case, out, rank, world_size):
             result["seen"] = engine.case_seen
         if isinstance(module, GraphPipelineModule):
             result["state"] = {k: v.detach().float().clone() for k, v in module.graph_state_dict().items()}
+    if case.get("fp16"):
+        result["loss_scale"] = float(engine.optimizer.loss_scale)
     if hasattr(engine, "weight_version_memory"):
         result["weight_versions"] = engine.weight_version_memory()
     torch.save(result, out / f"{case['id']}.rank{rank}.pt")
