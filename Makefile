@@ -36,7 +36,9 @@ bench: setup
 	$(PY) benchmarks/search_speed.py
 	$(PY) benchmarks/schedules.py
 	$(PY) benchmarks/async_convergence.py
+	$(PY) benchmarks/transport_costs.py
 	$(PY) benchmarks/planned_runs.py
+	$(PY) benchmarks/large_models.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

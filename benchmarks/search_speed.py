@@ -84,10 +84,13 @@ def cluster_scale(models, graphpipe_search, log) -> list[dict]:
     db = models.analytic_costs(models.candle_uno(branches=LARGE["branches"]), models.A100_80GB)
     rows = []
     for space in ("runtime", "full"):
+        t0, c0 = time.perf_counter(), time.process_time()
         r = graphpipe_search(db, num_devices=LARGE["devices"], mini_batch=LARGE["mini_batch"], space=space)
+        # what `gpp plan` waits for: the search and the simulation of its candidates
+        total_s, total_cpu = time.perf_counter() - t0, time.process_time() - c0
         p = r.plan
-        row = {"space": space, "search_s": r.search_time_s, "states": r.states,
-               "samples_per_s": p.predicted.samples_per_s if p else None, "status": r.status}
+        row = {"space": space, "search_s": r.search_time_s, "states": r.states, "total_s": total_s,
+               "total_cpu_s": total_cpu, "samples_per_s": p.predicted.samples_per_s if p else None, "status": r.status}
         if p is not None:
             row.update(bubble=p.predicted.bubble_fraction, stages=p.num_stages, micro_batch=p.micro_batch,
                        degrees=sorted({s.devices for s in p.stages}), **_bottleneck(db, p))
@@ -182,10 +185,12 @@ def markdown(data: dict, before: dict | None) -> str:
              "Plans are those of the analytic cost model (predictions).", "",
              "### GraphPipe on the paper's models (full space, 16 samples per device)", ""]
     prev = {(r["model"], r["granularity"], r["devices"]): r for r in (before or {}).get("paper", [])}
+    prev_cluster = {r["space"]: r for r in (before or {}).get("cluster", [])}
+    label = (before or {}).get("commit", "c25a8f0")
     head = "| model | granularity | devices | search (s) | CPU (s) | states | samples/s |"
     sep = "|---|---|---|---|---|---|---|"
     if prev:
-        head += " before (c25a8f0): search (s) | before: CPU (s) | before: samples/s |"
+        head += f" before ({label}): search (s) | before: CPU (s) | before: samples/s |"
         sep += "---|---|---|"
     lines += [head, sep]
     for r in data["paper"]:
@@ -200,13 +205,19 @@ def markdown(data: dict, before: dict | None) -> str:
     lines += ["", f"Slowest configuration: {worst:.2f} s wall clock, {worst_cpu:.2f} s of CPU (target: under 5 s). "
               "CPU is the process's CPU time for the same call (search and the simulation of its candidates), which "
               "other jobs on the machine do not inflate; compare before and after on it. The wall clock of a run "
-              "depends on the load when it ran (a load average of 40-90 on 2 cores during parts of this run).", "",
+              "depends on the load when it ran (other users' single-process work shared the 2 cores).", "",
               "### CANDLE-Uno, 64 branches, 1,024 A100s, mini-batch 16,384", "",
-              "| space | search (s) | states | samples/s | stages | micro-batch | degrees | bubble |",
-              "|---|---|---|---|---|---|---|---|"]
+              "| space | search (s) | search and simulation (s) | its CPU (s) | states | samples/s | stages | "
+              "micro-batch | degrees | bubble |" + (f" before ({label}): search and simulation (s), CPU (s) |" if prev_cluster else ""),
+              "|---|---|---|---|---|---|---|---|---|---|" + ("---|" if prev_cluster else "")]
     for r in data["cluster"]:
-        lines.append(f"| {r['space']} | {r['search_s']:.1f} | {r['states']} | {r['samples_per_s']:.0f} | {r['stages']} | "
-                     f"{r['micro_batch']} | {r['degrees']} | {r['bubble']:.1%} |")
+        line = (f"| {r['space']} | {r['search_s']:.1f} | {r.get('total_s', float('nan')):.1f} | "
+                f"{r.get('total_cpu_s', float('nan')):.1f} | {r['states']} | {r['samples_per_s']:.0f} | {r['stages']} | "
+                f"{r['micro_batch']} | {r['degrees']} | {r['bubble']:.1%} |")
+        b = prev_cluster.get(r["space"])
+        if prev_cluster:
+            line += f" {b.get('total_s', b['search_s']):.1f}, {b.get('total_cpu_s', float('nan')):.1f} |" if b else " - |"
+        lines.append(line)
     r = data["cluster"][0]
     lines += ["", f"Why the bubble: the busiest stage ({', '.join(r['bottleneck_stage'])}, {r['bottleneck_devices']} "
               f"devices) is busy {r['bottleneck_busy_s'] * 1e3:.0f} ms of the {r['iteration_s'] * 1e3:.0f} ms iteration: "
@@ -234,8 +245,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--parts", default="paper,cluster,scaling")
     parser.add_argument("--before", type=Path, default=ROOT / "benchmarks" / "results" / "search_speed_before.json",
-                        help="a JSON written by --root on an older checkout, to compare (default: the paper-model "
-                        "times of commit c25a8f0, before the search was sped up, measured on this machine)")
+                        help="a JSON written by --root on an older checkout, to compare (its 'commit' key names it; "
+                        "default: the times of the checkout before issue 22, measured on this machine)")
     args = parser.parse_args()
     models, baselines, graphpipe_search = _load(args.root)
     log = lambda m: print(m, flush=True)  # noqa: E731

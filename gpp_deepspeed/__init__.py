@@ -15,7 +15,7 @@ The torch- and deepspeed-facing names load on first use, so the pure subpackages
 
 from importlib import import_module
 
-from .errors import GPPConfigError, GPPError, GraphError, PartitionError, ScheduleError
+from .errors import CheckpointError, GPPConfigError, GPPError, GraphError, PartitionError, ScheduleError
 
 __version__ = "0.1.0"
 
@@ -27,11 +27,14 @@ _LAZY = {
     "GraphPipelineConfig": ".config",
     "initialize": ".initialize",
     "capture": ".capture",
+    "load_pretrained": ".pretrained",
+    "save_pretrained": ".pretrained",
 }
 
 __all__ = [
     "GraphLayerSpec", "GraphModel", "GraphPipelineModule", "GraphPipelineEngine", "GraphPipelineConfig",
-    "initialize", "capture", "GPPError", "GPPConfigError", "GraphError", "PartitionError", "ScheduleError",
+    "initialize", "capture", "load_pretrained", "save_pretrained", "GPPError", "GPPConfigError", "GraphError",
+    "PartitionError", "CheckpointError", "ScheduleError",
 ]
 
 

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import bisect
 import contextlib
-import copy
 import dis
 import functools
 import inspect
@@ -45,8 +44,10 @@ from torch import fx, nn
 from torch.fx.experimental.meta_tracer import MetaAttribute, MetaProxy, MetaTracer
 
 from .errors import GPPConfigError, GPPError, GraphError
+from .meta import meta_copy
 
-__all__ = ["LeafTracer", "ShapeLeafTracer", "trace", "trace_with_shapes", "propagate_meta", "model_line", "META"]
+__all__ = ["LeafTracer", "ShapeLeafTracer", "trace", "trace_with_shapes", "propagate_meta", "model_line", "META",
+           "CacheArgumentError"]
 
 # node.meta key of the value a node had in the shaped trace (a meta tensor, or a structure of them)
 META = "gpp_meta_value"
@@ -70,6 +71,7 @@ class LeafTracer(fx.Tracer):
     def call_module(self, m, forward, args, kwargs):
         path = self.path_of_module(m)
         leaf = self.is_leaf_module(m, path)
+        _check_no_cache(path, args, kwargs)
         try:
             out = super().call_module(m, forward, args, kwargs)
         except Exception:
@@ -93,6 +95,27 @@ class LeafTracer(fx.Tracer):
         """What a hook sees as the module's output: the traced value (a tuple of its elements
         when the shaped trace knows the output is a tuple)."""
         return out
+
+
+class CacheArgumentError(GraphError):
+    """A key/value cache reaches a layer: no tracer gets further, so capture says so at once."""
+
+
+def _check_no_cache(path: str, args: tuple, kwargs: dict) -> None:
+    """A key/value cache (``transformers``' ``DynamicCache``, what ``use_cache=True`` makes) passed to
+    a layer is generation state that a training pipeline neither traces nor sends between stages:
+    say how to turn it off."""
+    cache_utils = sys.modules.get("transformers.cache_utils")
+    if cache_utils is None:
+        return
+    named = [*((f"argument {i}", a) for i, a in enumerate(args)), *((f"{k}=", v) for k, v in kwargs.items())]
+    for where, value in named:
+        if isinstance(value, cache_utils.Cache):
+            raise CacheArgumentError(
+                f'submodule "{path}" is called with a {type(value).__name__} ({where}): a key/value cache is '
+                "generation state that a pipeline cannot capture or send between stages. Build the model with "
+                "use_cache=False (config.use_cache = False, or capture(..., concrete_args={\"use_cache\": False}) "
+                "when forward takes use_cache)")
 
 
 class _SizedProxy(MetaProxy):
@@ -299,13 +322,15 @@ def trace_with_shapes(module: nn.Module, named: set[str], concrete_args, example
     if len(example_inputs) != len(params):
         raise GPPConfigError(f"example_inputs has {len(example_inputs)} tensors but {type(module).__name__}.forward "
                              f"takes {len(params)} inputs: {params}")
-    meta_module = _meta_copy(module)
+    meta_module = meta_copy(module)
     tracer = ShapeLeafTracer(named)
     meta_args = {name: x.to("meta") for name, x in zip(params, example_inputs)}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # MetaTracer warns for every op it cannot size; errors say more
         try:
             graph = trace(meta_module, tracer, concrete_args, shaped=True, meta_args=meta_args)
+        except CacheArgumentError:
+            raise
         except GraphError as shaped:
             raise GraphError(f"neither torch.fx nor shape-specialised tracing can capture "
                              f"{type(module).__name__}: {shaped}") from plain
@@ -316,21 +341,12 @@ def trace_with_shapes(module: nn.Module, named: set[str], concrete_args, example
     return graph, consts
 
 
-def _meta_copy(module: nn.Module) -> nn.Module:
-    """A deep copy of ``module`` on the meta device: shares nothing with it, costs no parameter memory."""
-    memo: dict[int, Any] = {}
-    for t in (*module.parameters(), *module.buffers()):
-        meta = t.detach().to("meta")
-        memo[id(t)] = nn.Parameter(meta, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else meta
-    return copy.deepcopy(module, memo)
-
-
 def propagate_meta(module: nn.Module, graph: fx.Graph, example_inputs: Sequence[torch.Tensor]) -> None:
     """Record in ``node.meta[META]`` the value each node of a plain trace takes on meta tensors of
     the example inputs' shapes (what the shaped trace records while tracing). The graph does not
     change: nothing is specialised. Stops quietly at the first node that cannot run on meta
     tensors; the nodes after it have no META (capture then only forgoes what META allows)."""
-    meta_module = _meta_copy(module)
+    meta_module = meta_copy(module)
     inputs = iter(x.to("meta") for x in example_inputs)
     env: dict[fx.Node, Any] = {}
 

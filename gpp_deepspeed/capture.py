@@ -42,7 +42,10 @@ model's own line) are in :mod:`gpp_deepspeed._tracing`.
 
 Every layer is a :class:`CapturedLayerSpec` whose ``build()`` returns a *deep copy* of the captured
 submodule: models built from the list start from the module's current weights (nothing is
-re-initialised) and share no parameter with it or with each other.
+re-initialised) and share no parameter with it or with each other. A module built on the meta device
+(``with torch.device("meta"): ...``) is captured without memory, and ``build()`` materialises only
+the layer it builds, by the model's own initialisation (:mod:`gpp_deepspeed.meta`) or from a
+checkpoint (:func:`gpp_deepspeed.load_pretrained`), so each pipeline rank allocates only its stage.
 """
 
 from __future__ import annotations
@@ -56,15 +59,16 @@ import operator
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import fx, nn
 
 from ._batch import BATCH_ARGS, BATCH_DIM, batch_source, mark_batch, substitute_batch
-from ._tracing import META, LeafTracer, model_line, propagate_meta, trace, trace_with_shapes
+from ._tracing import META, CacheArgumentError, LeafTracer, model_line, propagate_meta, trace, trace_with_shapes
 from .errors import GPPConfigError, GraphError
 from .graph.ir import TensorRef
+from .meta import ModuleInit, building_on_meta, check_initializable, is_meta, materialize, meta_copy
 from .spec import GraphLayerSpec
 from deepspeed.runtime.pipe.module import LayerSpec, TiedLayerSpec
 
@@ -75,28 +79,70 @@ _ASSERTS = (torch._assert, torch.fx._symbolic_trace._assert_is_none)
 
 
 class CapturedLayerSpec(GraphLayerSpec):
-    """A ``GraphLayerSpec`` around an already-built module; ``build()`` returns a deep copy of it."""
+    """A ``GraphLayerSpec`` around an already-built module; ``build()`` returns a deep copy of it.
 
-    def __init__(self, name: str, module: nn.Module, *, inputs: Sequence[str]):
+    ``prefix`` is the path of the layer's submodule in the captured module, with a trailing dot
+    (``"model.layers.0."``), or ``""`` for a function layer, whose tensors carry their full paths. A
+    meta module is materialised by ``init`` when built (:mod:`gpp_deepspeed.meta`), or read from
+    ``weights`` (set by :func:`gpp_deepspeed.load_pretrained`).
+    """
+
+    def __init__(self, name: str, module: nn.Module, *, inputs: Sequence[str], prefix: str = "",
+                 init: ModuleInit | None = None):
         super().__init__(name, type(module), inputs=inputs)
         self.module = module
+        self.prefix = prefix
+        self.init = init
+        self.weights = None
 
     def build(self, log=False) -> nn.Module:
-        return copy.deepcopy(self.module)
+        if building_on_meta():   # counting parameters: the structure, no memory
+            return meta_copy(self.module)
+        if self.weights is not None:
+            return self.weights.build(self)
+        module = copy.deepcopy(self.module)
+        if is_meta(module):
+            self.check_buildable()
+            materialize(module, init=self.init, path_of=self.module_path)
+        return module
+
+    def check_buildable(self) -> None:
+        """Raise a :class:`GPPConfigError` now, before any communication, if ``build()`` would leave
+        a meta tensor without a value."""
+        if self.weights is None and isinstance(self.module, nn.Module) and is_meta(self.module):
+            if self.init is None:
+                raise GPPConfigError(f'layer "{self.name}" is on the meta device but was not captured on it; '
+                                     "capture the meta module itself")
+            check_initializable(self.module, init=self.init, path_of=self.module_path, layer=self.name)
+
+    def module_path(self, name: str) -> str:
+        """The path in the captured module of this layer's submodule or tensor ``name``."""
+        return _join(self.prefix, name)
+
+
+def _join(prefix: str, name: str) -> str:
+    return prefix + name if name else prefix[:-1]
 
 
 class CapturedTiedLayerSpec(CapturedLayerSpec, TiedLayerSpec):
     """A captured layer sharing parameters with other layers (GPT-2's output projection and its
     token embedding): a DeepSpeed ``TiedLayerSpec`` whose module holds every layer of the tie
     (``holder[name]``), so each stage that runs one of them has the shared weights and DeepSpeed
-    all-reduces their gradients across those stages."""
+    all-reduces their gradients across those stages. ``prefixes`` gives each member's prefix."""
 
     def __init__(self, name: str, holder: nn.ModuleDict, *, inputs: Sequence[str], key: str,
-                 tied_weight_attr: Sequence[str]):
+                 tied_weight_attr: Sequence[str], prefixes: dict[str, str] | None = None,
+                 init: ModuleInit | None = None):
         LayerSpec.__init__(self, type(holder))
         self.name, self.inputs, self.module = name, tuple(inputs), holder
         self.key, self.tied_weight_attr = key, list(tied_weight_attr)
         self.forward_fn = _Member(name)
+        self.prefixes = dict(prefixes or {})
+        self.prefix, self.init, self.weights = "", init, None
+
+    def module_path(self, name: str) -> str:
+        member, _, rest = name.partition(".")
+        return _join(self.prefixes.get(member, member + "."), rest) if member else ""
 
 
 class _Member:
@@ -131,6 +177,7 @@ class CapturedModel:
     unused: tuple[str, ...] = ()
     input_shapes: dict[str, tuple[int | None, ...]] = field(default_factory=dict)
     paths: dict[str, str] = field(default_factory=dict)
+    hf: Any = None
 
     def graph_model(self, **kwargs: Any):
         """The single-device :class:`~gpp_deepspeed.GraphModel` of the captured layers."""
@@ -192,8 +239,8 @@ class CapturedModel:
 
 
 def capture(module: nn.Module, *, input_names: Sequence[str] | None = None, layers: Sequence[str] | None = None,
-            concrete_args: dict[str, Any] | None = None, example_inputs: Sequence[torch.Tensor] | None = None
-            ) -> CapturedModel:
+            concrete_args: dict[str, Any] | None = None, example_inputs: Sequence[torch.Tensor] | None = None,
+            init_fn: Callable[[nn.Module], None] | None = None) -> CapturedModel:
     """Trace ``module`` at module granularity into a :class:`CapturedModel`.
 
     ``input_names`` names the graph inputs (default: the forward's argument names); ``layers``
@@ -208,6 +255,11 @@ def capture(module: nn.Module, *, input_names: Sequence[str] | None = None, laye
     ``CapturedModel.input_shapes`` says which remain, and a micro-batch of another shape is refused
     naming both. With a plain trace, ``example_inputs`` only tell capture the dtypes of the values
     (so that an input read only for its dtype need not cross stages); nothing is specialised.
+
+    A module on the meta device costs no memory here; each layer is materialised when built
+    (:mod:`gpp_deepspeed.meta`), by ``init_fn(submodule)`` when given (it fills one submodule's own
+    tensors), else by the Hugging Face model's ``_init_weights`` or the submodule's
+    ``reset_parameters()``, unless :func:`gpp_deepspeed.load_pretrained` gives it a checkpoint.
     """
     named = _check_layers(module, layers)
     shapes: list[tuple] = []    # the example inputs' shapes where the graph assumes them
@@ -215,6 +267,8 @@ def capture(module: nn.Module, *, input_names: Sequence[str] | None = None, laye
         graph, consts = trace(module, LeafTracer(named), concrete_args), {}
         if example_inputs is not None and not concrete_args:
             propagate_meta(module, graph, example_inputs)
+    except CacheArgumentError:
+        raise
     except GraphError as plain:
         if example_inputs is None:
             raise
@@ -237,7 +291,8 @@ def capture(module: nn.Module, *, input_names: Sequence[str] | None = None, laye
     elif isinstance(input_names, str) or len(input_names) != len(placeholders):
         raise GPPConfigError(f"input_names {input_names!r} must list one name per input of "
                              f"{type(module).__name__}.forward: {[str(p.target) for p in placeholders]}")
-    captured = _to_layers(module, graph, placeholders, tuple(input_names), consts)
+    init = ModuleInit.of(module, init_fn) if is_meta(module) else None
+    captured = _to_layers(module, graph, placeholders, tuple(input_names), consts, init)
     if layers is None and len(captured.paths) == 1:
         warnings.warn(_one_layer_hint(module, next(iter(captured.paths.values()))), stacklevel=2)
     if shapes:
@@ -388,7 +443,7 @@ def _classify(nodes: list[fx.Node], result: fx.Node, is_param) -> tuple[set, dic
 
 
 def _to_layers(module: nn.Module, graph: fx.Graph, placeholders: list[fx.Node],
-               input_names: tuple[str, ...], consts: dict[str, torch.Tensor]) -> CapturedModel:
+               input_names: tuple[str, ...], consts: dict[str, torch.Tensor], init: ModuleInit | None) -> CapturedModel:
     nodes = list(graph.nodes)
     result = nodes[-1].args[0]
     if not isinstance(result, fx.Node) or result.op in ("placeholder", "get_attr"):
@@ -434,7 +489,7 @@ def _to_layers(module: nn.Module, graph: fx.Graph, placeholders: list[fx.Node],
             layer, inputs = _function_layer(module, members, root, inline, is_param, ref, owners, name_of[root],
                                             consts)
             prefixes[name_of[root]] = ""
-        specs.append(CapturedLayerSpec(name_of[root], layer, inputs=inputs))
+        specs.append(CapturedLayerSpec(name_of[root], layer, inputs=inputs, prefix=prefixes[name_of[root]], init=init))
     if result in refs:  # forward returns a selection of a layer's output: the loss reads that leaf
         name_of[result] = _fresh(result.name, taken)
         specs.append(CapturedLayerSpec(name_of[result], nn.Identity(), inputs=[ref(result)]))
@@ -443,7 +498,9 @@ def _to_layers(module: nn.Module, graph: fx.Graph, placeholders: list[fx.Node],
     held = {prefixes[s.name] + n for s in specs for n, _ in s.module.named_parameters()}
     unused = tuple(n for n, _ in module.named_parameters() if not held & set(aliases.get(n, (n, ))))
     paths = {name_of[r]: str(r.target) for r in roots if r.op == "call_module"}
-    return CapturedModel(_tie_shared(specs), input_names, name_of[result], prefixes, aliases, unused, paths=paths)
+    from .pretrained import HFModelInfo
+    return CapturedModel(_tie_shared(specs, init), input_names, name_of[result], prefixes, aliases, unused,
+                         paths=paths, hf=HFModelInfo.find(module))
 
 
 def _ancestors(path: str) -> list[str]:
@@ -460,7 +517,7 @@ def _aliases(module: nn.Module) -> dict[str, tuple[str, ...]]:
     return {n: tuple(group) for group in names.values() if len(group) > 1 for n in group}
 
 
-def _tie_shared(specs: list[CapturedLayerSpec]) -> list[CapturedLayerSpec]:
+def _tie_shared(specs: list[CapturedLayerSpec], init: ModuleInit | None = None) -> list[CapturedLayerSpec]:
     """Make the layers that share a parameter one tie (copies would train apart)."""
     owner: dict[int, str] = {}
     group = {s.name: s.name for s in specs}
@@ -494,7 +551,8 @@ def _tie_shared(specs: list[CapturedLayerSpec]) -> list[CapturedLayerSpec]:
                              "of them; a tie may hold only shared parameters: keep the layers that share "
                              "weights free of other parameters (or capture them as one layer)")
         out.append(CapturedTiedLayerSpec(spec.name, holder, inputs=spec.inputs, key=f"tie_{tie[0].name}",
-                                         tied_weight_attr=[names[0] for names in users.values()]))
+                                         tied_weight_attr=[names[0] for names in users.values()],
+                                         prefixes={m.name: m.prefix for m in tie}, init=init))
     return out
 
 

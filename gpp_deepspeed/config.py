@@ -55,6 +55,12 @@ class GraphPipelineConfig(BaseModel):
     print_stage_graph: bool = True
     """Print the stage graph (layers per stage, tensors per stage edge) on global rank 0."""
 
+    print_memory: bool = True
+    """Print each rank's memory for its stage (parameters, gradients, optimizer state, activation
+    peak, process peak; :mod:`gpp_deepspeed.engine.memory`) on global rank 0, beneath the stage graph
+    at ``initialize`` and again after the first step, when gradients, optimizer state and
+    activations have been allocated. Gathering it is collective: every rank must have the same value."""
+
     print_idle_fractions: bool = True
     """Every ``steps_per_print`` steps, print each stage's idle fraction in the last batch (time
     spent waiting for tensors or for sends to finish, over the batch's wall time) on global rank 0,

@@ -5,7 +5,7 @@ and its message names the culprit (the layer, the stage, the config key) and the
 ``assert`` is kept for internal invariants only.
 """
 
-__all__ = ["GPPError", "GPPConfigError", "GraphError", "PartitionError", "ScheduleError",
+__all__ = ["GPPError", "GPPConfigError", "GraphError", "PartitionError", "CheckpointError", "ScheduleError",
            "InfeasiblePlanError", "SearchLimitError"]
 
 
@@ -23,6 +23,10 @@ class GraphError(GPPConfigError):
 
 class PartitionError(GPPConfigError):
     """A partition of layers into stages is invalid (missing layer, cycle between stages, ...)."""
+
+
+class CheckpointError(GPPConfigError):
+    """A checkpoint does not match the model (names, shapes) or is not a checkpoint."""
 
 
 class ScheduleError(GPPError):

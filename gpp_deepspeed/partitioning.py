@@ -50,7 +50,7 @@ from .planner.costs import CostDB
 from .planner.plan import Plan
 from .planner.search import graphpipe_partition, proxy_costs
 
-__all__ = ["BranchBalanced", "TypeBalanced", "SequentialChain", "GraphPipeSearch", "FromPlan", "Manual",
+__all__ = ["BranchBalanced", "TypeBalanced", "SequentialChain", "GraphPipeSearch", "DeviceProfile", "FromPlan", "Manual",
            "PartitionOption", "ResolvedPartition", "PARTITION_ALIASES", "PARTITION_METHODS", "BRANCH_SLACK",
            "parse_partition_method", "resolve_partition"]
 
@@ -92,12 +92,44 @@ class SequentialChain:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class DeviceProfile:
+    """Time the model's layers on the ranks' own devices at start-up and plan from that: no
+    separate ``gpp profile`` step (:func:`~gpp_deepspeed.profiler.profile_on_ranks` measures).
+
+    ``make_inputs(b)`` returns the graph inputs (a tensor, or a tuple in ``input_names`` order) of
+    a micro-batch of ``b`` samples; every layer is timed forward and backward, the backward also
+    split into input and weight gradients, at each of ``micro_batches`` (the same sizes on every
+    rank), the median of ``repeats`` runs after ``warmup``. The search prices stages at
+    ``micro_batch`` (default: the largest size timed). Each rank times its share of the layers and
+    the ranks exchange what they measured, so every rank plans from the same numbers.
+    """
+
+    make_inputs: Callable[[int], Any] = field(hash=False, compare=False)
+    micro_batches: tuple[int, ...] = (1, 2, 4)
+    micro_batch: int | None = None
+    warmup: int = 1
+    repeats: int = 3
+
+    def __post_init__(self):
+        object.__setattr__(self, "micro_batches", tuple(sorted(set(int(b) for b in self.micro_batches))))
+        if not self.micro_batches or self.micro_batches[0] < 1 or self.warmup < 0 or self.repeats < 1:
+            raise PartitionError(f"DeviceProfile needs positive micro_batches, warmup >= 0 and repeats >= 1, got "
+                                 f"{list(self.micro_batches)}, {self.warmup}, {self.repeats}")
+        if self.micro_batch is not None and self.micro_batch < 1:
+            raise PartitionError(f"DeviceProfile.micro_batch must be positive, got {self.micro_batch}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class GraphPipeSearch:
     """GraphPipe's search for the least-bottleneck stage graph with one rank per stage (arXiv
-    2406.17145, Sec. 5), priced by ``cost_db`` (what ``gpp profile`` writes); without one, a
-    layer's time is taken as proportional to its parameters (:func:`~gpp_deepspeed.planner.search.proxy_costs`)."""
+    2406.17145, Sec. 5), priced by ``cost_db`` (what ``gpp profile`` writes), or by ``profile``,
+    layers timed on the ranks' devices at start-up (which the module measures into ``cost_db``
+    before resolving); without either, a layer's time is taken as proportional to its parameters
+    (:func:`~gpp_deepspeed.planner.search.proxy_costs`)."""
 
     cost_db: CostDB | None = None
+    profile: DeviceProfile | None = None
+    micro_batch: int = 1    # the micro-batch size the search prices stages at
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -158,7 +190,8 @@ class ResolvedPartition:
 
 def parse_partition_method(method: Any, *, cost_db: Any = None) -> PartitionOption | ResolvedPartition:
     """The option a user's ``partition_method`` names (see the glossary); ``cost_db`` (a
-    :class:`~gpp_deepspeed.planner.CostDB` or the path of one) prices ``"graphpipe"``.
+    :class:`~gpp_deepspeed.planner.CostDB`, the path of one, or a :class:`DeviceProfile`: time
+    the layers on the ranks' devices at start-up) prices ``"graphpipe"``.
 
     Plan and cost-database files are read here; :func:`resolve_partition` reads no file.
 
@@ -179,10 +212,13 @@ def parse_partition_method(method: Any, *, cost_db: Any = None) -> PartitionOpti
         warnings.warn(f'cost_db is ignored: only partition_method="graphpipe" prices layers with it, and the '
                       f"partition here is {what}", stacklevel=2)
     elif cost_db is not None:
-        if option.cost_db is not None:
-            raise PartitionError("the cost database is given twice (cost_db= and GraphPipeSearch(cost_db=...)); "
-                                 "give it once")
-        option = replace(option, cost_db=cost_db if isinstance(cost_db, CostDB) else CostDB.load(cost_db))
+        if option.cost_db is not None or option.profile is not None:
+            raise PartitionError("the cost database is given twice (cost_db= and GraphPipeSearch(cost_db=... or "
+                                 "profile=...)); give it once")
+        if isinstance(cost_db, DeviceProfile):
+            option = replace(option, profile=cost_db)
+        else:
+            option = replace(option, cost_db=cost_db if isinstance(cost_db, CostDB) else CostDB.load(cost_db))
     return option
 
 
@@ -256,7 +292,11 @@ def _cut(graph: LayerGraph, option: PartitionOption, num_stages: int, param_coun
     if isinstance(option, Manual):
         return dict(option.stage_of)
     if isinstance(option, GraphPipeSearch):
-        return graphpipe_partition(_cost_db(graph, option.cost_db, param_count), num_stages=num_stages)
+        if option.cost_db is None and option.profile is not None:
+            raise PartitionError("GraphPipeSearch(profile=...) must be measured before it is resolved: "
+                                 "gpp_deepspeed.profiler.profile_on_ranks (GraphPipelineModule does it)")
+        return graphpipe_partition(_cost_db(graph, option.cost_db, param_count), num_stages=num_stages,
+                                   micro_batch=option.micro_batch)
     if isinstance(option, TypeBalanced):
         pattern = re.compile(option.pattern, re.IGNORECASE)
         weights = [int(bool(pattern.search(layer_type(n)))) for n in graph.names]

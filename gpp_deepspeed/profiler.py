@@ -47,7 +47,8 @@ from .model import GraphModel
 from .planner.costs import CommFit, CostDB, Hardware, LayerCost
 from .spec import LayerEntry, call_layer, resolve
 
-__all__ = ["profile_layers", "fit_affine", "measure_p2p", "measure_hardware", "with_links", "P2P_SIZES"]
+__all__ = ["profile_layers", "profile_on_ranks", "fit_affine", "measure_p2p", "measure_hardware", "with_links",
+           "P2P_SIZES"]
 
 P2P_SIZES = tuple(2**k for k in range(10, 25, 2))  # 1 KiB .. 16 MiB, bytes
 
@@ -55,7 +56,8 @@ P2P_SIZES = tuple(2**k for k in range(10, 25, 2))  # 1 KiB .. 16 MiB, bytes
 def profile_layers(layers: Sequence[Any], *, input_names: Sequence[str], output: str | None = None,
                    make_inputs: Callable[[int], Any], micro_batches: Sequence[int] = (1, 2, 4, 8),
                    device: str | torch.device = "cpu", warmup: int = 2, repeats: int = 5,
-                   model_name: str = "model", hardware: Hardware | None = None) -> CostDB:
+                   model_name: str = "model", hardware: Hardware | None = None,
+                   only: Callable[[int, str], bool] | None = None) -> CostDB:
     """Measure every layer of a layer list on ``device`` and return its :class:`CostDB`.
 
     ``layers``, ``input_names`` and ``output`` are what ``GraphPipelineModule`` takes; the model is
@@ -70,6 +72,8 @@ def profile_layers(layers: Sequence[Any], *, input_names: Sequence[str], output:
     stashes the copy it received), an over-estimate otherwise. The parameters of a
     ``TiedLayerSpec`` count once, at the key's first entry in the list; parameters hidden in a plain
     callable are invisible. ``hardware`` defaults to :func:`measure_hardware` on ``device``.
+    ``only(index, name)`` picks the layers to time (the others get zero times; their bytes are
+    still counted): :func:`profile_on_ranks` shares the layers among ranks with it.
     """
     mbs = tuple(sorted(set(int(b) for b in micro_batches)))
     if not mbs or mbs[0] <= 0 or warmup < 0 or repeats < 1:
@@ -84,10 +88,11 @@ def profile_layers(layers: Sequence[Any], *, input_names: Sequence[str], output:
         inputs = make_inputs(b)
         inputs = (inputs, ) if torch.is_tensor(inputs) else tuple(inputs)
         args_of = _capture(model, _map_tensors(lambda t: t.to(device), inputs))
-        for e in model.entries:
+        for index, e in enumerate(model.entries):
             params, buffers = _layer_state(model, e)
             fn, args = model._funcs[e.name], args_of[e.name]
-            times = _time_layer(e, fn, args, params, warmup=warmup, repeats=repeats, sync=sync)
+            timed = only is None or only(index, e.name)
+            times = _time_layer(e, fn, args, params, warmup=warmup, repeats=repeats, sync=sync) if timed else (0.0,) * 4
             out, stashed = _stash(e, fn, args, params + buffers)
             row = rows[e.name]
             for key, t in zip(("fwd_s", "bwd_s", "bwd_input_s", "bwd_weight_s"), times):
@@ -111,6 +116,78 @@ def profile_layers(layers: Sequence[Any], *, input_names: Sequence[str], output:
     return CostDB(model=model_name, source=f"measured on {where}, torch {torch.__version__}",
                   input_names=tuple(model.graph.input_names), output=model.graph.output, layers=tuple(costs),
                   hardware=hardware if hardware is not None else measure_hardware(device=device))
+
+
+def profile_on_ranks(layers: Sequence[Any], *, input_names: Sequence[str], output: str | None = None,
+                     profile, device: str | torch.device, group=None, model_name: str = "model") -> CostDB:
+    """The cost database of a :class:`~gpp_deepspeed.partitioning.DeviceProfile`, measured by
+    every rank of ``group`` (default: the world) on its own ``device`` and agreed: rank ``r``
+    times layers ``r, r + W, r + 2W, ...`` (:func:`profile_layers`), the ranks exchange their rows
+    (``all_gather_object``), and every rank assembles the same database. The link is a ping-pong
+    between the group's first two ranks on the running process group (:func:`fit_affine`), the
+    memory the device's (or this host's RAM shared by the ranks on it). Collective: call it on
+    every rank of ``group``.
+
+    Every rank builds the whole model once to time its share (the inputs of a layer are what the
+    layers before it produce): a model that does not fit on one device needs ``gpp profile``.
+    """
+    device = torch.device(device)
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    mine = profile_layers(layers, input_names=input_names, output=output, make_inputs=profile.make_inputs,
+                          micro_batches=profile.micro_batches, device=device, warmup=profile.warmup,
+                          repeats=profile.repeats, model_name=model_name, hardware=_device_hardware(device, group),
+                          only=lambda index, name: index % world == rank)
+    rows: list = [None] * world
+    dist.all_gather_object(rows, [(c.fwd_s, c.bwd_s, c.bwd_input_s, c.bwd_weight_s) for c in mine.layers],
+                           group=group)
+    layers_out = tuple(dataclasses.replace(c, **dict(zip(("fwd_s", "bwd_s", "bwd_input_s", "bwd_weight_s"),
+                                                         rows[index % world][index])))
+                       for index, c in enumerate(mine.layers))
+    source = f"{mine.source}; timed at start-up by {world} ranks"
+    return dataclasses.replace(mine, layers=layers_out, source=source)
+
+
+def _device_hardware(device: torch.device, group) -> Hardware:
+    """This group's link, from a ping-pong of its first two ranks, and the device's memory; the
+    same on every rank (broadcast from the group's first rank)."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(world))
+    seconds = []
+    if world > 1 and rank < 2:
+        peer = ranks[1 - rank]
+        sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+        for nbytes in (1 << 10, 1 << 16, 1 << 20):
+            buf = torch.zeros(nbytes // 4, device=device)
+            times = []
+            for i in range(6):
+                sync()
+                t0 = time.perf_counter()
+                if rank == 0:
+                    dist.send(buf, peer, group=group)
+                    dist.recv(buf, peer, group=group)
+                else:
+                    dist.recv(buf, peer, group=group)
+                    dist.send(buf, peer, group=group)
+                sync()
+                if i:
+                    times.append((time.perf_counter() - t0) / 2)
+            seconds.append(statistics.median(times))
+    if device.type == "cuda":
+        memory, label = torch.cuda.get_device_properties(device).total_memory, torch.cuda.get_device_name(device)
+    else:
+        local = int(os.environ.get("LOCAL_SIZE", os.environ.get("LOCAL_WORLD_SIZE", world)))
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // max(1, local)
+        label = f"cpu ({os.cpu_count()} cores)"
+    fit = [None]
+    if rank == 0:
+        fit[0] = dataclasses.asdict(fit_affine([1 << 10, 1 << 16, 1 << 20], seconds)) if seconds else \
+            {"alpha_s": 0.0, "beta_s_per_byte": 0.0}
+    dist.broadcast_object_list(fit, src=ranks[0], group=group)
+    memory_all = [memory]
+    dist.broadcast_object_list(memory_all, src=ranks[0], group=group)
+    link = CommFit(**fit[0])
+    return Hardware(name=f"{label}; link timed between two ranks at start-up", memory_bytes=int(memory_all[0]),
+                    devices_per_node=world, intra=link, inter=link)
 
 
 def _layer_state(model: GraphModel, entry: LayerEntry) -> tuple[list[torch.Tensor], list[torch.Tensor]]:

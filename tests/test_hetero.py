@@ -122,3 +122,130 @@ def test_gpp_plan_with_the_mixed_generation_example_cluster(tmp_path):
     data = json.loads(out)
     classes = {s["device_class"] for s in data["plan"]["stages"]}
     assert classes <= {"a100", "v100"} and data["samples_per_s"] > 0
+
+
+# -- stage DAGs over device classes ---------------------------------------------------------------
+
+def _brute_force_graph(db, cluster, b, train, allowed) -> float:
+    """Every partition into stages the DP may form, every class and replica count per stage (at
+    most the class's devices in all), each stage fitting with its depth in flight (1F1B)."""
+    import networkx as nx
+    from test_search import _convex_partitions
+
+    n = cluster.num_devices
+    models = [cluster.stage_model(db, c.name, 8, n) for c in cluster.classes]
+    dag = nx.DiGraph()
+    dag.add_nodes_from(c.name for c in db.layers)
+    dag.add_edges_from((r, c.name) for c in db.layers for r in c.inputs if r in models[0].index)
+    replicas = [r for r in (1, 2, 4) if b % r == 0]
+    best = math.inf
+    for blocks, q in _convex_partitions([c.name for c in db.layers], dag):
+        if any(frozenset(bl) not in allowed for bl in blocks):
+            continue
+        depth = {}
+        for s in reversed(list(nx.topological_sort(q))):
+            depth[s] = 1 + max((depth[t] for t in q.successors(s)), default=0)
+        masks = [models[0].mask_of(bl) for bl in blocks]
+        for pick in itertools.product(range(len(models)), replicas, repeat=len(blocks)):
+            classes, degrees = pick[0::2], pick[1::2]
+            if any(sum(r for k, r in zip(classes, degrees) if k == c) > cl.count
+                   for c, cl in enumerate(cluster.classes)):
+                continue
+            worst = 0.0
+            for s, (m, c, r) in enumerate(zip(masks, classes, degrees)):
+                cm = models[c]
+                if train:
+                    ok, t = cm.fits(m, b, r, depth[s]), cm.time_per_sample(m, b, r)
+                else:
+                    ok = cm.inference_memory(m, b, r) <= cm.db.hardware.memory_bytes
+                    t = cm.time_per_sample_inference(m, b, r)
+                worst = max(worst, t if ok else math.inf)
+            best = min(best, worst)
+    return best
+
+
+def _ranges_of_children(tree) -> set[frozenset]:
+    """The stages the classes' DP may form: SP-tree nodes and ranges of a node's children."""
+    from gpp_deepspeed.planner.sp import Leaf
+
+    out: set[frozenset] = set()
+
+    def visit(t):
+        if isinstance(t, Leaf):
+            out.add(frozenset([t.name]))
+            return frozenset([t.name])
+        kids = [visit(c) for c in t.children]
+        out.update(frozenset().union(*kids[i:j]) for i in range(len(kids)) for j in range(i + 1, len(kids) + 1))
+        return frozenset().union(*kids)
+
+    visit(tree)
+    return out
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_the_stage_dag_search_over_device_classes_matches_brute_force(seed):
+    from gpp_deepspeed.planner.hetero import _graph_search
+    from gpp_deepspeed.planner.sp import sp_tree
+    from test_search import _random_dag, _random_db
+
+    rng = random.Random(500 + seed)
+    db = _random_db(rng, _random_dag(rng, rng.randint(3, 5)), memory=seed % 2 == 0)
+    tree, added = sp_tree(db.graph)
+    if added:
+        pytest.skip("not series-parallel")
+    cluster = Cluster(classes=(DeviceClass(name="fast", count=rng.randint(1, 2), speed=rng.uniform(1.5, 3)),
+                               DeviceClass(name="slow", count=rng.randint(1, 2))))
+    b = rng.choice([1, 2])
+    models = [cluster.stage_model(db, c.name, 8, cluster.num_devices) for c in cluster.classes]
+    for train in (True, False):
+        tps, stages, _ = _graph_search(db, cluster, models, b, train, None)
+        truth = _brute_force_graph(db, cluster, b, train, _ranges_of_children(tree))
+        if truth == math.inf:
+            assert tps is None
+            continue
+        assert truth * (1 - 1e-9) <= tps <= truth / (1 - 1e-3)
+
+
+def test_a_heterogeneous_plan_of_branches_is_a_stage_dag_with_the_fast_devices_on_the_slow_branch():
+    # Two branches, one three times the work of the other, merged by a small head. One fast device
+    # (3x) and two slow ones: the heavy branch goes to the fast device, the light branch and the
+    # head to the slow ones, each branch its own stage feeding the head: a DAG, not a chain.
+    db = synthetic_db([("a0", ["x"]), ("a1", ["a0"]), ("a2", ["a1"]), ("b0", ["y"]), ("head", ["a2", "b0"])],
+                      inputs=("x", "y"), fwd={"head": 0.2})
+    cluster = Cluster(classes=(DeviceClass(name="fast", count=1, speed=3.0), DeviceClass(name="slow", count=2)))
+    plan = hetero_search(db, cluster, mini_batch=8, micro_batches=[1]).plan
+    assert plan.notes["shape"] == "graph"
+    edges = set(plan.stage_edges)
+    assert any(sum(1 for _, dst in edges if dst == t) == 2 for t in range(plan.num_stages))   # a fan-in
+    by_layers = {s.layers: s.device_class for s in plan.stages}
+    assert by_layers[("a0", "a1", "a2")] == "fast" and by_layers[("b0",)] == "slow"
+
+
+# -- the golden heterogeneous plan that tests/test_stage_degrees.py trains -------------------------
+
+GOLDEN = ROOT / "tests" / "golden" / "plan_four_branch_hetero.json"
+
+
+def four_branch_hetero_plan() -> Plan:
+    """tests/models.py's four_branch (branches 0 and 1 three times the work of 2 and 3) on one
+    device three times as fast and three slow ones, micro-batches of 4 (regenerate the golden
+    file with ``python tests/test_hetero.py``)."""
+    layers = [x for b in range(4) for x in ((f"proj{b}", ["x"]), (f"block{b}", [f"proj{b}"]))]
+    layers += [("cat", [f"block{b}" for b in range(4)]), ("head", ["cat"])]
+    fwd = {"block0": 3.0, "block1": 3.0, "cat": 0.1, "head": 0.5}
+    db = synthetic_db(layers, fwd=fwd, bwd={k: 2 * v for k, v in fwd.items()}, out_bytes={n: 4 for n, _ in layers},
+                      model="four_branch")
+    cluster = Cluster(classes=(DeviceClass(name="fast", count=1, speed=3.0), DeviceClass(name="slow", count=3)))
+    return hetero_search(db, cluster, mini_batch=16, micro_batches=[4]).plan
+
+
+def test_the_golden_heterogeneous_plan_is_the_searchs_stage_dag_with_a_wide_stage():
+    plan = four_branch_hetero_plan()
+    assert Plan.load(GOLDEN) == plan, "regenerate: python tests/test_hetero.py"
+    assert plan.notes["shape"] == "graph" and sorted(plan.stage_edges) == [(0, 2), (1, 2)]   # a fan-in
+    assert [(s.devices, s.device_class) for s in plan.stages] == [(2, "slow"), (1, "fast"), (1, "slow")]
+
+
+if __name__ == "__main__":
+    four_branch_hetero_plan().save(GOLDEN)
+    print(f"wrote {GOLDEN}")

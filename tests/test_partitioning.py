@@ -264,3 +264,18 @@ def test_a_resolved_partition_is_a_frozen_value():
     assert isinstance(resolved, ResolvedPartition)
     with pytest.raises(AttributeError):
         resolved.stage_degrees = (2, 2)
+
+
+def test_a_device_profile_given_as_cost_db_asks_graphpipe_to_time_the_layers_at_start_up():
+    from gpp_deepspeed.partitioning import DeviceProfile
+
+    profile = DeviceProfile(make_inputs=lambda b: None, micro_batches=(4, 1, 2, 2))
+    option = parse_partition_method("graphpipe", cost_db=profile)
+    assert option == GraphPipeSearch(profile=profile) and option.profile.micro_batches == (1, 2, 4)
+    # the pure resolver cannot time anything: it says who does
+    with pytest.raises(PartitionError, match="profile_on_ranks"):
+        resolve_partition(chain_graph(3), option, num_stages=2)
+    with pytest.raises(PartitionError, match="given twice"):
+        parse_partition_method(GraphPipeSearch(profile=profile), cost_db=profile)
+    with pytest.raises(PartitionError, match="positive micro_batches"):
+        DeviceProfile(make_inputs=lambda b: None, micro_batches=(0,))

@@ -58,6 +58,23 @@ def test_simulated_chain_1f1b_takes_S_minus_1_plus_M_times_tf_plus_tb(stages, mi
     assert sim.stage_in_flight == tuple(min(stages - i, micro_batches) for i in range(stages))
 
 
+def test_a_collective_fit_prices_the_all_reduce_and_step_s_ends_every_iteration():
+    # Two stages of two replicas, 100 parameter bytes each: a ring all-reduce is 2 (n - 1) = 2
+    # steps of 50 bytes on the collective fit, and every rank then spends step_s on its step.
+    link = CommFit(alpha_s=0.0, beta_s_per_byte=0.0)
+    collective = CommFit(alpha_s=0.5, beta_s_per_byte=0.01)
+    hw = dataclasses.replace(hardware(link=link), collective=collective, step_s=0.25)
+    db = chain(2, param_bytes={"l0": 100, "l1": 100}, hw=hw)
+    plan = Plan(model="c", method="manual", source="", micro_batch=2, mini_batch=4,
+                stages=(PlanStage(layers=("l0",), devices=2), PlanStage(layers=("l1",), devices=2)))
+    sim = simulate_plan(plan, db)
+    assert sim.stage_costs[0].allreduce_s == pytest.approx(2 * (0.5 + 0.01 * 50))
+    # chain 1F1B: (S - 1 + M) (tf + tb) = 3 x 3 s on shards of one sample, then all-reduce and step
+    assert sim.prediction.iteration_time_s == pytest.approx(3 * 3.0 + 2 * (0.5 + 0.5) + 0.25)
+    from gpp_deepspeed.planner import CostDB
+    assert CostDB.from_json(db.to_json()) == db
+
+
 def test_branches_run_side_by_side_in_the_simulated_graph_pipeline_but_not_in_a_chain():
     db = branches(4, 2)
     stages = tuple(PlanStage(layers=(f"b{i}_0", f"b{i}_1")) for i in range(4)) + (PlanStage(layers=("cat",)),)

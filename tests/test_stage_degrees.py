@@ -35,7 +35,9 @@ WORLDS = {
     + [case("three_input", [1, 3], z, mbs=6) for z in (0, 1)]             # 6 rows: shards of 2, resharded 6 -> 3 x 2
     + [case("tied", [1, 2, 1], z, partition=TIED3) for z in (0, 1)]
     # resolve_partition called before the module: the degrees reach it inside the resolved partition
-    + [case("four_branch", [2, 1, 1], 1, partition="resolved:uniform", tag="-resolved")],
+    + [case("four_branch", [2, 1, 1], 1, partition="resolved:uniform", tag="-resolved")]
+    # a heterogeneous plan (planner/hetero.py, two device classes): a stage DAG with a fan-in
+    + [case("four_branch", [2, 1, 1], 0, partition="golden/plan_four_branch_hetero.json", tag="-hetero")],
     6: [case("four_branch", [2, 1], z) for z in (0, 1)],                  # [2, 1] replicated twice: 2 x 3 ranks
 }
 # training_data=: DeepSpeed's loader samples over the replicas; each rank of a wide loading stage keeps its rows.

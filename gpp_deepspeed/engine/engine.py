@@ -51,6 +51,7 @@ from . import portable
 from .instructions import (BUFFER_KEYS, GraphPipeSchedule, RecvActivationFrom, RecvGradFrom, Release,
                            SendActivationTo, SendGradTo, Transfers, WaitSends)
 from .watchdog import start_watchdog
+from .memory import MemoryReport, memory_report
 from .module import GraphPipelineModule
 from .p2p import EdgeTransport, Incoming, Outgoing
 from .reshard import cut_rows, edge_peers, grad_scale, join_rows, warm_up_pairs
@@ -143,6 +144,7 @@ class GraphPipelineEngine(SplitBackwardMixin, PipelineEngine):
             self._place_data_iter()
         if self.gpp_config.print_stage_graph and self.global_rank == 0:
             print(self.module.partition.describe(), flush=True)
+        self._print_memory("at initialize (gradients: to be allocated by the first backward)")
 
     def _trainable_layers(self) -> set[str]:
         """Every stage's layers with trainable parameters, gathered over the pipeline, so that all
@@ -321,6 +323,8 @@ class GraphPipelineEngine(SplitBackwardMixin, PipelineEngine):
             self._async.batches += 1
         if self.gpp_config.trace_dir is not None:
             self._trace(self.gpp_config.trace_dir)
+        if self.global_steps == 1:
+            self._print_memory("after step 1")
         every = self.steps_per_print()
         if self.gpp_config.print_idle_fractions and every and self.global_steps % every == 0:
             idle = [None] * len(self.grid.pp_group)  # every rank of this replica, one entry each
@@ -330,6 +334,16 @@ class GraphPipelineEngine(SplitBackwardMixin, PipelineEngine):
                 shown = " ".join(f"{s}:{f:.0%}" for s, i, f in sorted(idle) if i == 0)
                 print(f"steps: {self.global_steps} graph pipeline idle per stage: {shown}", flush=True)
         return loss
+
+    def memory_report(self) -> MemoryReport:
+        """Every rank's memory for its stage (:mod:`.memory`); collective: every rank calls it."""
+        return memory_report(self)
+
+    def _print_memory(self, when: str) -> None:
+        if self.gpp_config.print_memory:
+            report = memory_report(self)
+            if self.global_rank == 0:
+                print(report.describe(when), flush=True)
 
     def _watched(self):
         return self.watchdog.watching() if self.watchdog is not None else contextlib.nullcontext()

@@ -15,6 +15,7 @@ Representative signature of a stage's forward (called by :class:`GraphPipelineEn
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from typing import Any, Sequence
 
 import torch
@@ -28,11 +29,13 @@ from ..errors import GPPError, PartitionError
 from ..graph.ir import LayerGraph, TensorRef, build_layer_graph
 from ..graph.placement import Placement
 from ..graph.stages import Partition, StageSpec
-from ..partitioning import PARTITION_METHODS, ResolvedPartition, parse_partition_method, resolve_partition
+from ..partitioning import (PARTITION_METHODS, GraphPipeSearch, ResolvedPartition, parse_partition_method,
+                            resolve_partition)
 from ..spec import LayerEntry, call_layer, normalize_layers, port_leaves, resolve
 from ..checkpoint import layer_model_file, layer_model_files
 from .compat import broadcast_tied_weights, pipeline_grid
 from .flat import flatten, unflatten
+from .memory import ActivationMeter, check_fits_memory, node_memory_bytes
 from .shm import release_own_shm
 from .topology import StageGrid, StageTopology
 
@@ -81,17 +84,24 @@ class GraphPipelineModule(PipelineModule):
                  dynamic_shape: bool = False, cost_db: Any = None, stage_degrees: Sequence[int] | None = None):
         entries = normalize_layers(layers, input_names, base_seed=base_seed)
         graph = build_layer_graph(input_names, [(e.name, e.inputs) for e in entries], output=output)
+        _check_buildable(entries)
         if not dist.is_initialized():
             dist.init_distributed(dist_backend=get_accelerator().communication_backend_name())
         world_size = dist.get_world_size()
         by_name = {e.name: e for e in entries}
-        resolved = resolve_partition(graph, parse_partition_method(partition_method, cost_db=cost_db),
+        option = parse_partition_method(partition_method, cost_db=cost_db)
+        measured = None
+        if isinstance(option, GraphPipeSearch) and option.profile is not None and option.cost_db is None:
+            option = _measured(option, layers, input_names, output)
+            measured = option.cost_db
+        resolved = resolve_partition(graph, option,
                                      num_stages=_pipe_stages(num_stages, topology, world_size),
                                      stage_degrees=stage_degrees, world_size=world_size,
                                      param_count=lambda name: _count_params(by_name[name]),
                                      layer_type=lambda name: _type_name(by_name[name].layer))
         placement = _placement(resolved, world_size)
         partition = resolved.partition
+        _check_fits(entries, partition, placement)
         # Plain attributes may be set before nn.Module.__init__; the parent's __init__ needs them.
         self.graph: LayerGraph = graph
         self.partition: Partition = partition
@@ -103,6 +113,8 @@ class GraphPipelineModule(PipelineModule):
         self.engine_attached = False
         self.placement: Placement = placement
         self.resolved_partition: ResolvedPartition = resolved
+        # partition_method="graphpipe" with a DeviceProfile: the costs timed at start-up (same on every rank)
+        self.measured_costs = measured
         # The schedule a plan was priced with; the engine runs it unless its config names one.
         self.plan_schedule: str | None = resolved.schedule
         # The first communication: every rank has passed init_distributed, so each can unlink its
@@ -124,6 +136,8 @@ class GraphPipelineModule(PipelineModule):
             self._precompute_checkpointable_values()
         # Set by the engine: the stage has nothing to differentiate and runs no backward.
         self.frozen = False
+        # What autograd holds for this stage's backward passes (the memory report's activation peak).
+        self.activations = ActivationMeter(self.parameters)
         self.glue_placeholder: nn.Parameter | None = None
         if not any(p.requires_grad for p in self.parameters()):
             # A glue-only stage (an Add of skips, a concat): torch and DeepSpeed optimizers refuse
@@ -206,10 +220,11 @@ class GraphPipelineModule(PipelineModule):
         arity = self.in_arity or [-1] * len(flat)
         env: dict[TensorRef, Any] = dict(zip(self.stage_spec.in_ports, unflatten(flat, arity)))
         self.micro_offset += 1
-        if self.activation_checkpoint_interval > 0:
-            self._run_checkpointed(env)
-        else:
-            self._run(env, range(len(self._local_entries)))
+        with self.activations.saving():
+            if self.activation_checkpoint_interval > 0:
+                self._run_checkpointed(env)
+            else:
+                self._run(env, range(len(self._local_entries)))
         if self.is_output_stage:
             return self._touch_placeholder(resolve(env, TensorRef(self.graph.output)))
         return self._touch_placeholder(tuple(port_leaves(ref, resolve(env, ref)) for ref in self.stage_spec.out_ports))
@@ -319,6 +334,63 @@ class GraphPipelineModule(PipelineModule):
             prefix = f"tied.{key}." if key is not None else f"layers.{entry.name}."
             out.update({prefix + k: v for k, v in module.state_dict().items()})
         return out
+
+
+def _check_buildable(entries: list[LayerEntry]) -> None:
+    """Every layer on the meta device must have a way to get values (an initialiser or a checkpoint):
+    checked on every rank, for every stage, by a dry run on meta tensors, before any communication."""
+    for entry in entries:
+        check = getattr(entry.layer, "check_buildable", None)
+        if check is not None:
+            check()
+
+
+def _check_fits(entries: list[LayerEntry], partition: Partition, placement: Placement) -> None:
+    """Refuse, before anything is built or communicated, stages whose parameters and gradients alone
+    exceed the memory of the device (a GPU) or of the node its ranks share (CPU): counted on meta
+    copies of the layers, so a model built on the meta device is checked whole on every rank."""
+    stage_bytes = [0] * partition.num_stages
+    ties: set[tuple[int, str]] = set()
+    for entry in entries:
+        stage = partition.stage_of[entry.name]
+        if entry.tie_key is not None:
+            if (stage, entry.tie_key) in ties:
+                continue
+            ties.add((stage, entry.tie_key))
+        stage_bytes[stage] += _layer_bytes(entry)
+    rank_stage = [placement.locate(r).stage for r in range(placement.world_size)]
+    if torch.cuda.is_available() and get_accelerator().device_name() == "cuda":
+        check_fits_memory(stage_bytes, rank_stage, local_size=1, what="parameters and gradients",
+                          node_bytes=torch.cuda.get_device_properties(0).total_memory)
+    else:
+        check_fits_memory(stage_bytes, rank_stage, local_size=int(os.environ.get("LOCAL_SIZE", placement.world_size)),
+                          node_bytes=node_memory_bytes(), what="parameters and gradients")
+
+
+def _layer_bytes(entry: LayerEntry) -> int:
+    """Bytes of a layer's parameters and buffers plus its trainable parameters' gradients."""
+    layer = entry.layer
+    if isinstance(layer, LayerSpec):
+        with torch.device("meta"):
+            layer = layer.build()
+    if not isinstance(layer, nn.Module):
+        return 0
+    tensors = {id(t): t for t in (*layer.parameters(), *layer.buffers())}.values()
+    return sum(t.numel() * t.element_size() * (2 if t.requires_grad and isinstance(t, nn.Parameter) else 1)
+               for t in tensors)
+
+
+def _measured(option: GraphPipeSearch, layers, input_names, output) -> GraphPipeSearch:
+    """``partition_method="graphpipe"`` with a :class:`~gpp_deepspeed.partitioning.DeviceProfile`:
+    the layers timed on every rank's device now, agreed across ranks, priced at the profile's
+    micro-batch (default: the largest timed)."""
+    from ..profiler import profile_on_ranks
+
+    profile = option.profile
+    with torch.random.fork_rng(devices=_rng_devices()):   # building and timing leave the user's RNG alone
+        db = profile_on_ranks(layers, input_names=input_names, output=output, profile=profile,
+                              device=get_accelerator().current_device_name())
+    return replace(option, cost_db=db, profile=None, micro_batch=profile.micro_batch or profile.micro_batches[-1])
 
 
 def _rng_devices() -> list[int]:

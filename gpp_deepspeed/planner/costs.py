@@ -141,7 +141,11 @@ class Hardware:
 
     ``optimizer_factor`` is the bytes of gradients and optimizer state per parameter byte
     (fp32 Adam: one gradient and two moments, 3.0), so a stage holds
-    ``param_bytes * (1 + optimizer_factor)`` of weight state per device.
+    ``param_bytes * (1 + optimizer_factor)`` of weight state per device. ``collective`` is the
+    cost of one step of a ring all-reduce when it differs from a point-to-point message (gloo's
+    collectives on one machine cost more per step than its messages), by default the link's.
+    ``step_s`` is what a rank spends once per iteration outside the pipeline's actions: the
+    optimizer step and the engine's end-of-batch work (loss aggregation, bookkeeping).
     """
 
     name: str
@@ -150,10 +154,16 @@ class Hardware:
     intra: CommFit
     inter: CommFit
     optimizer_factor: float = 3.0
+    collective: CommFit | None = None
+    step_s: float = 0.0
 
     def link(self, num_devices: int) -> CommFit:
         """The link a group of ``num_devices`` devices talks over (packed into as few nodes as fit)."""
         return self.intra if num_devices <= self.devices_per_node else self.inter
+
+    def ring(self, num_devices: int) -> CommFit:
+        """The cost of one step of a ring all-reduce among ``num_devices`` devices."""
+        return self.collective or self.link(num_devices)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -198,7 +208,9 @@ class CostDB:
     def from_json(cls, text: str) -> "CostDB":
         d = json.loads(text)
         hw = d.pop("hardware")
-        hardware = Hardware(**{**hw, "intra": CommFit(**hw["intra"]), "inter": CommFit(**hw["inter"])})
+        collective = hw.get("collective")
+        hardware = Hardware(**{**hw, "intra": CommFit(**hw["intra"]), "inter": CommFit(**hw["inter"]),
+                               "collective": None if collective is None else CommFit(**collective)})
         layers = tuple(LayerCost(**{**c, **{k: tuple(c[k]) for k in _TUPLE_FIELDS if c.get(k) is not None}})
                        for c in d.pop("layers"))
         return cls(**{**d, "input_names": tuple(d["input_names"]), "layers": layers, "hardware": hardware})
@@ -493,7 +505,7 @@ class StageCostModel:
         fwd += comm
         bwd += comm
         grad_in += comm
-        allreduce = allreduce_time(hw.link(n), n, params)
+        allreduce = allreduce_time(hw.ring(n), n, params)
         working = 0.0
         if recompute:
             again = sum(rows[i][0] for i in self._members(mask))

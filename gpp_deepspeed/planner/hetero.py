@@ -24,6 +24,7 @@ per-class prices. ``docs/planner.md`` shows a cluster file.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import time
@@ -32,10 +33,14 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Sequence
 
+import networkx as nx
+
 from ..errors import GPPConfigError
+from ._dp import flatten
 from .costs import CommFit, CostDB, StageCostModel, micro_batch_sizes
 from .plan import Plan, PlanStage, SearchResult
 from .simulate import predict
+from .sp import sp_tree
 
 __all__ = ["DeviceClass", "Cluster", "hetero_search", "OBJECTIVES"]
 
@@ -195,37 +200,286 @@ class _ChainDP:
         return tps, stages
 
 
+class _GraphDP:
+    """GraphPipe's feasibility DP (:mod:`._dp`, Sec. 5) with the devices a vector over classes: at
+    one micro-batch size and target ``tmax``, the least in-flight count of a subgraph's source
+    stages when its stages use at most ``free[c]`` devices of each class ``c`` (devices may stay
+    idle, as in EdgePipe) and its successors keep ``d`` micro-batches in flight.
+
+    Tables (``free`` a tuple of counts per class)::
+
+        series(v, j, free, d)     the children j.. of Series node v: one stage over children j..k-1
+                                  on r replicas of one class, before the rest; or child j solved on
+                                  its own with the rest as its successor, free split between them
+        parallel(v, i, e, free, d) the children i..e-1 of Parallel node v: children i..t-1 as one
+                                  stage beside the rest, or child i on its own beside the rest
+                                  (max of the in-flight counts, Alg. 1's parallel case)
+
+    A stage is therefore an SP-tree node or a range of a Series or Parallel node's children.
+    """
+
+    def __init__(self, models: list[StageCostModel], nodes, b: int, tmax: float, train: bool):
+        self.models, self.nodes, self.b, self.tmax, self.train = models, nodes, b, tmax * (1 + 1e-12), train
+        self.replicas = [r for r in (1 << i for i in range(b.bit_length())) if b % r == 0]
+        self.memo: dict = {}
+        # A stage of class c meeting tmax needs replicas >= its per-sample work on c / tmax (per-sample
+        # work never falls as shards shrink), and class c does class 0's work at most speedup[c]
+        # times faster: a subgraph whose class-0 work exceeds tmax * sum(free * speedup) is infeasible.
+        per_layer = [[f + (bw if train else 0.0) for f, bw in cm.layer_times(b)] for cm in models]
+        self.speedup = [max((w0 / wc for w0, wc in zip(per_layer[0], pc) if wc > 0), default=1.0) for pc in per_layer]
+        self._need: dict[int, float] = {}
+
+    def hopeless(self, mask: int, free: tuple[int, ...]) -> bool:
+        need = self._need.get(mask)
+        if need is None:
+            cm = self.models[0]
+            need = self._need[mask] = sum(
+                sum(t[:2] if self.train else t[:1]) for i, t in enumerate(cm.layer_times(self.b)) if mask >> i & 1
+            ) / self.b / self.tmax
+        return need > sum(f * x for f, x in zip(free, self.speedup)) * (1 + 1e-9)
+
+    def stage_ok(self, mask: int, c: int, r: int, k: int) -> bool:
+        cm = self.models[c]
+        if self.train:
+            return cm.time_per_sample(mask, self.b, r) <= self.tmax and cm.fits(mask, self.b, r, k)
+        return (cm.time_per_sample_inference(mask, self.b, r) <= self.tmax
+                and cm.inference_memory(mask, self.b, r) <= cm.db.hardware.memory_bytes)
+
+    def _stage(self, mask: int, free: tuple[int, ...], k: int):
+        """Every ``(class, replicas)`` on which ``mask`` is one stage meeting tmax at depth ``k``."""
+        for c, n_free in enumerate(free):
+            for r in self.replicas:
+                if r > n_free:
+                    break
+                if self.stage_ok(mask, c, r, k):
+                    yield c, r
+
+    def solve(self, v: int, free: tuple[int, ...], d: int):
+        """``(k, choice)`` with the least source in-flight count, or None."""
+        node = self.nodes[v]
+        if node.kind == "leaf":
+            return next(((d + 1, ("stage", c, r)) for c, r in self._stage(node.mask, free, d + 1)), None)
+        if node.kind == "series":
+            return self.series(v, 0, free, d)
+        return self.parallel(v, 0, len(node.children), free, d)
+
+    def series(self, v: int, j: int, free: tuple[int, ...], d: int):
+        node = self.nodes[v]
+        m = len(node.children)
+        if j == m:
+            return (d, None)
+        key = ("s", node.cls, j, free, d)   # identical branches are solved once
+        if key in self.memo:
+            return self.memo[key]
+        best = None
+        if self.hopeless(node.mask & ~node.prefix[j], free):
+            self.memo[key] = None
+            return None
+        for k in range(j + 1, m + 1):
+            mask = node.prefix[k] & ~node.prefix[j]
+            for c, n_free in enumerate(free):
+                for r in self.replicas:
+                    if r > n_free:
+                        break
+                    rest = self.series(v, k, _take(free, c, r), d)
+                    if rest is not None and (best is None or rest[0] + 1 < best[0]) and \
+                            self.stage_ok(mask, c, r, rest[0] + 1):
+                        best = (rest[0] + 1, ("range", k, c, r))
+        child = node.children[j]
+        if self.nodes[child].kind != "leaf" and j + 1 < m:
+            for mine in _splits(free):
+                rest = self.series(v, j + 1, _minus(free, mine), d)
+                if rest is None:
+                    continue
+                r = self.solve(child, mine, rest[0])
+                if r is not None and (best is None or r[0] < best[0]):
+                    best = (r[0], ("child", mine, rest[0]))
+        self.memo[key] = best
+        return best
+
+    def parallel(self, v: int, i: int, e: int, free: tuple[int, ...], d: int):
+        node = self.nodes[v]
+        if e - i == 1:
+            return self.solve(node.children[i], free, d)
+        kids = tuple(self.nodes[c].cls for c in node.children[i:e])
+        key = ("p", kids, free, d) if node.sym else ("p", v, i, e, free, d)
+        if key in self.memo:
+            return self.memo[key]
+        best = None
+        if self.hopeless(node.prefix[e] & ~node.prefix[i], free):
+            self.memo[key] = None
+            return None
+        for t in range(i + 1, e + 1):
+            group = node.prefix[t] & ~node.prefix[i]
+            for c, r in self._stage(group, free, d + 1):
+                rest = (d, None) if t == e else self.parallel(v, t, e, _take(free, c, r), d)
+                if rest is not None and (best is None or max(d + 1, rest[0]) < best[0]):
+                    best = (max(d + 1, rest[0]), ("group", t, c, r))
+        if self.nodes[node.children[i]].kind != "leaf":
+            for mine in _splits(free):
+                k1 = self.solve(node.children[i], mine, d)
+                k2 = self.parallel(v, i + 1, e, _minus(free, mine), d) if k1 is not None else None
+                if k2 is not None and (best is None or max(k1[0], k2[0]) < best[0]):
+                    best = (max(k1[0], k2[0]), ("child", mine))
+        self.memo[key] = best
+        return best
+
+    def stages(self, v: int, free: tuple[int, ...], d: int) -> list[tuple[int, int, int]]:
+        """The ``(mask, class, replicas)`` stages of a feasible ``solve(v, free, d)``."""
+        node = self.nodes[v]
+        if node.kind == "leaf":
+            _, (_, c, r) = self.solve(v, free, d)
+            return [(node.mask, c, r)]
+        if node.kind == "series":
+            return self._series_stages(v, 0, free, d)
+        return self._parallel_stages(v, 0, len(node.children), free, d)
+
+    def _series_stages(self, v, j, free, d):
+        node = self.nodes[v]
+        if j == len(node.children):
+            return []
+        choice = self.series(v, j, free, d)[1]
+        if choice[0] == "range":
+            _, k, c, r = choice
+            return [(node.prefix[k] & ~node.prefix[j], c, r)] + self._series_stages(v, k, _take(free, c, r), d)
+        _, mine, d_rest = choice
+        return self.stages(node.children[j], mine, d_rest) + self._series_stages(v, j + 1, _minus(free, mine), d)
+
+    def _parallel_stages(self, v, i, e, free, d):
+        node = self.nodes[v]
+        if e - i == 1:
+            return self.stages(node.children[i], free, d)
+        choice = self.parallel(v, i, e, free, d)[1]
+        if choice[0] == "group":
+            _, t, c, r = choice
+            group = [(node.prefix[t] & ~node.prefix[i], c, r)]
+            return group if t == e else group + self._parallel_stages(v, t, e, _take(free, c, r), d)
+        _, mine = choice
+        return self.stages(node.children[i], mine, d) + self._parallel_stages(v, i + 1, e, _minus(free, mine), d)
+
+
+def _take(free: tuple[int, ...], c: int, r: int) -> tuple[int, ...]:
+    return free[:c] + (free[c] - r,) + free[c + 1:]
+
+
+def _minus(free: tuple[int, ...], used: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(f - u for f, u in zip(free, used))
+
+
+def _splits(free: tuple[int, ...]):
+    """Every ``mine <= free`` with at least one device, the rest going elsewhere."""
+    for mine in itertools.product(*(range(f + 1) for f in free)):
+        if any(mine):
+            yield mine
+
+
+def _graph_search(db: CostDB, cluster: Cluster, models: list[StageCostModel], b: int, train: bool,
+                  upper: float | None, rel_tol: float = 1e-3):
+    """The least bottleneck stage DAG at micro-batch ``b`` (binary search on tmax over
+    :class:`_GraphDP`), its ``(mask, class, replicas)`` stages and the DP states visited."""
+    tree, _ = sp_tree(db.graph)
+    nodes = flatten(tree, models[0])
+    root, counts = len(nodes) - 1, tuple(c.count for c in cluster.classes)
+    states = 0
+
+    def attempt(tmax):
+        nonlocal states
+        dp = _GraphDP(models, nodes, b, tmax, train)
+        r = dp.solve(root, counts, 0)
+        states += len(dp.memo)
+        return None if r is None else dp.stages(root, counts, 0)
+
+    def bottleneck(stages):
+        return max(models[c].time_per_sample(m, b, r) if train else models[c].time_per_sample_inference(m, b, r)
+                   for m, c, r in stages)
+
+    slowest = max(range(len(models)), key=lambda c: models[c].time_per_sample(models[c].full_mask, b, 1))
+    ceiling = 2 * (models[slowest].time_per_sample(models[slowest].full_mask, b, 1) if train else
+                   models[slowest].time_per_sample_inference(models[slowest].full_mask, b, 1))
+    hi = min(upper, ceiling) if upper else ceiling
+    best = attempt(hi)
+    while best is None and hi < ceiling:
+        hi = min(2 * hi, ceiling)
+        best = attempt(hi)
+    if best is None:
+        return None, None, states
+    lo, hi = 0.0, min(hi, bottleneck(best))
+    while hi - lo > rel_tol * hi:
+        mid = (lo + hi) / 2
+        found = attempt(mid)
+        if found is None:
+            lo = mid
+        else:
+            hi, best = min(mid, bottleneck(found)), found
+    return hi, best, states
+
+
 def hetero_search(db: CostDB, cluster: Cluster, *, mini_batch: int, objective: str = "train",
-                  micro_batches: Sequence[int] | None = None) -> SearchResult:
+                  micro_batches: Sequence[int] | None = None, shapes: Sequence[str] = ("chain", "graph")
+                  ) -> SearchResult:
     """The best plan for ``db`` on ``cluster``: for each micro-batch size the least-bottleneck
-    chain of stages (each on replicas of one class), timed by the simulator; the fastest wins."""
+    chain of stages (EdgePipe's DP) and the least-bottleneck stage DAG (GraphPipe's DP over the
+    device classes), each stage on replicas of one class, timed by the simulator; the fastest
+    wins (``notes["shape"]`` says which). ``shapes`` restricts the searches."""
     if objective not in OBJECTIVES:
         raise GPPConfigError(f'objective must be one of {OBJECTIVES}, got "{objective}"')
+    if not shapes or set(shapes) - {"chain", "graph"}:
+        raise GPPConfigError(f'shapes must be "chain" and/or "graph", got {list(shapes)}')
     start = time.perf_counter()
     train = objective == "train"
     n = cluster.num_devices
     counts = tuple(c.count for c in cluster.classes)
     best, states, predict_s = None, 0, 0.0
+    notes = {"objective": objective, "classes": {c.name: c.count for c in cluster.classes}}
     for b in micro_batch_sizes(mini_batch, micro_batches):
         models = [cluster.stage_model(db, c.name, mini_batch, n) for c in cluster.classes]
-        dp = _ChainDP(models, counts, b, train)
-        tps, stages = dp.solve()
-        states += len(dp.memo)
-        if stages is None:
-            continue
-        plan_stages = tuple(PlanStage(layers=tuple(x.name for x in db.layers[i:j]), devices=r,
-                                      device_class=cluster.classes[c].name) for i, j, c, r in stages)
-        plan = Plan(model=db.model, method=f"hetero-{objective}", source=db.source, micro_batch=b,
-                    mini_batch=mini_batch, stages=plan_stages,
-                    notes={"bottleneck_tps_s": tps, "objective": objective,
-                           "classes": {c.name: c.count for c in cluster.classes}})
-        t0 = time.perf_counter()
-        plan = predict(plan, db, cluster=cluster, train=train)
-        predict_s += time.perf_counter() - t0
-        if plan.predicted.fits_memory and (best is None or plan.predicted.samples_per_s > best.predicted.samples_per_s):
-            best = plan
+        found = []
+        chain_tps = None
+        if "chain" in shapes:
+            dp = _ChainDP(models, counts, b, train)
+            chain_tps, stages = dp.solve()
+            states += len(dp.memo)
+            if stages is not None:
+                found.append(("chain", chain_tps, [(((1 << j) - 1) & ~((1 << i) - 1), c, r) for i, j, c, r in stages]))
+        if "graph" in shapes:
+            tps, stages, visited = _graph_search(db, cluster, models, b, train, chain_tps)
+            states += visited
+            if stages is not None:
+                found.append(("graph", tps, stages))
+        for shape, tps, stages in found:
+            plan = _hetero_plan(db, cluster, models[0], stages, b, mini_batch, {**notes, "bottleneck_tps_s": tps,
+                                                                                   "shape": shape})
+            t0 = time.perf_counter()
+            plan = predict(plan, db, cluster=cluster, train=train)
+            predict_s += time.perf_counter() - t0
+            if plan.predicted.fits_memory and (best is None or
+                                               plan.predicted.samples_per_s > best.predicted.samples_per_s):
+                best = plan
     elapsed = time.perf_counter() - start - predict_s
     if best is None:
         return SearchResult(method=f"hetero-{objective}", plan=None, search_time_s=elapsed, states=states,
                             status=f"no plan of {db.model} fits the cluster's {n} devices at any micro-batch")
     return SearchResult(method=f"hetero-{objective}", plan=best, search_time_s=elapsed, states=states)
+
+
+def _hetero_plan(db: CostDB, cluster: Cluster, cm: StageCostModel, stages: list[tuple[int, int, int]], b: int,
+                 mini_batch: int, notes: dict) -> Plan:
+    """``(mask, class, replicas)`` stages as a plan, numbered in a topological order of the stage
+    graph (each stage's layers in the model's order)."""
+    order = sorted(range(len(stages)), key=lambda s: stages[s][0] & -stages[s][0])
+    stage_of = {}
+    for s in order:
+        for name in cm.names_of(stages[s][0]):
+            stage_of[name] = s
+    graph = nx.DiGraph()
+    graph.add_nodes_from(range(len(stages)))
+    for c in db.layers:
+        for ref in c.inputs:
+            src = ref.split(":")[0]
+            if src in stage_of and stage_of[src] != stage_of[c.name]:
+                graph.add_edge(stage_of[src], stage_of[c.name])
+    topo = list(nx.lexicographical_topological_sort(graph, key=lambda s: stages[s][0] & -stages[s][0]))
+    plan_stages = tuple(PlanStage(layers=cm.names_of(stages[s][0]), devices=stages[s][2],
+                                  device_class=cluster.classes[stages[s][1]].name) for s in topo)
+    return Plan(model=db.model, method=f"hetero-{notes['objective']}", source=db.source, micro_batch=b,
+                mini_batch=mini_batch, stages=plan_stages, notes=notes)

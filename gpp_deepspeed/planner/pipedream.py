@@ -117,7 +117,7 @@ class ChainCosts:
         alpha, beta = self.model.link.alpha_s, self.model.link.beta_s_per_byte
         shard = b / r
         share = b / self.model.mini_batch
-        ar_alpha, ar_beta = allreduce_coefficients(hw.link(r), r)
+        ar_alpha, ar_beta = allreduce_coefficients(hw.ring(r), r)
         comm_in = 2 * self.model.link.time(cut[i] * shard)
         lower = [_INF] * (n + 1)
         tps = [_INF] * (n + 1)

@@ -154,7 +154,7 @@ class _Combos:
             picked = [i for i, b in enumerate(mbs) if b % d == 0]
             contiguous = picked == list(range(picked[0], picked[-1] + 1))
             rows.append(slice(picked[0], picked[-1] + 1) if contiguous else np.array(picked))
-            latency, per_byte = allreduce_coefficients(hw.link(d), d)
+            latency, per_byte = allreduce_coefficients(hw.ring(d), d)
             for i in picked:
                 b = mbs[i]
                 ds.append(d)

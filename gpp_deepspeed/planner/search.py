@@ -99,6 +99,16 @@ def bottleneck_search(cm: StageCostModel, tree, *, num_devices: int, micro_batch
         if lo >= limit:
             return None, None, states
         ceiling = limit
+    hi, best = _bisect(attempt, bottleneck, lo, ceiling, hint=hint, rel_tol=rel_tol,
+                       single_degree=len(stage_devices) == 1)
+    return hi, best, states
+
+
+def _bisect(attempt: Callable, bottleneck: Callable, lo: float, ceiling: float, *, hint: float | None,
+            rel_tol: float, single_degree: bool):
+    """The least ``tmax`` in ``[lo, ceiling]`` at which ``attempt`` finds stages, within ``rel_tol``,
+    and those stages; ``(None, None)`` when none does. ``bottleneck(stages)`` is a found plan's own
+    bottleneck, at most the ``tmax`` that found it: the bracket closes from there."""
     best = None
     if hint is not None and lo < hint < ceiling:
         # A related search's optimum (the next micro-batch size's) is usually close: probe just
@@ -109,12 +119,13 @@ def bottleneck_search(cm: StageCostModel, tree, *, num_devices: int, micro_batch
             lo = hi
         else:
             hi = min(hi, bottleneck(best))
-            if lo < hint * (1 - 4 * rel_tol):
-                below = attempt(hint * (1 - 4 * rel_tol))
-                if below is None:
-                    lo = hint * (1 - 4 * rel_tol)
+            below = hint * (1 - 4 * rel_tol)
+            if lo < below:
+                found = attempt(below)
+                if found is None:
+                    lo = below
                 else:
-                    hi, best = min(hint * (1 - 4 * rel_tol), bottleneck(below)), below
+                    hi, best = min(below, bottleneck(found)), found
     # Otherwise bracket the optimum by growing from the lower bound in widening steps: a DP run at
     # a tmax below the optimum is cheap (the device lower bounds prune nearly every state), one
     # far above it is not (most states are feasible and are all solved). With one data-parallel
@@ -125,12 +136,10 @@ def bottleneck_search(cm: StageCostModel, tree, *, num_devices: int, micro_batch
         best = attempt(grown)
         if best is not None:
             hi = min(grown, bottleneck(best))
-        elif grown >= ceiling or (step == 0.1 and len(stage_devices) == 1 and attempt(ceiling) is None):
-            return None, None, states
+        elif grown >= ceiling or (step == 0.1 and single_degree and attempt(ceiling) is None):
+            return None, None
         else:
             lo, step = grown, 2 * step
-    if best is None:
-        return None, None, states
     while hi - lo > rel_tol * hi:
         mid = (lo + hi) / 2
         found = attempt(mid)
@@ -138,7 +147,7 @@ def bottleneck_search(cm: StageCostModel, tree, *, num_devices: int, micro_batch
             lo = mid
         else:
             hi, best = min(mid, bottleneck(found)), found
-    return hi, best, states
+    return hi, best
 
 
 def _slowest_layer(cm: StageCostModel, b: int, stage_devices: Sequence[int]) -> float:

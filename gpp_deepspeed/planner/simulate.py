@@ -6,7 +6,8 @@ schedule simulator (:func:`~gpp_deepspeed.schedule.simulate`) with each action p
 shared stage cost model: ``F`` and ``B`` take the stage's forward and backward time (compute
 plus the transfers of its edges), ``I`` and ``W`` (the zero-bubble schedules' split backward)
 the input-gradient part with the transfers and the weight-gradient part, ``REDUCE_GRAD`` the
-gradient all-reduce of its data-parallel group. Peak in-flight micro-batches per stage are counted on the same timeline, so the memory a
+gradient all-reduce of its data-parallel group, ``STEP`` the hardware's once-per-iteration
+``step_s`` (the optimizer step and the engine's end-of-batch work). Peak in-flight micro-batches per stage are counted on the same timeline, so the memory a
 plan reports is what its schedule stashes, not a formula beside it. An asynchronous schedule
 (``pipedream``, ``2bw``, ``pipeoptim``) is priced in steady state, the batch the engine runs once
 the pipeline is full (no warm-up, no flush), with its stashed weight versions in memory.
@@ -68,6 +69,7 @@ def simulate_plan(plan: Plan, db: CostDB, *, schedule: str | None = None, cluste
     costs = tuple(stage_costs) if stage_costs is not None else tuple(
         mdl.stage(m, b, s.devices, boundary=bd, recompute=s.recompute)
         for mdl, m, s, bd in zip(models, masks, plan.stages, bounds))
+    step_s = [mdl.db.hardware.step_s for mdl in models]
     versions = [0] * plan.num_stages
     if train and is_async(schedule):
         lists, versions, in_flight = _steady_async(stage_graph, plan.num_microbatches, schedule)
@@ -86,6 +88,8 @@ def simulate_plan(plan: Plan, db: CostDB, *, schedule: str | None = None, cluste
             return c.bwd_weight_s
         if a.kind is K.REDUCE_GRAD:
             return c.allreduce_s
+        if a.kind is K.STEP:
+            return step_s[a.stage_idx]
         return 0.0
 
     timeline = simulate(lists, duration=duration)

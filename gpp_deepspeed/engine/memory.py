@@ -1,0 +1,243 @@
+"""Memory per stage: what each rank holds for its stage, measured, and whether a model can fit at all.
+
+Glossary
+--------
+parameters
+    The stage's parameters and buffers on this rank (tied copies included).
+gradients
+    One gradient per trainable parameter, the buffers backward fills.
+optimizer state
+    Tensors the optimizer keeps besides the parameters: momentum, Adam's moments, and the fp32
+    master copies and flat partitions of DeepSpeed's bf16 and ZeRO optimizers; counted as
+    allocated (a torch optimizer allocates its state at its first step).
+activation peak
+    The most bytes autograd held at once for backward passes still to run, over every micro-batch
+    in flight (GraphPipe Sec. 3's stash), measured by saved-tensor hooks around the stage's forward;
+    parameters saved for backward are not counted, a tensor saved twice counts once.
+process peak
+    The rank's peak resident memory (``VmHWM``) on CPU, ``torch.cuda.max_memory_allocated`` on GPU:
+    everything above, the runtime's own memory (torch, DeepSpeed, buffers) and transients.
+
+:func:`memory_report` gathers one :class:`StageMemory` per rank; the engine prints it beneath the
+stage graph at ``initialize`` and after the first step (``graph_pipeline.print_memory``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+import torch
+from torch import nn
+
+from ..errors import InfeasiblePlanError
+
+__all__ = ["StageMemory", "MemoryReport", "ActivationMeter", "memory_report", "process_peak_bytes",
+           "check_fits_memory"]
+
+_MIB = 2**20
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StageMemory:
+    """What one rank holds for its stage, in bytes (see the module glossary)."""
+
+    stage_idx: int
+    rank: int
+    param_bytes: int
+    grad_bytes: int
+    optimizer_bytes: int
+    activation_peak_bytes: int
+    process_peak_bytes: int
+
+    @property
+    def model_bytes(self) -> int:
+        """Parameters, gradients, optimizer state and the activation peak together."""
+        return self.param_bytes + self.grad_bytes + self.optimizer_bytes + self.activation_peak_bytes
+
+
+@dataclass(frozen=True)
+class MemoryReport:
+    """One :class:`StageMemory` per rank, in rank order."""
+
+    ranks: tuple[StageMemory, ...]
+
+    def describe(self, when: str = "") -> str:
+        """A table in MiB, one line per rank.
+
+        >>> m = StageMemory(stage_idx=0, rank=0, param_bytes=2**20, grad_bytes=2**20, optimizer_bytes=0,
+        ...                 activation_peak_bytes=2**19, process_peak_bytes=2**22)
+        >>> print(MemoryReport((m, )).describe())
+        memory per rank (MiB): parameters, gradients, optimizer state, activation peak, their sum; process peak
+          stage 0 (rank 0):      1.0      1.0      0.0      0.5      2.5;      4.0
+        """
+        lines = [f"memory per rank (MiB){' ' + when if when else ''}: parameters, gradients, optimizer state, "
+                 "activation peak, their sum; process peak"]
+        for m in sorted(self.ranks, key=lambda m: (m.stage_idx, m.rank)):
+            cols = (m.param_bytes, m.grad_bytes, m.optimizer_bytes, m.activation_peak_bytes, m.model_bytes)
+            lines.append(f"  stage {m.stage_idx} (rank {m.rank}): " + " ".join(f"{b / _MIB:8.1f}" for b in cols)
+                         + f"; {m.process_peak_bytes / _MIB:8.1f}")
+        return "\n".join(lines)
+
+
+class ActivationMeter:
+    """Bytes autograd holds for backward: live now and the peak so far.
+
+    :meth:`saving` installs saved-tensor hooks; each saved tensor is wrapped in a handle whose
+    release (when autograd frees the graph after backward) gives its bytes back. Storages are
+    counted once however often they are saved; the storages of ``parameters()`` are not counted.
+    """
+
+    def __init__(self, parameters):
+        self._parameters = parameters
+        self._refs: dict[int, list[int]] = {}   # storage address -> [handles, bytes]
+        self.live = 0
+        self.peak = 0
+
+    @contextlib.contextmanager
+    def saving(self):
+        skip = {_storage_key(p) for p in self._parameters()}
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: self._pack(t, skip), _unpack):
+            yield
+
+    def reset_peak(self) -> None:
+        self.peak = self.live
+
+    def _pack(self, t: torch.Tensor, skip: set):
+        key = _storage_key(t)
+        if key is None or key in skip:
+            return t
+        ref = self._refs.get(key)
+        if ref is None:
+            nbytes = t.untyped_storage().nbytes()
+            self._refs[key] = [1, nbytes]
+            self.live += nbytes
+            self.peak = max(self.peak, self.live)
+        else:
+            ref[0] += 1
+        return _Held(t, key, self)
+
+    def _release(self, key: int) -> None:
+        ref = self._refs[key]
+        ref[0] -= 1
+        if ref[0] == 0:
+            self.live -= ref[1]
+            del self._refs[key]
+
+
+class _Held:
+    """A saved tensor; dropping it (autograd freed the graph) releases its bytes in the meter."""
+
+    __slots__ = ("tensor", "key", "meter")
+
+    def __init__(self, tensor, key, meter):
+        self.tensor, self.key, self.meter = tensor, key, meter
+
+    def __del__(self):
+        self.meter._release(self.key)
+
+
+def _unpack(saved):
+    return saved.tensor if isinstance(saved, _Held) else saved
+
+
+def _storage_key(t: torch.Tensor) -> int | None:
+    try:
+        return t.untyped_storage().data_ptr() or None
+    except (RuntimeError, NotImplementedError):  # tensor subclasses without a plain storage
+        return None
+
+
+def process_peak_bytes(device: torch.device | None = None) -> int:
+    """This process's peak memory: ``torch.cuda.max_memory_allocated`` on a GPU, else ``VmHWM``."""
+    if device is not None and device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _unique_bytes(tensors: Iterable[torch.Tensor], skip: set) -> int:
+    seen, total = set(skip), 0
+    for t in tensors:
+        key = _storage_key(t)
+        if key is not None and key not in seen:
+            seen.add(key)
+            total += t.untyped_storage().nbytes()
+    return total
+
+
+def _optimizer_tensors(optimizer) -> Iterable[torch.Tensor]:
+    """State and parameters of ``optimizer`` and the optimizers it wraps (DeepSpeed's wrappers keep
+    the torch optimizer in ``.optimizer``, over flat fp32 partitions)."""
+    seen = set()
+    while optimizer is not None and id(optimizer) not in seen:
+        seen.add(id(optimizer))
+        for state in getattr(optimizer, "state", {}).values():
+            if isinstance(state, dict):
+                yield from (v for v in state.values() if torch.is_tensor(v))
+        for group in getattr(optimizer, "param_groups", ()):
+            yield from (p for p in group.get("params", ()) if torch.is_tensor(p))
+        optimizer = getattr(optimizer, "optimizer", None)
+
+
+def stage_memory(engine) -> StageMemory:
+    """This rank's :class:`StageMemory` (no communication)."""
+    module: nn.Module = engine.module
+    params = list(module.parameters())
+    own = {_storage_key(p) for p in params}
+    param_bytes = _unique_bytes([*params, *module.buffers()], set())
+    grad_bytes = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
+    optimizer_bytes = _unique_bytes(_optimizer_tensors(engine.optimizer), own)
+    meter = getattr(module, "activations", None)
+    return StageMemory(stage_idx=engine.stage_id, rank=engine.global_rank, param_bytes=param_bytes,
+                       grad_bytes=grad_bytes, optimizer_bytes=optimizer_bytes,
+                       activation_peak_bytes=meter.peak if meter is not None else 0,
+                       process_peak_bytes=process_peak_bytes(engine.device))
+
+
+def memory_report(engine) -> MemoryReport:
+    """Every rank's :class:`StageMemory`; collective (every rank calls it)."""
+    gathered = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(gathered, stage_memory(engine))
+    return MemoryReport(tuple(gathered))
+
+
+def check_fits_memory(stage_bytes: Sequence[int], rank_stage: Sequence[int], *, local_size: int,
+                      node_bytes: int, what: str) -> None:
+    """Refuse a layout whose stages cannot fit, before anything is allocated or communicated.
+
+    ``stage_bytes[s]`` is the least memory stage ``s`` needs per rank (``what`` says of what);
+    ``rank_stage[r]`` is rank ``r``'s stage; ranks ``k * local_size ...`` share a node of
+    ``node_bytes`` (CPU ranks share its memory). Raises :class:`InfeasiblePlanError` naming the
+    node and its stages.
+
+    >>> check_fits_memory([3, 3], [0, 1], local_size=2, node_bytes=8, what="parameters")
+    >>> check_fits_memory([3, 6], [0, 1], local_size=2, node_bytes=8, what="parameters")
+    Traceback (most recent call last):
+    ...
+    gpp_deepspeed.errors.InfeasiblePlanError: node 0 (ranks 0-1) cannot hold its stages: they need 0.0 GiB of parameters (stage 0: 0.0 GiB, stage 1: 0.0 GiB) but the node has 0.0 GiB; use more nodes or stages, bf16, or freeze layers
+    """
+    for node, first in enumerate(range(0, len(rank_stage), local_size)):
+        ranks = range(first, min(first + local_size, len(rank_stage)))
+        need = sum(stage_bytes[rank_stage[r]] for r in ranks)
+        if need > node_bytes:
+            gib = 2**30
+            parts = ", ".join(f"stage {rank_stage[r]}: {stage_bytes[rank_stage[r]] / gib:.1f} GiB" for r in ranks)
+            raise InfeasiblePlanError(
+                f"node {node} (ranks {ranks[0]}-{ranks[-1]}) cannot hold its stages: they need {need / gib:.1f} GiB of "
+                f"{what} ({parts}) but the node has {node_bytes / gib:.1f} GiB; use more nodes or stages, bf16, or "
+                "freeze layers")
+
+
+def node_memory_bytes() -> int:
+    """This machine's memory (``MemTotal``): what all its CPU ranks share."""
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

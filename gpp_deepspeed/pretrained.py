@@ -1,0 +1,398 @@
+"""Hugging Face model directories in and out of a pipeline, one stage per rank, never the whole model.
+
+A Hugging Face model directory holds ``config.json`` and the weights as safetensors: one
+``model.safetensors``, or shards with an index ``model.safetensors.index.json`` whose
+``weight_map`` names the shard of every tensor. ::
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
+    captured = load_pretrained(capture(LM(model), layers=[...], example_inputs=(ids, )), path)
+    module = GraphPipelineModule(captured.layers, ...)      # each rank reads its stage's tensors only
+    engine, *_ = gpp_deepspeed.initialize(model=module, ...)
+    ...
+    save_pretrained(engine, out_path, captured)             # each stage writes its own shards
+
+Glossary
+--------
+checkpoint name
+    A tensor's name in the directory: its name in the Hugging Face model (``model.layers.0.mlp.up_proj.weight``),
+    that is its name in the captured module without the path of the Hugging Face model inside it
+    (a wrapper's ``"m."``).
+tied tensor
+    One tensor under several names (an output projection tied to the token embedding). A directory
+    holds it once, under the name the model's ``_tied_weights_keys`` maps the others to, and
+    ``from_pretrained`` ties the others to it; every layer that holds it reads that one entry.
+lazy read
+    ``safetensors.safe_open`` maps a file and reads one tensor on ``get_tensor(name)``; a rank opens
+    only the shards that hold its layers' tensors, one layer at a time.
+
+Every rank checks the whole directory against the whole captured model (names, shapes) from the
+safetensors headers alone, before any communication, so a mismatch fails on every rank with the
+first few culprits named.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from .errors import CheckpointError, GPPConfigError
+from .meta import is_meta, materialize, meta_copy
+
+__all__ = ["HFModelInfo", "PretrainedWeights", "load_pretrained", "save_pretrained", "INDEX_FILE", "WEIGHTS_FILE"]
+
+INDEX_FILE = "model.safetensors.index.json"
+WEIGHTS_FILE = "model.safetensors"
+_SHARD = "model-{idx:05d}-of-{num:05d}.safetensors"
+_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+           "BOOL": torch.bool}
+
+
+@dataclass(frozen=True)
+class HFModelInfo:
+    """The Hugging Face model inside a captured module.
+
+    ``prefix`` is its path there (``""`` when the captured module is the model, ``"m."`` in a
+    wrapper whose ``self.m`` it is); ``tied`` is its expanded ``_tied_weights_keys``,
+    ``{target name: source name}`` in checkpoint names.
+    """
+
+    prefix: str
+    class_name: str
+    config: Any
+    tied: dict[str, str]
+
+    @classmethod
+    def find(cls, module: nn.Module) -> "HFModelInfo | None":
+        """The outermost ``PreTrainedModel`` in ``module``, if there is exactly one."""
+        import sys
+        modeling = sys.modules.get("transformers.modeling_utils")
+        if modeling is None:
+            return None
+        found = [(n, m) for n, m in module.named_modules() if isinstance(m, modeling.PreTrainedModel)]
+        outer = [(n, m) for n, m in found if not any(o != n and (o == "" or n.startswith(o + ".")) for o, _ in found)]
+        if len(outer) != 1:
+            return None
+        name, model = outer[0]
+        return cls(prefix=f"{name}." if name else "", class_name=type(model).__name__, config=model.config,
+                   tied=dict(model.get_expanded_tied_weights_keys(all_submodels=True)))
+
+    def checkpoint_name(self, name: str) -> str | None:
+        """``name`` (in the captured module) in the directory, or None when it is outside the model."""
+        return name[len(self.prefix):] if name.startswith(self.prefix) else None
+
+
+def _checkpoint_name(hf: HFModelInfo | None, name: str) -> str | None:
+    return name if hf is None else hf.checkpoint_name(name)
+
+
+def _local_state(module: nn.Module, *, persistent_only: bool) -> dict[str, torch.Tensor]:
+    """``{name in module: tensor}`` for every parameter and (persistent) buffer, shared ones under each
+    of their names."""
+    out = {}
+    for prefix, sub in module.named_modules(remove_duplicate=False):
+        dot = f"{prefix}." if prefix else ""
+        for key, t in sub._parameters.items():
+            if t is not None:
+                out[dot + key] = t
+        for key, t in sub._buffers.items():
+            if t is not None and not (persistent_only and key in sub._non_persistent_buffers_set):
+                out[dot + key] = t
+    return out
+
+
+@dataclass(frozen=True)
+class PretrainedWeights:
+    """A checked Hugging Face directory that captured layers read their tensors from when built.
+
+    ``files`` maps each checkpoint name to its shard file, ``shapes`` to its shape; ``aliases`` are
+    the captured module's (:attr:`CapturedModel.aliases`).
+    """
+
+    directory: Path
+    files: dict[str, str]
+    shapes: dict[str, tuple[int, ...]]
+    hf: HFModelInfo | None
+    aliases: dict[str, tuple[str, ...]]
+
+    @classmethod
+    def open(cls, directory: str | os.PathLike, *, hf: HFModelInfo | None = None,
+             aliases: dict[str, tuple[str, ...]] | None = None) -> "PretrainedWeights":
+        """Read the index (or the single file's header) and every shard's header; no tensor data."""
+        from safetensors import safe_open
+        directory = Path(directory)
+        index = directory / INDEX_FILE
+        if index.is_file():
+            weight_map = json.loads(index.read_text())["weight_map"]
+        elif (directory / WEIGHTS_FILE).is_file():
+            with safe_open(directory / WEIGHTS_FILE, framework="pt") as f:
+                weight_map = {name: WEIGHTS_FILE for name in f.keys()}
+        else:
+            raise CheckpointError(f"{directory} holds neither {INDEX_FILE} nor {WEIGHTS_FILE}: not a Hugging Face "
+                                  "safetensors directory (save it with save_pretrained(..., safe_serialization=True))")
+        shapes = {}
+        for file in sorted(set(weight_map.values())):
+            with safe_open(directory / file, framework="pt") as f:
+                for name in f.keys():
+                    if weight_map.get(name) == file:
+                        shapes[name] = tuple(f.get_slice(name).get_shape())
+        lost = [n for n in weight_map if n not in shapes]
+        if lost:
+            raise CheckpointError(f"{index} lists {lost[:4]} in files that do not hold them")
+        return cls(directory=directory, files=dict(weight_map), shapes=shapes, hf=hf, aliases=dict(aliases or {}))
+
+    def source_of(self, name: str) -> str | None:
+        """The checkpoint name that holds the captured module's tensor ``name`` (itself or a tied alias)."""
+        for candidate in (name, *self.aliases.get(name, ())):
+            ckpt = _checkpoint_name(self.hf, candidate)
+            if ckpt is not None and ckpt in self.files:
+                return ckpt
+        return None
+
+    def check(self, layers, *, strict: bool) -> None:
+        """Every tensor of ``layers`` (captured specs) against the directory, before any communication:
+        missing and (with ``strict``) unexpected names, and shapes, naming the first few of each."""
+        needed: dict[str, tuple[int, ...]] = {}
+        for spec in _unique_specs(layers):
+            for local, t in _local_state(spec.module, persistent_only=True).items():
+                needed[spec.module_path(local)] = tuple(t.shape)
+        missing = [n for n in needed if self.source_of(n) is None]
+        wrong = [f"{n}: checkpoint {list(self.shapes[self.source_of(n)])}, model {list(s)}"
+                 for n, s in needed.items() if self.source_of(n) is not None and self.shapes[self.source_of(n)] != s]
+        read = {self.source_of(n) for n in needed}
+        unexpected = [n for n in self.files if n not in read]
+        problems = []
+        if wrong:
+            problems.append(f"{len(wrong)} tensor(s) of other shapes: {wrong[:4]}")
+        if missing and strict:
+            named = [(_checkpoint_name(self.hf, n) or n) for n in missing]
+            problems.append(f"{len(missing)} tensor(s) of the model missing: {named[:4]}")
+        if unexpected and strict:
+            problems.append(f"{len(unexpected)} tensor(s) the model does not have: {unexpected[:4]}")
+        if problems:
+            what = f"{self.hf.class_name} " if self.hf is not None else ""
+            raise CheckpointError(f"{self.directory} does not match the captured {what}model: " + "; ".join(problems)
+                                  + (". Build the model from this directory's config.json" if wrong else "")
+                                  + (" (load_pretrained(..., strict=False) initialises missing tensors and "
+                                     "ignores unexpected ones)" if strict and not wrong else ""))
+
+    def build(self, spec) -> nn.Module:
+        """Build captured layer ``spec`` with its tensors read from the directory; on the meta
+        device, the tensors the directory lacks (non-persistent buffers such as rotary frequencies,
+        a new head under ``strict=False``) are initialised by the model's own initialisation."""
+        if not is_meta(spec.module):   # a real module: its copy, overwritten with the directory's values
+            module = copy.deepcopy(spec.module)
+            state = _local_state(module, persistent_only=True)
+            sources = {n: self.source_of(spec.module_path(n)) for n in state}
+            values = self._read({s for s in sources.values() if s is not None})
+            with torch.no_grad():
+                for n, src in sources.items():
+                    if src is not None:
+                        state[n].copy_(values[src])
+            return module
+        module = meta_copy(spec.module)
+        sources: dict[int, tuple[str, torch.Tensor]] = {}
+        for local, t in _local_state(module, persistent_only=True).items():
+            src = self.source_of(spec.module_path(local))
+            if src is not None:
+                sources.setdefault(id(t), (src, t))
+        values = self._read({src for src, _ in sources.values()})
+        fresh, source_of = {}, {}
+        for tid, (src, t) in sources.items():
+            value = values[src].to(t.dtype)
+            fresh[tid] = nn.Parameter(value, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else value
+            source_of[id(fresh[tid])] = src
+        _assign(module, fresh)
+        mixed = [sub for sub in module.modules() if any(t.is_meta for t in _own(sub))]
+        if mixed:
+            # Initialised whole (an initialiser fills a submodule at once), then the submodule's
+            # tensors that the directory has are read again.
+            materialize(module, init=spec.init, path_of=spec.module_path)
+            again = {t: source_of[id(t)] for sub in mixed for t in _own(sub) if id(t) in source_of}
+            if again:
+                values = self._read(set(again.values()))
+                with torch.no_grad():
+                    for t, src in again.items():
+                        t.copy_(values[src])
+        return module
+
+    def _read(self, names: set[str]) -> dict[str, torch.Tensor]:
+        """The tensors ``names``, each file opened once and closed before returning (its mapped pages
+        are then no longer this process's)."""
+        from safetensors import safe_open
+        out = {}
+        by_file: dict[str, list[str]] = {}
+        for name in sorted(names):
+            by_file.setdefault(self.files[name], []).append(name)
+        for file, group in by_file.items():
+            with safe_open(self.directory / file, framework="pt", device="cpu") as f:
+                for name in group:
+                    out[name] = f.get_tensor(name)
+        return out
+
+
+def _own(module: nn.Module) -> list[torch.Tensor]:
+    return [t for t in (*module._parameters.values(), *module._buffers.values()) if t is not None]
+
+
+def _assign(module: nn.Module, values: dict[int, torch.Tensor]) -> None:
+    """Put ``values[id(old)]`` in every slot of ``module`` that holds ``old`` (ties stay tied)."""
+    for sub in module.modules():
+        for slots in (sub._parameters, sub._buffers):
+            for key, t in slots.items():
+                if t is not None and id(t) in values:
+                    slots[key] = values[id(t)]
+
+
+def _unique_specs(layers):
+    """The captured specs of ``layers``, each tie's holder once."""
+    seen = set()
+    for spec in layers:
+        if isinstance(getattr(spec, "module", None), nn.Module) and id(spec.module) not in seen:
+            seen.add(id(spec.module))
+            yield spec
+
+
+def load_pretrained(captured, directory: str | os.PathLike, *, strict: bool = True):
+    """``captured`` (a :class:`~gpp_deepspeed.capture.CapturedModel`) with every layer reading its
+    tensors from the Hugging Face directory ``directory`` when built.
+
+    Nothing is read now but the index and the safetensors headers, which are checked against every
+    layer (raises :class:`~gpp_deepspeed.errors.CheckpointError` naming the first mismatches).
+    A :class:`~gpp_deepspeed.GraphPipelineModule` built from the returned layers reads, on each
+    rank, only the tensors of that rank's stage; its :class:`~gpp_deepspeed.GraphModel` twin reads
+    them all. With ``strict=False``, tensors the directory lacks are initialised by the model's own
+    initialisation (the captured module must then be on the meta device) and tensors it has but the
+    model does not are ignored, as ``from_pretrained`` does with a warning.
+    """
+    from .capture import CapturedModel
+    if not isinstance(captured, CapturedModel):
+        raise GPPConfigError(f"load_pretrained takes the CapturedModel that capture() returns, got "
+                             f"{type(captured).__name__}")
+    weights = PretrainedWeights.open(directory, hf=captured.hf, aliases=captured.aliases)
+    weights.check(captured.layers, strict=strict)
+    layers = []
+    for spec in captured.layers:
+        if isinstance(getattr(spec, "module", None), nn.Module) and hasattr(spec, "weights"):
+            spec = copy.copy(spec)
+            spec.weights = weights
+        layers.append(spec)
+    return dataclasses.replace(captured, layers=layers)
+
+
+def save_pretrained(engine_or_module, directory: str | os.PathLike, captured, *, max_shard_bytes: int = 5 * 2**30,
+                    config: Any = None) -> dict[str, Any]:
+    """Write the pipeline's weights as a Hugging Face directory, every stage its own shards.
+
+    Collective: every rank calls it. The first rank of each stage (of the first data-parallel
+    replica) writes that stage's tensors to shard files of at most ``max_shard_bytes`` straight from
+    its parameters (no copy, no gathering); the ranks exchange only names and sizes, and rank 0
+    writes ``model.safetensors.index.json`` and ``config.json`` (``config``, else the captured Hugging
+    Face model's, with ``architectures`` set). A tied tensor is written once, under the name the
+    model's ``_tied_weights_keys`` maps the others to, by the first stage that holds it, so
+    ``AutoModelFor....from_pretrained(directory)`` loads the directory strictly and re-ties it.
+    Returns ``{"files": this rank's files, "bytes": bytes it wrote, "seconds": its writing time}``.
+    """
+    import torch.distributed as dist
+    from safetensors.torch import save_file
+    from .engine.module import GraphPipelineModule
+
+    module = getattr(engine_or_module, "module", engine_or_module)
+    if not isinstance(module, GraphPipelineModule):
+        raise GPPConfigError(f"save_pretrained takes a GraphPipelineEngine or GraphPipelineModule, got "
+                             f"{type(engine_or_module).__name__}")
+    hf = captured.hf
+    config = config if config is not None else (hf.config if hf is not None else None)
+    if config is None:
+        raise GPPConfigError("save_pretrained needs a Hugging Face config: the captured module holds no single "
+                             "PreTrainedModel, so pass config=")
+    start = time.perf_counter()
+    directory = Path(directory)
+    grid = module._grid
+    writes = grid.replica_id == 0 and grid.is_stage_leader()
+    tensors = _stage_tensors(module, captured) if writes else {}
+    shards = _shards(tensors, max_shard_bytes)
+    counts = [None] * dist.get_world_size()
+    dist.all_gather_object(counts, len(shards))
+    total = sum(counts)
+    first = sum(counts[:dist.get_rank()])
+    weight_map, files, written = {}, [], 0
+    if writes:
+        directory.mkdir(parents=True, exist_ok=True)
+    for k, names in enumerate(shards):
+        file = _SHARD.format(idx=first + k + 1, num=total)
+        save_file({n: tensors[n] for n in names}, directory / file, metadata={"format": "pt"})
+        weight_map.update({n: file for n in names})
+        files.append(file)
+        written += sum(tensors[n].numel() * tensors[n].element_size() for n in names)
+    maps = [None] * dist.get_world_size()
+    dist.all_gather_object(maps, (weight_map, written))
+    if dist.get_rank() == 0:
+        merged = {n: f for m, _ in maps for n, f in m.items()}
+        directory.mkdir(parents=True, exist_ok=True)
+        index = {"metadata": {"total_size": sum(b for _, b in maps)}, "weight_map": dict(sorted(merged.items()))}
+        (directory / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+        config = copy.deepcopy(config)
+        if hf is not None:
+            config.architectures = [hf.class_name]
+        config.save_pretrained(directory)
+    dist.barrier()
+    return {"files": files, "bytes": written, "seconds": time.perf_counter() - start}
+
+
+def _stage_tensors(module, captured) -> dict[str, torch.Tensor]:
+    """This stage's tensors by checkpoint name: each tied tensor once under its canonical name, and
+    not at all on a stage that holds a copy of another stage's tie (DeepSpeed's ``ds_pipe_replicated``)."""
+    hf = captured.hf
+    out: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    for spec, fn in zip((e.layer for e in module._local_entries), module.forward_funcs):
+        key = getattr(spec, "key", None) if getattr(spec, "tied_weight_attr", None) is not None else None
+        layer = module.tied_modules[key] if key is not None else fn
+        if not isinstance(layer, nn.Module) or not hasattr(spec, "module_path"):
+            continue
+        for local, t in _local_state(layer, persistent_only=True).items():
+            if id(t) in seen or getattr(t, "ds_pipe_replicated", False):
+                continue
+            seen.add(id(t))
+            name = _canonical(captured, spec.module_path(local))
+            if name is None:
+                raise GPPConfigError(f'tensor "{spec.module_path(local)}" of layer "{spec.name}" is outside the '
+                                     f"Hugging Face model (at \"{hf.prefix[:-1]}\"): a directory cannot hold it")
+            out[name] = t.detach().contiguous()
+    return out
+
+
+def _canonical(captured, name: str) -> str | None:
+    """The checkpoint name a tied tensor is saved under: of its names, the first that the model's
+    ``_tied_weights_keys`` does not map to another (Hugging Face's source of the tie)."""
+    hf = captured.hf
+    names = [c for c in (_checkpoint_name(hf, n) for n in captured.aliases.get(name, (name, ))) if c is not None]
+    if not names:
+        return None
+    targets = set(hf.tied) if hf is not None else set()
+    return next((n for n in names if n not in targets), names[0])
+
+
+def _shards(tensors: dict[str, torch.Tensor], max_bytes: int) -> list[list[str]]:
+    """Names in order, cut into consecutive groups of at most ``max_bytes`` (a larger tensor alone)."""
+    shards: list[list[str]] = []
+    size = 0
+    for name, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        if not shards or size + nbytes > max_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += nbytes
+    return shards
