@@ -48,6 +48,7 @@ from typing import Callable, Sequence
 from .errors import GPPConfigError, GPPError
 from .models import BUILDERS, DEVICES, ModelDesc, analytic_costs, tiny
 from .planner import CommFit, CostDB, Hardware, Plan, SearchResult, graphpipe_search, simulate_plan
+from .planner.pipedream2bw import pipedream_2bw_search
 from .planner.simulate import choose_schedule, predict
 from .schedule import get_schedule
 
@@ -372,7 +373,8 @@ def _methods() -> dict[str, Callable[..., SearchResult]]:
 
 
 def _method(name: str) -> Callable[..., SearchResult]:
-    methods = _methods()
+    # PipeDream-2BW's planner plans for its own schedule only: not one of compare's default rows.
+    methods = {**_methods(), "pipedream-2bw": pipedream_2bw_search}
     if name not in methods:
         raise GPPConfigError(f'unknown method "{name}"; valid: {", ".join(methods)}')
     return methods[name]
@@ -385,6 +387,8 @@ def _search(method: str, db: CostDB, args) -> SearchResult:
     kw = {}
     if method == "graphpipe":
         kw = {"space": args.space or "full", "recompute": args.recompute, "schedules": args.schedules or ("1f1b",)}
+    elif method == "pipedream":   # PipeDream's DP plans for each schedule (weight versions in its memory)
+        kw = {"schedules": args.schedules or ("1f1b",)}
     _say(args, f"{method}: searching {db.model} on {args.devices} devices, mini-batch {args.mini_batch}")
     return search(db, num_devices=args.devices, mini_batch=args.mini_batch,
                            micro_batches=args.micro_batches, progress=None if args.quiet else _stderr, **kw)
@@ -554,7 +558,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--objective", choices=("train", "inference"), default="train",
                    help="with --cluster: training throughput, or forward-only pipeline throughput (EdgePipe)")
     p.add_argument("--method", default="graphpipe", help="graphpipe (default), pipedream, piper, ds-uniform, "
-                   "ds-parameters")
+                   "ds-parameters, pipedream-2bw (PipeDream-2BW's planner, for the 2bw schedule)")
     p.add_argument("-o", "--output", metavar="PLAN", help="plan JSON to write")
     p.set_defaults(run=_plan)
 

@@ -110,6 +110,22 @@ def skip() -> ModelCase:
     return ModelCase(layers, ("x", ), (6, ), 3, parts)
 
 
+class FrozenLinear(nn.Linear):
+    """A projection that is not trained (a pretrained embedding, say): its parameters are frozen."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.requires_grad_(False)
+
+
+def skip_frozen() -> ModelCase:
+    """:func:`skip` whose first layer is frozen: at 3 stages its stage has nothing to train, and its
+    edges carry no gradient."""
+    mc = skip()
+    mc.layers[0] = GraphLayerSpec("l1", FrozenLinear, 6, D, inputs=["x"])
+    return mc
+
+
 def fanout3() -> ModelCase:
     """``a``'s output is read by three other stages."""
     layers = [
@@ -229,7 +245,8 @@ class _Models(dict):
 
 
 MODELS: dict[str, Callable[[], ModelCase]] = _Models({
-    "chain": chain, "diamond": diamond, "four_branch": four_branch, "skip": skip, "fanout3": fanout3,
+    "chain": chain, "diamond": diamond, "four_branch": four_branch, "skip": skip, "skip_frozen": skip_frozen,
+    "fanout3": fanout3,
     "three_input": three_input, "late_input": late_input, "tied": tied, "varlen": varlen, "glue": glue, "glue_out": glue_out,
 })
 

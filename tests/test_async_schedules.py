@@ -9,7 +9,7 @@ from gpp_deepspeed.graph.stages import StageEdge, StageGraph
 from gpp_deepspeed.schedule import (SCHEDULES, Action, ActionKind as K, AsyncProgram, Segment, async_compute,
                                     check_weight_versions, get_schedule, lower, simulate, steady_batch_idx,
                                     validate_async)
-from gpp_deepspeed.schedule.asynchronous import prediction_steps, shift
+from gpp_deepspeed.schedule.asynchronous import prediction_steps, shift, steps_at_end
 
 ASYNC_SCHEDULES = [name for name, spec in SCHEDULES.items() if spec.asynchronous]
 
@@ -35,7 +35,8 @@ def _lowered(g, m, k, name, flush=False):
     segment = Segment(k, m, flush)
     later = range(k + 1, k + 1 + steady_batch_idx(g, m))
     ahead = [] if flush else [async_compute(g, Segment(j, m), rule=rule) for j in later]
-    return lower(async_compute(g, segment, rule=rule), g, train=True, segment=segment, ahead=ahead)
+    return lower(async_compute(g, segment, rule=rule), g, train=True, segment=segment, ahead=ahead,
+                 step=steps_at_end(segment, rule))
 
 
 @pytest.mark.parametrize("graph", GRAPHS)
@@ -51,6 +52,8 @@ def test_async_schedule_validates_for_any_batch_count_and_micro_batches(graph, n
                 continue
             if name == "2bw":
                 assert max(report.peak_versions.values()) <= 2
+            elif name == "pipeoptim-inplace":   # the live weights and one copy during a forward
+                assert max(report.peak_versions.values()) == 1
             else:  # one stashed version per micro-batch in flight
                 assert report.peak_versions == {s: min(g.depth(s), n * m) for s in range(g.num_stages)}
             assert report.peak_in_flight == {s: min(g.depth(s), n * m) for s in range(g.num_stages)}
@@ -59,12 +62,14 @@ def test_async_schedule_validates_for_any_batch_count_and_micro_batches(graph, n
 def test_pipedream_steady_batch_of_a_two_stage_chain_is_1f1b_without_flush():
     lists = _lists(StageGraph.chain(2), 2, 1, "pipedream")
     assert " ".join(map(str, lists[0])) == (
-        "0STASH2 0LOAD2 0F2 (0SEND_F2@1;0RECV_B1@1)P2P 0B1 0RELEASE_OUT1 0RELEASE_IN1 0UPDATE1 "
-        "0STASH3 0LOAD3 0F3 (0SEND_F3@1;0RECV_B2@1)P2P 0B2 0RELEASE_OUT2 0RELEASE_IN2 0UPDATE2 0WAIT_SENDS")
+        "0STASH2 0LOAD2 0F2 (0SEND_F2@1;0RECV_B1@1)P2P 0B1 0RELEASE_OUT1 0RELEASE_IN1 0RETIRE1 0REDUCE_GRAD 0UPDATE "
+        "0STASH3 0LOAD3 0F3 (0SEND_F3@1;0RECV_B2@1)P2P 0B2 0RELEASE_OUT2 0RELEASE_IN2 0RETIRE2 0REDUCE_GRAD 0UPDATE "
+        "0WAIT_SENDS")
     # Stage 1 ran B1 in batch 0 but stage 0 receives it in batch 1: the send opens batch 1.
     assert " ".join(map(str, lists[1])) == (
         "1SEND_B1@0 1RELEASE_IN1 1STASH2 1LOAD2 1RECV_F2@0 1F2 1B2 1RELEASE_OUT2 1SEND_B2@0 1RELEASE_IN2 "
-        "1UPDATE2 1STASH3 1LOAD3 1RECV_F3@0 1F3 1B3 1RELEASE_OUT3 1UPDATE3 1WAIT_SENDS")
+        "1RETIRE2 1REDUCE_GRAD 1UPDATE 1STASH3 1LOAD3 1RECV_F3@0 1F3 1B3 1RELEASE_OUT3 1RETIRE3 1REDUCE_GRAD 1UPDATE "
+        "1WAIT_SENDS")
 
 
 def test_a_gradient_is_sent_in_the_batch_where_its_receiver_runs_the_backward():
@@ -100,11 +105,33 @@ def test_the_engine_may_reuse_the_steady_batch_and_flush_shifted(name):
                 assert _lists(g, m, k + 2, name, flush) == b
 
 
-def test_2bw_runs_a_batch_on_the_version_before_the_latest():
-    # Output stage (lag 0): the update after batch 0 waits until batch 1's version (W(0)) is stashed.
-    lists = _lists(CHAIN, 3, 1, "2bw")
-    head = [a for a in lists[2] if a.kind in (K.STASH, K.UPDATE, K.FORWARD)][:3]
-    assert head == [Action(2, K.STASH, 3), Action(2, K.UPDATE, 0), Action(2, K.FORWARD, 3)]
+def test_2bw_updates_with_the_previous_batch_in_a_synchronous_step_at_the_end_of_each_batch():
+    # Batch 1 runs on W(0) (stashed before any update); its end retires batch 0's version and steps
+    # as a synchronous batch does, on every stage, so batch 2's stash takes W(1).
+    weights = (K.STASH, K.RETIRE, K.FORWARD, K.REDUCE_TIED, K.REDUCE_GRAD, K.STEP)
+    for k in (1, 2):
+        lists = _lists(CHAIN, 3, k, "2bw")
+        for s, actions in lists.items():
+            kept = [a for a in actions if a.kind in weights]
+            assert kept == [Action(s, K.STASH, 3 * k), *(Action(s, K.FORWARD, j) for j in range(3 * k, 3 * k + 3)),
+                            Action(s, K.RETIRE, 3 * k - 3), Action(s, K.REDUCE_TIED), Action(s, K.REDUCE_GRAD),
+                            Action(s, K.STEP)]
+    assert not any(a.kind in (K.RETIRE, K.STEP) for actions in _lists(CHAIN, 3, 0, "2bw").values() for a in actions)
+    assert [a for a in _lists(CHAIN, 3, 2, "2bw", flush=True)[2] if a.kind in weights] == [
+        Action(2, K.RETIRE, 3), Action(2, K.REDUCE_TIED), Action(2, K.REDUCE_GRAD), Action(2, K.STEP)]
+
+
+def test_frozen_stages_run_forwards_on_their_live_weights_and_take_no_update_of_their_own():
+    from dataclasses import replace
+    frozen = replace(SKIP, frozen=frozenset({0}), edges=tuple(replace(e, grad=e.src != 0) for e in SKIP.edges))
+    for name in ASYNC_SCHEDULES:
+        report = validate_async(frozen, 3, schedule=name)
+        assert report.peak_versions[0] == 0, name
+        for k in range(3):
+            kinds = {a.kind for a in _lists(frozen, 3, k, name)[0]}
+            assert kinds.isdisjoint({K.BACKWARD, K.STASH, K.PREDICT, K.RETIRE, K.UPDATE, K.RECV_B}), (name, k)
+            # 2BW's step is collective over the pipeline: the frozen stage takes part.
+            assert (K.STEP in kinds) == (name == "2bw" and k > 0), (name, k)
 
 
 def test_2bw_needs_as_many_micro_batches_as_the_deepest_lag():
@@ -112,17 +139,31 @@ def test_2bw_needs_as_many_micro_batches_as_the_deepest_lag():
         validate_async(LONG_SKIP, 2, schedule="2bw")
 
 
-def test_validator_rejects_an_update_before_the_backward_of_its_version():
-    program = [Action.parse(x) for x in "0STASH0 0F0 0UPDATE0 0B0".split()]
+def test_validator_rejects_a_retire_before_the_backward_of_its_version():
+    program = [Action.parse(x) for x in "0STASH0 0F0 0RETIRE0 0UPDATE 0B0".split()]
     with pytest.raises(ScheduleError, match="before the backwards of micro-batches"):
         check_weight_versions(0, program)
 
 
-def test_validator_rejects_a_forward_on_no_version_and_a_version_never_updated():
+def test_validator_rejects_a_forward_on_no_version_and_a_version_never_retired():
     with pytest.raises(ScheduleError, match="on no live weight version"):
         check_weight_versions(0, [Action.parse("0F0")])
-    with pytest.raises(ScheduleError, match="never updates weight versions"):
+    with pytest.raises(ScheduleError, match="never retires weight versions"):
         check_weight_versions(0, [Action.parse(x) for x in "0STASH0 0F0 0B0".split()])
+
+
+def test_validator_rejects_two_retired_gradients_without_an_update_between():
+    program = [Action.parse(x) for x in "0STASH0 0F0 0STASH1 0F1 0B0 0RETIRE0 0B1 0RETIRE1 0UPDATE".split()]
+    with pytest.raises(ScheduleError, match="before an update used the gradient of version 0"):
+        check_weight_versions(0, program)
+
+
+def test_validator_rejects_a_backward_while_the_live_weights_hold_a_prediction():
+    program = [Action.parse(x) for x in "0PREDICT_INPLACE0 0F0 0B0 0RESTORE0".split()]
+    with pytest.raises(ScheduleError, match="before restoring the live weights"):
+        check_weight_versions(0, program)
+    ok = [Action.parse(x) for x in "0PREDICT_INPLACE0 0F0 0RESTORE0 0B0 0RETIRE0 0REDUCE_GRAD 0UPDATE".split()]
+    assert check_weight_versions(0, ok) == 1   # the copy of the live weights, until RESTORE
 
 
 def test_dropping_a_deferred_send_is_a_deadlock_the_simulator_names():
@@ -140,10 +181,20 @@ def test_dropping_a_deferred_send_is_a_deadlock_the_simulator_names():
         simulate(lists)
 
 
-def test_pipeoptim_predicts_over_the_updates_between_forward_and_backward():
-    program = [a for k in range(3) for a in _lists(CHAIN, 2, k, "pipeoptim")[0]]
-    program += _lists(CHAIN, 2, 3, "pipeoptim", flush=True)[0]
+@pytest.mark.parametrize("name", ["pipeoptim", "pipeoptim-inplace"])
+def test_pipeoptim_predicts_over_the_updates_between_forward_and_backward(name):
+    program = [a for k in range(3) for a in _lists(CHAIN, 2, k, name)[0]]
+    program += _lists(CHAIN, 2, 3, name, flush=True)[0]
     assert prediction_steps(program) == {0: 0, 1: 1, 2: 2, 3: 2, 4: 2, 5: 2}
+
+
+def test_pipeoptim_inplace_holds_one_copy_of_the_weights_and_restores_them_after_each_forward():
+    report = validate_async(CHAIN, 3, schedule="pipeoptim-inplace")
+    assert report.peak_versions == {0: 1, 1: 1, 2: 1}
+    assert validate_async(CHAIN, 3, schedule="pipeoptim").peak_versions == {0: 3, 1: 2, 2: 1}
+    lists = _lists(CHAIN, 2, 1, "pipeoptim-inplace")[0]
+    kinds = [a.kind for a in lists if a.kind in (K.PREDICT_INPLACE, K.FORWARD, K.RESTORE)]
+    assert kinds == [K.PREDICT_INPLACE, K.FORWARD, K.RESTORE] * 2
 
 
 def test_weight_actions_round_trip_through_their_string_form():

@@ -30,7 +30,8 @@ EXPECTED = {  # case -> words the message must contain
     "split_schedule_with_reentrant_checkpointing": ['"zb1"', '"pipeline.use_reentrant": true', "1f1b"],
     "split_schedule_with_own_checkpoint_function": ['"zb2"', "activation_checkpoint_func='my_checkpoint'", "1f1b"],
     "async_with_clipping": ['"pipedream"', '"gradient_clipping" = 1.0', '"gradient_clipping": 0'],
-    "async_with_zero": ['"2bw"', '"zero_optimization.stage"'],
+    "async_with_zero": ['"pipedream"', '"zero_optimization.stage"', '"2bw"'],
+    "pipeoptim_inplace_with_recomputation": ['"pipeoptim-inplace"', '"activation_checkpoint_interval"', '"pipeoptim"'],
     "pipeoptim_with_weight_decay": ['"pipeoptim"', '"weight_decay"'],
 }
 

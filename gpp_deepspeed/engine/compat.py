@@ -17,6 +17,11 @@ what that API leaves out is here: which flat partition holds a parameter's group
 (:func:`base_optimizer_state`), and linking the fragments to state created before the first step
 (:func:`link_fragment_state`).
 
+An asynchronous schedule's updates happen inside the pipeline, outside DeepSpeed's backward and
+step: :func:`hand_grads_to_master` gives DeepSpeed's bf16 optimizer a gradient that reached the
+live weights without a backward, and :func:`stage_local_norm` keeps one stage's own update from
+summing its norm over the whole pipeline.
+
 ``PipelineModule._synchronize_tied_weights`` broadcasts each tied weight, a leaf that requires
 grad, with autograd recording: torch then warns at the first backward that ``c10d::broadcast_`` has
 no autograd kernel. :func:`broadcast_tied_weights` is the same broadcast of the values alone.
@@ -37,7 +42,8 @@ from deepspeed import comm as dist
 import deepspeed.runtime.pipe.module as _ds_pipe_module
 
 __all__ = ["DEEPSPEED_VERSION", "pipeline_grid", "count_each_stage_once", "flat_optimizer_groups",
-           "base_optimizer", "base_optimizer_state", "link_fragment_state", "broadcast_tied_weights"]
+           "base_optimizer", "base_optimizer_state", "link_fragment_state", "broadcast_tied_weights",
+           "hand_grads_to_master", "stage_local_norm"]
 
 DEEPSPEED_VERSION = "0.19.8"  # the version whose internals this module reaches into
 
@@ -100,6 +106,37 @@ def link_fragment_state(optimizer) -> None:
     optimizer._lazy_init_hp_params_optimizer_state()
 
 
+def hand_grads_to_master(optimizer) -> None:
+    """DeepSpeed's bf16 optimizer keeps fp32 gradients beside its fp32 master weights and adds a
+    backward's low-precision gradients into them (``_update_hp_grad``, which also links the tied
+    weights' ``_hp_grad``). An asynchronous schedule's gradient reaches the live weights by
+    ``RETIRE``, not by a backward: add it the same way (whether ``immediate_grad_update`` is on or
+    not) and drop the low-precision copy. Nothing to do for any other optimizer."""
+    groups = getattr(optimizer, "bf16_groups", None)
+    if groups is None:
+        return
+    for i, group in enumerate(groups):
+        for j, lp in enumerate(group):
+            if lp.grad is not None:
+                optimizer._update_hp_grad(lp, i, j, clear_lp_grads=False)
+                lp.grad = None
+
+
+@contextlib.contextmanager
+def stage_local_norm(optimizer):
+    """While active, DeepSpeed's bf16 optimizer computes the gradient norm (its overflow check, and
+    clipping) over this rank's gradients only, instead of summing it over its ``mpu``'s
+    model-parallel group, a whole replica of the pipeline here: an asynchronous schedule's own
+    update is one stage's, at a time no other stage meets (the stage's data-parallel ranks hold the
+    same reduced gradients, so they agree)."""
+    if getattr(optimizer, "mpu", None) is None:
+        yield
+        return
+    mpu, optimizer.mpu = optimizer.mpu, None
+    try:
+        yield
+    finally:
+        optimizer.mpu = mpu
 def broadcast_tied_weights(tied_comms: dict) -> None:
     """Give every copy of each tied weight the value of the first rank holding it, as
     ``PipelineModule._synchronize_tied_weights`` does (at construction and after loading a

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import time
 from pathlib import Path
 
@@ -37,6 +38,7 @@ from deepspeed.runtime.pipe.engine import (PIPE_RECV_GRAD_TIMER, PIPE_RECV_INPUT
 from deepspeed.runtime.dataloader import RepeatingLoader
 from deepspeed.utils import logger
 
+from ..checkpoint import latest_tag
 from ..config import GraphPipelineConfig, with_plan_schedule
 from ..errors import GPPConfigError
 from ..graph.stages import mark_gradient_flow
@@ -201,14 +203,15 @@ class GraphPipelineEngine(SplitBackwardMixin, PipelineEngine):
 
     def save_checkpoint(self, save_dir, tag=None, client_state={}, save_latest=True, exclude_frozen_parameters=False):
         self.flush()  # an asynchronous pipeline's in-flight updates belong to the saved weights
-        if self._async is not None:
-            client_state = {**client_state, **self._async.versions.checkpoint_state()}
         tag = f"global_step{self.global_steps}" if tag is None else str(tag)   # DeepSpeed's default tag
 
         def ds_save(into: str, latest: bool):
-            return super(GraphPipelineEngine, self).save_checkpoint(
+            out = super(GraphPipelineEngine, self).save_checkpoint(
                 save_dir, tag=into, client_state=client_state, save_latest=latest,
                 exclude_frozen_parameters=exclude_frozen_parameters)
+            if self._async is not None:
+                _async.save_state(self, os.path.join(save_dir, into))
+            return out
 
         with self._watched():
             return portable.save_checkpoint(self, save_dir, tag, save_latest=save_latest, ds_save=ds_save)
@@ -218,8 +221,9 @@ class GraphPipelineEngine(SplitBackwardMixin, PipelineEngine):
         stage count, data-parallel degree, or a ``GraphModel``) loads layer by layer by name."""
         self.flush()
         path, client_state = portable.load_checkpoint(self, load_dir, tag, ds_load=super().load_checkpoint, **kwargs)
-        if self._async is not None and client_state:
-            self._async.versions.load_checkpoint_state(client_state)
+        tag = tag if tag is not None else latest_tag(load_dir)
+        if self._async is not None and tag is not None:
+            _async.load_state(self, os.path.join(load_dir, str(tag)))
         return path, client_state
 
     # -- roles ------------------------------------------------------------------------------------
@@ -245,7 +249,7 @@ class GraphPipelineEngine(SplitBackwardMixin, PipelineEngine):
         DeepSpeed's version broadcasts from every output-stage rank as its own source, which
         needs exactly one output rank per pipeline group.
         """
-        if self._async is not None:
+        if self._async is not None and self._async.counts_batches:
             # Updates are UPDATE actions inside the pipeline, not DeepSpeed's STEP: count the batch
             # where STEP would have, before train_batch reads global_steps for its log line.
             self.global_steps += 1
@@ -469,7 +473,7 @@ class GraphPipelineEngine(SplitBackwardMixin, PipelineEngine):
         flat, self.module.in_arity = flatten(values)
         self.pipe_buffers["inputs"][buffer_id] = tuple(flat)
         if self._async is not None and torch.is_grad_enabled():
-            with self._async.versions.forward_on_current():
+            with self._async.versions.on_current(buffer_id):
                 super()._exec_forward_pass(buffer_id)
         else:
             super()._exec_forward_pass(buffer_id)
@@ -477,8 +481,13 @@ class GraphPipelineEngine(SplitBackwardMixin, PipelineEngine):
             self.pipe_buffers["losses"][buffer_id] = self.loss
 
     def _exec_backward_pass(self, buffer_id):
-        self._full_backward(buffer_id, self.pipe_buffers["outputs"][buffer_id], self.pipe_buffers["grads"][buffer_id],
-                            self.pipe_buffers["losses"][buffer_id])
+        # An asynchronous schedule's backward runs on its forward's weight version (a recomputed
+        # forward included).
+        versions = (self._async.versions.on_version_of(buffer_id) if self._async is not None
+                    else contextlib.nullcontext())
+        with versions:
+            self._full_backward(buffer_id, self.pipe_buffers["outputs"][buffer_id],
+                                self.pipe_buffers["grads"][buffer_id], self.pipe_buffers["losses"][buffer_id])
 
     def _full_backward(self, buffer_id, outputs, grads, loss):
         """One backward of a micro-batch, input and weight gradients together (``B``, or a split
@@ -654,6 +663,9 @@ class GraphPipelineEngine(SplitBackwardMixin, PipelineEngine):
         **SplitBackwardMixin._SPLIT_INSTRUCTIONS,
         _async.StashWeights: _async.exec_stash,
         _async.PredictWeights: _async.exec_predict,
+        _async.PredictInPlace: _async.exec_predict_inplace,
+        _async.RestoreWeights: _async.exec_restore,
+        _async.RetireVersion: _async.exec_retire,
         _async.UpdateWeights: _async.exec_update,
     }
 

@@ -110,7 +110,8 @@ def to_instruction(action: Action, slot_of: dict[int, int]) -> ds.PipeInstructio
     if action.kind in _SIMPLE:
         return _SIMPLE[action.kind]()
     if action.kind in WEIGHT_INSTRUCTIONS:  # weight versions are named by micro-batch, not buffer
-        return WEIGHT_INSTRUCTIONS[action.kind](action.mb_idx)
+        cls = WEIGHT_INSTRUCTIONS[action.kind]
+        return cls() if action.mb_idx is None else cls(action.mb_idx)
     if action.kind is K.P2P:
         return Transfers((op.kind, slot_of[op.mb_idx], op.peer) for op in action.ops)
     buffer_id = slot_of[action.mb_idx]

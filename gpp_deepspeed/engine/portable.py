@@ -44,7 +44,8 @@ from ..checkpoint import (LR_SCHEDULER_FILE, MASTER_KEY, latest_tag, layer_optim
                           write_layout, commit_tag, staging_tag, write_latest)
 from .compat import base_optimizer, base_optimizer_state, flat_optimizer_groups, link_fragment_state
 
-__all__ = ["current_layout", "save_checkpoint", "save_extras", "load_checkpoint", "layer_optimizer_states"]
+__all__ = ["current_layout", "save_checkpoint", "save_extras", "load_checkpoint", "layer_optimizer_states",
+           "local_layers"]
 
 
 def current_layout(engine) -> dict:
@@ -66,7 +67,8 @@ def _torch_optimizer(engine) -> torch.optim.Optimizer | None:
     return opt if isinstance(opt, torch.optim.Optimizer) else None
 
 
-def _local_layers(engine):
+def local_layers(engine):
+    """``(name, layer module)`` of every layer this stage builds (glue without parameters included)."""
     module = engine.module
     for entry, fn in zip(module._local_entries, module.forward_funcs):
         if isinstance(fn, torch.nn.Module):
@@ -127,13 +129,13 @@ def layer_optimizer_states(engine) -> dict[str, dict[str, dict]] | None:
     if torch_opt is not None:
         steps = _group_steps(torch_opt)
         step_of = (lambda p: steps[id(p)]) if steps is not None else None
-        return {name: optimizer_state_by_name(torch_opt, layer, step_of=step_of) for name, layer in _local_layers(engine)}
+        return {name: optimizer_state_by_name(torch_opt, layer, step_of=step_of) for name, layer in local_layers(engine)}
     groups = flat_optimizer_groups(engine.optimizer)
     if groups is None:
         return None
     group_of = {id(p): g for g, (params, _) in enumerate(groups) for p in params}
     out = {}
-    for name, layer in _local_layers(engine):
+    for name, layer in local_layers(engine):
         states = {}
         for pname, p in layer.named_parameters():
             if id(p) not in group_of:
@@ -204,7 +206,7 @@ def _load_relaid(engine, ckpt_dir: str, layout: dict, *, load_optimizer_states: 
 
 
 def _load_layer_optimizer_states(engine, ckpt_dir: str) -> None:
-    layers = list(_local_layers(engine))
+    layers = list(local_layers(engine))
     states = {name: torch.load(layer_optim_file(ckpt_dir, name), weights_only=False)
               for name, _ in layers if os.path.isfile(layer_optim_file(ckpt_dir, name))}
     missing = [name for name, layer in layers if name not in states and any(p.requires_grad for p in layer.parameters())]

@@ -40,7 +40,9 @@ import time
 from typing import Callable, Iterator, Sequence
 
 from ..errors import GPPConfigError, SearchLimitError
+from ..schedule.registry import get_schedule
 from .costs import CostDB, StageCostModel, micro_batch_sizes
+from .inflight import deepest_pipeline
 from .pipedream import ChainCosts, pipedream_bottleneck
 from .piper import enumerate_upsets, piper_bottlenecks
 from .plan import Plan, PlanStage, SearchResult
@@ -56,13 +58,32 @@ _Found = tuple[int, list[tuple[int, int]] | None, float | None, int, dict]
 
 
 def pipedream_search(db: CostDB, *, num_devices: int, mini_batch: int, micro_batches: Sequence[int] | None = None,
-                     replication: bool = True, progress: Progress = None) -> SearchResult:
-    """PipeDream's plan: its partitioner on the list order, per micro-batch size.
+                     replication: bool = True, schedules: Sequence[str] = ("1f1b", ),
+                     progress: Progress = None) -> SearchResult:
+    """PipeDream's plan: its partitioner on the list order, per micro-batch size and schedule.
 
     ``replication=False`` gives PipeDream's straight pipeline: ``num_devices`` stages of one
-    device each. See :mod:`~gpp_deepspeed.planner.pipedream` for the DP.
+    device each. ``schedules``: the training schedules planned for and priced with, each on its
+    own; an asynchronous one's weight versions count in the DP's memory (``"pipedream"``:
+    PipeDream's own weight stashing). The fastest plan that fits over all of them wins;
+    ``alternatives`` holds each schedule's. See :mod:`~gpp_deepspeed.planner.pipedream` for the DP.
     """
     _check(db, num_devices, mini_batch)
+    results = [_pipedream_search(db, num_devices=num_devices, mini_batch=mini_batch, micro_batches=micro_batches,
+                                 replication=replication, schedule=name, progress=progress) for name in schedules]
+    if len(results) == 1:
+        return results[0]
+    found = [r for r in results if r.plan is not None]
+    best = max(found, key=lambda r: r.plan.predicted.samples_per_s, default=results[0])
+    return SearchResult(method="pipedream", plan=best.plan, search_time_s=sum(r.search_time_s for r in results),
+                        states=sum(r.states for r in results), status=best.status,
+                        trace=tuple(t for r in results for t in r.trace),
+                        alternatives=tuple(r.plan for r in results))
+
+
+def _pipedream_search(db: CostDB, *, num_devices: int, mini_batch: int, micro_batches: Sequence[int] | None,
+                      replication: bool, schedule: str, progress: Progress) -> SearchResult:
+    weights = get_schedule(schedule).weights
 
     def search(cm: StageCostModel) -> Iterator[_Found]:
         costs = ChainCosts.build(cm, db.graph.list_topological_order())
@@ -71,12 +92,12 @@ def pipedream_search(db: CostDB, *, num_devices: int, mini_batch: int, micro_bat
             if costs.num_layers * max_rep < num_devices:
                 continue    # too few layers to use every device, whatever the memory
             tps, ranges, cells = pipedream_bottleneck(costs, micro_batch=b, num_devices=num_devices,
-                                                      replication=replication)
+                                                      replication=replication, weights=weights)
             stages = None if ranges is None else [(costs.mask(i, j), r) for i, j, r in ranges]
             yield b, stages, tps, cells, {"replication": replication}
 
     return _sweep(db, "pipedream", search, num_devices=num_devices, mini_batch=mini_batch,
-                  micro_batches=micro_batches, progress=progress)
+                  micro_batches=micro_batches, progress=progress, schedule=schedule)
 
 
 def piper_search(db: CostDB, *, num_devices: int, mini_batch: int, micro_batches: Sequence[int] | None = None,
@@ -208,8 +229,10 @@ def _check(db: CostDB, num_devices: int, mini_batch: int) -> None:
 
 
 def _sweep(db: CostDB, method: str, search: Callable[[StageCostModel], Iterator[_Found]], *, num_devices: int,
-           mini_batch: int, micro_batches: Sequence[int] | None, progress: Progress) -> SearchResult:
-    """Run ``search`` over the sweep, predict every plan it finds, keep the fastest that fits."""
+           mini_batch: int, micro_batches: Sequence[int] | None, progress: Progress,
+           schedule: str = "1f1b") -> SearchResult:
+    """Run ``search`` over the sweep, predict every plan it finds under ``schedule``, keep the
+    fastest that fits."""
     start = time.perf_counter()
     predict_s = 0.0
     cm = StageCostModel(db, mini_batch, p2p_devices=num_devices)
@@ -223,8 +246,14 @@ def _sweep(db: CostDB, method: str, search: Callable[[StageCostModel], Iterator[
                 trace.append((b, None, None))
                 _say(progress, f"{method}: micro-batch {b}: no partition fits")
                 continue
+            deepest = deepest_pipeline(schedule, mini_batch // b)
+            if deepest is not None and len(stages) > deepest:   # a chain: as deep as it has stages
+                trace.append((b, len(stages), None))
+                _say(progress, f"{method}: micro-batch {b}: {len(stages)} stages, deeper than {schedule} runs with "
+                               f"{mini_batch // b} micro-batches")
+                continue
             t0 = time.perf_counter()
-            plan = predict(_plan(db, cm, method, stages, b, mini_batch, tps, notes), db)
+            plan = predict(_plan(db, cm, method, stages, b, mini_batch, tps, notes), db, schedule=schedule)
             predict_s += time.perf_counter() - t0
             p = plan.predicted
             trace.append((b, len(stages), p.samples_per_s if p.fits_memory else None))

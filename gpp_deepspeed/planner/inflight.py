@@ -21,6 +21,7 @@ from __future__ import annotations
 from typing import Mapping, Sequence
 
 from ..errors import GPPConfigError
+from ..schedule.registry import get_schedule
 
 __all__ = ["in_flight", "stage_in_flight", "schedule_memory", "needs_pipeline_depth", "deepest_pipeline"]
 
@@ -72,10 +73,11 @@ def schedule_memory(schedule: str, *, depth: int, pipeline_depth: int, num_micro
       micro-batch stays until its ``W`` (ZB-H1's bound, arXiv 2401.10241 Sec. 3.1);
     * ``zb2``: ``min(2 D - 1, M)`` on every stage (ZB-H2's bound, which the greedy schedule reaches
       on every stage once ``M`` allows);
-    * ``pipedream``, ``pipeoptim``: ``depth`` micro-batches and ``depth`` weight versions (one per
-      micro-batch in flight: PipeDream's weight stashing, PipeOptim's predictions); ``2bw``:
-      ``depth`` micro-batches and two versions (PipeDream-2BW Sec. 3.1). Without a flush the
-      pipeline stays full whatever ``M``.
+    * the asynchronous schedules: ``depth`` micro-batches, and the weight copies of their rule
+      (:meth:`~gpp_deepspeed.schedule.WeightRule.stashed_versions`): ``depth`` for ``pipedream``
+      and ``pipeoptim`` (one per micro-batch in flight: PipeDream's weight stashing, PipeOptim's
+      predictions), two for ``2bw`` (PipeDream-2BW Sec. 3.1), one for ``pipeoptim-inplace``.
+      Without a flush the pipeline stays full whatever ``M``.
 
     The schedule generators themselves are the reference: tests count their peaks on random stage
     graphs (:func:`~gpp_deepspeed.schedule.zero_bubble.peak_in_flight`).
@@ -93,12 +95,11 @@ def schedule_memory(schedule: str, *, depth: int, pipeline_depth: int, num_micro
         return min(pipeline_depth, m), 0
     if name == "zb2":
         return min(2 * pipeline_depth - 1, m), 0
-    if name in ("pipedream", "pipeoptim"):
-        return depth, depth
-    if name == "2bw":
-        return depth, 2
-    raise GPPConfigError(f'no in-flight rule for schedule "{schedule}"; valid: 1f1b, gpipe, zb1, zb2, pipedream, 2bw, '
-                         "pipeoptim")
+    spec = get_schedule(name)
+    if spec.asynchronous:
+        return depth, spec.weights.stashed_versions(depth)
+    raise GPPConfigError(f'no in-flight rule for schedule "{schedule}"; valid: 1f1b, gpipe, zb1, zb2 and the '
+                         "asynchronous ones")
 
 
 def needs_pipeline_depth(schedule: str) -> bool:

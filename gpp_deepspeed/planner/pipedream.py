@@ -15,6 +15,13 @@ replicas
 NOAM
     PipeDream's in-flight rule: a stage keeps ``ceil(m / r)`` micro-batches stashed, ``m`` being
     the devices of this and every later stage (SOSP'19 Sec. 3.3, "NOAM").
+weight versions
+    Planning for an asynchronous schedule (``weights``, its
+    :class:`~gpp_deepspeed.schedule.WeightRule`), a stage also holds the copies of its weights
+    the schedule stashes: one per in-flight micro-batch for PipeDream's weight stashing (SOSP'19
+    Sec. 3.3), two for PipeDream-2BW (:meth:`~gpp_deepspeed.schedule.WeightRule.stashed_versions`).
+    A stage fits when ``weight + NOAM * stash + versions(NOAM) * params <= memory``; the plan
+    found is then priced by the simulator on the program the engine runs.
 
 DP table (one micro-batch size ``b``; positions ``0..n`` index the chain order)::
 
@@ -37,6 +44,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+from ..schedule.asynchronous import WeightRule
 from .costs import NO_BOUNDARY, StageCostModel, allreduce_coefficients
 
 __all__ = ["ChainCosts", "pipedream_bottleneck"]
@@ -133,14 +141,15 @@ class ChainCosts:
         return lower, tps, weight, stash
 
 
-def pipedream_bottleneck(costs: ChainCosts, *, micro_batch: int, num_devices: int, replication: bool = True
-                         ) -> tuple[float | None, list[tuple[int, int, int]] | None, int]:
+def pipedream_bottleneck(costs: ChainCosts, *, micro_batch: int, num_devices: int, replication: bool = True,
+                         weights: WeightRule | None = None) -> tuple[float | None, list[tuple[int, int, int]] | None, int]:
     """Solve PipeDream's DP (see the module docstring) for one micro-batch size.
 
     Returns the least bottleneck time per sample, the stages as ``(start, stop, replicas)`` chain
     position ranges in pipeline order, and the DP cells filled; ``(None, None, cells)`` when no
     partition on exactly ``num_devices`` devices fits in memory. ``replication=False`` is
-    PipeDream's ``--straight_pipeline``: one device per stage, ``num_devices`` stages.
+    PipeDream's ``--straight_pipeline``: one device per stage, ``num_devices`` stages. ``weights``:
+    the weight rule of the asynchronous schedule planned for, whose weight versions count in memory.
     """
     b, big_n, n = micro_batch, num_devices, costs.num_layers
     reps = [r for r in range(1, big_n + 1) if b % r == 0] if replication else [1]
@@ -152,7 +161,7 @@ def pipedream_bottleneck(costs: ChainCosts, *, micro_batch: int, num_devices: in
     by_devices[0][n] = 0.0
     cells = 0
     # No stage of an optimal plan is slower than a known plan's bottleneck: rows end there.
-    bound = _uniform_bound(costs, b, big_n, reps) * (1 + 1e-9)
+    bound = _uniform_bound(costs, b, big_n, reps, weights) * (1 + 1e-9)
     for i in range(n - 1, -1, -1):
         rows = {r: costs.stage_row(i, b, r, cap=bound) for r in reps}
         fitting: dict[tuple[int, int], int] = {}
@@ -168,7 +177,9 @@ def pipedream_bottleneck(costs: ChainCosts, *, micro_batch: int, num_devices: in
                 in_flight = -(-m // r)
                 j_fit = fitting.get((r, in_flight))
                 if j_fit is None:
-                    j_fit = fitting[r, in_flight] = _last_fitting(weight, stash, i, in_flight, limit)
+                    versions = weights.stashed_versions(in_flight) if weights is not None else 0
+                    j_fit = fitting[r, in_flight] = _last_fitting(weight, stash, costs.params, i, in_flight,
+                                                                  versions, limit)
                 j_max = min(n - -(-rest // max_rep), j_fit)
                 j_min = n if rest == 0 else i + 1
                 after_col = by_devices[rest]
@@ -194,7 +205,7 @@ def pipedream_bottleneck(costs: ChainCosts, *, micro_batch: int, num_devices: in
     return by_devices[big_n][0], stages, cells
 
 
-def _uniform_bound(costs: ChainCosts, b: int, num_devices: int, reps: list[int]) -> float:
+def _uniform_bound(costs: ChainCosts, b: int, num_devices: int, reps: list[int], weights: WeightRule | None) -> float:
     """The least bottleneck of the plans that cut the chain into equal layer counts with the
     same replica count per stage (DeepSpeed's uniform partition), or inf when none fits."""
     n, limit, best = costs.num_layers, costs.model.db.hardware.memory_bytes, _INF
@@ -207,7 +218,9 @@ def _uniform_bound(costs: ChainCosts, b: int, num_devices: int, reps: list[int])
         worst = 0.0
         for k, (i, j) in enumerate(zip(bounds, bounds[1:])):
             _, tps, weight, stash = costs.stage_row(i, b, r, stop=j)
-            if weight[j] + (num_stages - k) * stash[j] > limit:     # NOAM of stage k
+            in_flight = num_stages - k      # NOAM of stage k
+            versions = weights.stashed_versions(in_flight) if weights is not None else 0
+            if weight[j] + in_flight * stash[j] + versions * (costs.params[j] - costs.params[i]) > limit:
                 worst = _INF
                 break
             worst = max(worst, tps[j])
@@ -215,13 +228,14 @@ def _uniform_bound(costs: ChainCosts, b: int, num_devices: int, reps: list[int])
     return best
 
 
-def _last_fitting(weight: list[float], stash: list[float], i: int, in_flight: int, limit: float) -> int:
-    """The largest ``j`` with ``weight[j] + in_flight * stash[j] <= limit`` (``i`` if none):
-    both grow with ``j``, so bisect."""
+def _last_fitting(weight: list[float], stash: list[float], params: tuple[float, ...], i: int, in_flight: int,
+                  versions: int, limit: float) -> int:
+    """The largest ``j`` with ``weight[j] + in_flight * stash[j] + versions * params[i:j] <= limit``
+    (``i`` if none): all grow with ``j``, so bisect."""
     lo, hi = i, len(weight) - 1
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        if weight[mid] + in_flight * stash[mid] <= limit:
+        if weight[mid] + in_flight * stash[mid] + versions * (params[mid] - params[i]) <= limit:
             lo = mid
         else:
             hi = mid - 1

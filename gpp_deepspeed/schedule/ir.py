@@ -17,7 +17,8 @@ Representative forms::
     (1SEND_F1@2;1RECV_B0@2)P2P  0RELEASE_OUT0  0RELEASE_IN0
     2I0  2SEND_B0@0  2W0          (split backward, as torch writes it: input gradient, then weight gradient)
     0WAIT_SENDS  0REDUCE_TIED  0REDUCE_GRAD  0STEP
-    0STASH4  0PREDICT4  0UPDATE4          (weight versions of the asynchronous schedules)
+    0STASH4  0B4  0RETIRE4  0REDUCE_GRAD  0UPDATE   (weight versions of the asynchronous schedules)
+    0PREDICT_INPLACE4  0F4  0RESTORE4             (PipeOptim's prediction written over the live weights)
     2I0  2RELEASE_OUT0  2W0  2RELEASE_W0  (a split backward frees the outputs after I, W's inputs after W)
 
 What each kind reads, writes and frees of its micro-batch's buffers is declared once, in
@@ -61,7 +62,10 @@ class ActionKind(str, Enum):
     # index names a weight version: the micro-batch whose forward first runs on it.
     STASH = "STASH"              # copy the stage's current weights into version mb_idx
     PREDICT = "PREDICT"          # version mb_idx := the weights predicted for its backward (PipeOptim)
-    UPDATE = "UPDATE"            # optimizer step with version mb_idx's gradient, then free the version
+    PREDICT_INPLACE = "PREDICT_INPLACE"  # live weights := their prediction, a copy of them kept (PipeOptim's code)
+    RESTORE = "RESTORE"          # live weights := the copy PREDICT_INPLACE mb_idx kept (before any backward)
+    RETIRE = "RETIRE"            # live weights' gradient := version mb_idx's gradient; the version is freed
+    UPDATE = "UPDATE"            # one step of this stage's own optimizer (an update inside the pipeline)
 
     @property
     def spec(self) -> "KindSpec":
@@ -112,7 +116,8 @@ class KindSpec:
     """
 
     mb: bool = False
-    """The action carries a micro-batch index (a weight version for STASH, PREDICT, UPDATE)."""
+    """The action carries a micro-batch index (a weight version for STASH, PREDICT, PREDICT_INPLACE,
+    RESTORE and RETIRE)."""
     message: str = ""
     send: bool = False
     waits: bool = False
@@ -155,7 +160,10 @@ KINDS: dict[ActionKind, KindSpec] = {
     ActionKind.STEP: _kind(),
     ActionKind.STASH: _kind(mb=True),
     ActionKind.PREDICT: _kind(mb=True),
-    ActionKind.UPDATE: _kind(mb=True),
+    ActionKind.PREDICT_INPLACE: _kind(mb=True),
+    ActionKind.RESTORE: _kind(mb=True),
+    ActionKind.RETIRE: _kind(mb=True),
+    ActionKind.UPDATE: _kind(),
 }
 """Every action kind's :class:`KindSpec`: the one table to extend when adding a kind."""
 

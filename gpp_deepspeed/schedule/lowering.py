@@ -5,7 +5,8 @@ compute on every stage; :func:`lower` applies these small pure passes to it, in 
 every schedule (synchronous, split backward, asynchronous):
 
 ``drop_frozen_backward``
-    Frozen stages run forwards only.
+    Frozen stages run forwards only, on their live weights (no weight versions, no updates of
+    their own).
 ``add_load``
     A ``LOAD`` before each forward on the stages that read the batch (``StageGraph.loading``).
 ``add_send_recv``
@@ -29,8 +30,8 @@ every schedule (synchronous, split backward, asynchronous):
     the table :data:`~gpp_deepspeed.schedule.ir.KINDS`): the schedule, not the engine, decides when
     memory is freed.
 ``add_epilogue``
-    ``WAIT_SENDS`` and, for a synchronous schedule in training, the gradient reductions and the
-    optimizer step.
+    ``WAIT_SENDS`` and, for a synchronous schedule in training (and a 2BW segment that updates),
+    the gradient reductions and the optimizer step.
 
 :func:`assign_buffers` then gives every micro-batch of every stage a buffer slot, the least a
 stage needs (:class:`~gpp_deepspeed.schedule.program.Program` holds both).
@@ -59,14 +60,16 @@ BufferSlots = dict[int, dict[int, int]]
 
 def lower(compute: Schedule, stage_graph: StageGraph, *, train: bool,
           duration: Callable[[Action], float] | None = None, segment: Segment | None = None,
-          ahead: Sequence[Schedule] = ()) -> Schedule:
+          ahead: Sequence[Schedule] = (), step: bool | None = None) -> Schedule:
     """Apply every lowering pass (see the module docstring) to a compute order.
 
     ``duration``: the compute times the schedule was made for, which order the transfers when they
     must be reordered (see :func:`group_for_rendezvous`). For one ``segment`` of an asynchronous
     schedule, ``ahead`` holds the compute orders of the batches that follow it: a micro-batch's
-    buffers are released after its last use in the whole program, which may lie batches later,
-    and the batch ends with ``WAIT_SENDS`` only (its updates are ``UPDATE`` actions inside it).
+    buffers are released after its last use in the whole program, which may lie batches later.
+    ``step``: whether the lists end with the synchronous step (default: a synchronous batch in
+    training does; an asynchronous segment's updates are inside it, save 2BW's once-per-batch one,
+    :func:`~gpp_deepspeed.schedule.asynchronous.steps_at_end`).
 
     >>> from gpp_deepspeed.schedule import one_f_one_b
     >>> lower(one_f_one_b(StageGraph.chain(2), 1), StageGraph.chain(2), train=True)[1][:7]
@@ -76,7 +79,8 @@ def lower(compute: Schedule, stage_graph: StageGraph, *, train: bool,
     for _ in ahead:
         segments.append(segments[-1].next())
     window = [_lower_transfers(c, stage_graph, duration, seg) for c, seg in zip([compute, *ahead], segments)]
-    return add_epilogue(add_release(window[0], ahead=window[1:]), train=train and segment is None)
+    return add_epilogue(add_release(window[0], ahead=window[1:]),
+                        train=train and segment is None if step is None else step)
 
 
 def _lower_transfers(compute: Schedule, stage_graph: StageGraph, duration, segment: Segment | None) -> Schedule:
@@ -88,16 +92,22 @@ def _lower_transfers(compute: Schedule, stage_graph: StageGraph, duration, segme
 
 def drop_frozen_backward(schedule: Schedule, stage_graph: StageGraph) -> Schedule:
     """Remove the backward (``B``, ``I``, ``W``) of the frozen stages, which have nothing to
-    differentiate (``StageGraph.frozen``): they run forwards only.
+    differentiate (``StageGraph.frozen``): they run forwards only, on their live weights, so their
+    weight-version actions and own updates go too (a synchronous step stays: it is collective).
 
     >>> from dataclasses import replace
     >>> from gpp_deepspeed.schedule import one_f_one_b
     >>> drop_frozen_backward(one_f_one_b(StageGraph.chain(2), 2), replace(StageGraph.chain(2), frozen=frozenset({0})))
     {0: [0F0, 0F1], 1: [1F0, 1B0, 1F1, 1B1]}
     """
-    backward = (K.BACKWARD, K.BACKWARD_INPUT, K.BACKWARD_WEIGHT)
-    return {s: [a for a in actions if not (s in stage_graph.frozen and a.kind in backward)]
+    return {s: [a for a in actions if not (s in stage_graph.frozen and a.kind in _TRAINS)]
             for s, actions in schedule.items()}
+
+
+# What a stage without trainable parameters does not run (an asynchronous update's reduction
+# included; a synchronous step's comes later, from add_epilogue, on every stage).
+_TRAINS = frozenset({K.BACKWARD, K.BACKWARD_INPUT, K.BACKWARD_WEIGHT, K.STASH, K.PREDICT, K.PREDICT_INPLACE,
+                     K.RESTORE, K.RETIRE, K.REDUCE_GRAD, K.UPDATE})
 
 
 def add_load(schedule: Schedule, stage_graph: StageGraph) -> Schedule:

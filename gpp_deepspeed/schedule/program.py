@@ -32,7 +32,7 @@ from typing import Callable
 from ..errors import GPPConfigError, ScheduleError
 from ..graph.stages import StageGraph
 from .asynchronous import async_compute, check_async_microbatches, predicted_updates, prediction_steps, shift, \
-    steady_batch_idx
+    steady_batch_idx, steps_at_end
 from .generators import forward_only
 from .ir import Action, ActionKind as K, Schedule, Segment
 from .lowering import BufferSlots, assign_buffers, lower, num_slots
@@ -155,11 +155,6 @@ class AsyncProgram:
         if not spec.asynchronous:
             raise GPPConfigError(f'"{spec.name}" is not an asynchronous schedule')
         check_async_microbatches(stage_graph, num_microbatches, spec.weights, name=spec.name)
-        no_grad = [(e.src, e.dst) for e in stage_graph.edges if not e.grad]
-        if stage_graph.frozen or no_grad:
-            raise GPPConfigError(f'schedule "{spec.name}" runs a backward on every stage of every micro-batch; '
-                                 f"this stage graph has frozen stages {sorted(stage_graph.frozen)} and edges without "
-                                 f"gradients {no_grad}")
         self.spec, self.stage_graph, self.num_microbatches = spec, stage_graph, num_microbatches
         self._steady = steady_batch_idx(stage_graph, num_microbatches)
         self._lowered: dict[tuple[int, bool], Schedule] = {}
@@ -229,7 +224,7 @@ class AsyncProgram:
             program = [a for seg in segments for a in seg.actions[s]]
             data[s] = [a for a in program if a.kind not in _WEIGHT_KINDS and a.kind is not K.WAIT_SENDS]
             slots[s] = _one_slot_each(s, segments)
-            versions[s] = check_weight_versions(s, program)
+            versions[s] = check_weight_versions(s, program, frozen=s in self.stage_graph.frozen)
             for v, steps in prediction_steps(program).items():
                 if steps != predicted_updates(self.stage_graph, s, v):
                     raise ScheduleError(f"stage {s}: version {v} meets {steps} updates before its backward, not "
@@ -253,7 +248,7 @@ class AsyncProgram:
             ahead = [] if flush else [self._compute(Segment(k, self.num_microbatches))
                                       for k in range(key[0] + 1, key[0] + self._steady + 1)]
             self._lowered[key] = lower(self._compute(segment), self.stage_graph, train=True, segment=segment,
-                                       ahead=ahead)
+                                       ahead=ahead, step=steps_at_end(segment, self.spec.weights))
         delta = (batch_idx - key[0]) * self.num_microbatches
         return {s: shift(actions, delta) for s, actions in self._lowered[key].items()}
 
@@ -296,7 +291,8 @@ class AsyncProgram:
         return batch_idx if batch_idx < first else first + (batch_idx - first) % period
 
 
-_WEIGHT_KINDS = frozenset({K.STASH, K.PREDICT, K.UPDATE})
+_WEIGHT_KINDS = frozenset({K.STASH, K.PREDICT, K.PREDICT_INPLACE, K.RESTORE, K.RETIRE, K.UPDATE, K.REDUCE_TIED,
+                           K.REDUCE_GRAD, K.STEP})
 
 
 def _one_slot_each(s: int, segments: list[Program]) -> dict[int, int]:

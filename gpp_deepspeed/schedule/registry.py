@@ -61,7 +61,11 @@ SCHEDULES: dict[str, ScheduleSpec] = {spec.name: spec for spec in (
     ScheduleSpec(name="2bw", weights=WeightRule.DOUBLE_BUFFER,
                  summary="asynchronous, double-buffered weights (PipeDream-2BW, ICML'21 Sec. 3.1)"),
     ScheduleSpec(name="pipeoptim", weights=WeightRule.PREDICT,
-                 summary="asynchronous with weight prediction (PipeOptim, arXiv 2312.00839 Sec. IV)"),
+                 summary="asynchronous with weight prediction, the backward differentiating the predicted "
+                         "forward (PipeOptim, arXiv 2312.00839 Sec. IV)"),
+    ScheduleSpec(name="pipeoptim-inplace", weights=WeightRule.PREDICT_INPLACE,
+                 summary="PipeOptim as its authors' code runs it: prediction in place, live weights restored "
+                         "before the backward; two weight versions (arXiv 2312.00839)"),
 )}
 """Every schedule by name; the config accepts exactly these names."""
 

@@ -312,26 +312,48 @@ def _check_buffers(s: int, actions: list[Action], slot_of: dict[int, int]) -> No
                                     f"while both are in flight; use more buffers")
 
 
-def check_weight_versions(s: int, program: list[Action]) -> int:
+def check_weight_versions(s: int, program: list[Action], *, frozen: bool = False) -> int:
     """Check one stage's weight versions over a whole asynchronous program: a forward runs on a
-    live version, a backward before its version's ``UPDATE``, every version is made once and
-    updated once, after all its backwards. Returns the most versions alive at once."""
-    alive: set[int] = set()
+    live version (an in-place prediction only between ``PREDICT_INPLACE`` and its ``RESTORE``), a
+    backward before its version's ``RETIRE``; every version is made once and retired once, after all
+    its backwards; a retired gradient is used by an update (``UPDATE``, ``STEP``) before the next
+    ``RETIRE``. Returns the most weight copies held at once (an in-place prediction holds one, the
+    live weights, until its ``RESTORE``). A ``frozen`` stage runs on its live weights: it has no
+    weight actions and takes no update of its own."""
+    if frozen:
+        own = [a for a in program if a.kind in (K.STASH, K.PREDICT, K.PREDICT_INPLACE, K.RESTORE, K.RETIRE, K.UPDATE)]
+        if own:
+            raise ScheduleError(f"stage {s} is frozen but runs {own[0]}")
+        return 0
+    alive: set[int] = set()      # versions made and not yet retired
+    copies: set[int] = set()     # versions that hold a copy of the weights
     made: set[int] = set()
     users: dict[int, set[int]] = {}
     version_of: dict[int, int] = {}
     backward_done: set[int] = set()
     current = None
+    in_place = None              # the in-place prediction written over the live weights, if any
+    unstepped = None             # a retired version whose gradient no update has used yet
     peak = 0
     for a in program:
-        if a.kind in (K.STASH, K.PREDICT):
+        if a.kind in (K.STASH, K.PREDICT, K.PREDICT_INPLACE):
             if a.mb_idx in made:
                 raise ScheduleError(f"stage {s} makes weight version {a.mb_idx} twice")
+            if in_place is not None:
+                raise ScheduleError(f"stage {s} runs {a} before restoring the live weights ({in_place})")
             made.add(a.mb_idx)
             alive.add(a.mb_idx)
+            copies.add(a.mb_idx)
             users[a.mb_idx] = set()
             current = a.mb_idx
-            peak = max(peak, len(alive))
+            if a.kind is K.PREDICT_INPLACE:
+                in_place = a.mb_idx
+            peak = max(peak, len(copies))
+        elif a.kind is K.RESTORE:
+            if in_place != a.mb_idx:
+                raise ScheduleError(f"stage {s} runs {a} but the live weights hold no in-place prediction {a.mb_idx}")
+            in_place = current = None
+            copies.discard(a.mb_idx)
         elif a.kind is K.FORWARD:
             if current not in alive:
                 raise ScheduleError(f"stage {s} runs {a} on no live weight version")
@@ -339,15 +361,25 @@ def check_weight_versions(s: int, program: list[Action]) -> int:
             users[current].add(a.mb_idx)
         elif a.kind is K.BACKWARD:
             backward_done.add(a.mb_idx)
+            if in_place is not None:
+                raise ScheduleError(f"stage {s} runs {a} before restoring the live weights ({in_place})")
             if version_of[a.mb_idx] not in alive:
-                raise ScheduleError(f"stage {s} runs {a} after its weight version {version_of[a.mb_idx]} was updated")
-        elif a.kind is K.UPDATE:
+                raise ScheduleError(f"stage {s} runs {a} after its weight version {version_of[a.mb_idx]} was retired")
+        elif a.kind is K.RETIRE:
             if a.mb_idx not in alive or not users[a.mb_idx]:
                 raise ScheduleError(f"stage {s} runs {a} on a version that is not live or has no forward")
             pending = sorted(users[a.mb_idx] - backward_done)
             if pending:
                 raise ScheduleError(f"stage {s} runs {a} before the backwards of micro-batches {pending}")
+            if unstepped is not None:
+                raise ScheduleError(f"stage {s} runs {a} before an update used the gradient of version {unstepped}")
             alive.discard(a.mb_idx)
+            copies.discard(a.mb_idx)
+            unstepped = a.mb_idx
+        elif a.kind in (K.UPDATE, K.STEP):
+            if a.kind is K.UPDATE and unstepped is None:
+                raise ScheduleError(f"stage {s} runs {a} with no retired gradient")
+            unstepped = None
     if alive:
-        raise ScheduleError(f"stage {s} never updates weight versions {sorted(alive)} (the flush must drain them)")
+        raise ScheduleError(f"stage {s} never retires weight versions {sorted(alive)} (the flush must drain them)")
     return peak

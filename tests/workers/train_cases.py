@@ -42,16 +42,20 @@ def ds_config(case, dp):
         cfg["optimizer"] = {"type": "Adam", "params": {"lr": case["lr"], "adam_w_mode": False}}
     if case.get("bf16"):
         cfg["bf16"] = {"enabled": True}
+    if case.get("fp16"):   # a dynamic loss scale that moves within a few steps (doubles every 2)
+        cfg["fp16"] = {"enabled": True, "initial_scale_power": 8, "loss_scale_window": 2, "hysteresis": 1}
     # DeepSpeed 0.19.8 clips at 1.0 unless told otherwise; the reference applies the same.
     cfg["gradient_clipping"] = case.get("clip", 1.0)
     return cfg
 
 
 def to_model_dtype(batches, case):
-    """bf16 models take bf16 inputs; as with DeepSpeed's PipelineEngine, casting is the user's job."""
-    if not case.get("bf16"):
+    """bf16 (fp16) models take bf16 (fp16) inputs; as with DeepSpeed's PipelineEngine, casting is the
+    user's job."""
+    dtype = torch.bfloat16 if case.get("bf16") else torch.float16 if case.get("fp16") else None
+    if dtype is None:
         return batches
-    cast = lambda x: tuple(t.bfloat16() for t in x) if isinstance(x, tuple) else x.bfloat16()  # noqa: E731
+    cast = lambda x: tuple(t.to(dtype) for t in x) if isinstance(x, tuple) else x.to(dtype)  # noqa: E731
     return [(cast(x), y) for x, y in batches]
 
 
@@ -80,14 +84,20 @@ def build(case, world_size):
                                      activation_checkpoint_interval=case.get("ckpt_interval", 0),
                                      dynamic_shape=bool(mc.seq_lens), stage_degrees=degrees)
     params = [p for p in module.parameters() if p.requires_grad]
-    opt = None if case.get("optimizer") in ("adam", "fused_adam") else torch.optim.SGD(params, lr=case["lr"], momentum=case.get("momentum", 0.9))
+    # A stage with nothing to train (a frozen tower) still gets an optimizer, with one empty group:
+    # torch refuses an empty parameter list, and DeepSpeed steps every stage.
+    opt = None if case.get("optimizer") in ("adam", "fused_adam") else torch.optim.SGD(
+        params or [{"params": []}], lr=case["lr"], momentum=case.get("momentum", 0.9))
+    # "lr_decay": the learning rate of step t is lr * lr_decay**t (torch's StepLR, stepped by DeepSpeed).
+    sched = (lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=case["lr_decay"])) \
+        if "lr_decay" in case else None
     init = deepspeed.initialize if case.get("deepspeed_module") else gpp_deepspeed.initialize
     data = None
     if case.get("training_data"):  # DeepSpeed's own loader instead of data_iter=
         data = ReplicaOrderedDataset(mc, dp=dp, steps=case["steps"], micro_batches=case["gas"],
                                      micro_batch_size=case["mbs"])
     engine, _, _, _ = init(model=module, optimizer=opt, model_parameters=params, config=ds_config(case, dp),
-                           training_data=data)
+                           training_data=data, lr_scheduler=sched)
     engine.case_seen = []
     if data is not None and engine.data_iterator is not None:
         engine.data_iterator = _recording(engine.data_iterator, engine.case_seen)
@@ -123,24 +133,34 @@ def run_case(case, out, rank, world_size):
         case = {**case, "trace_dir": str(out / f"trace_{case['id']}")}
     mc, module, engine = build(case, world_size)
     result = {"stage": engine.stage_id, "dp": replica(engine), "shard": getattr(engine.grid, "stage_idx", 0),
+              "trainable": sum(p.numel() for p in module.parameters() if p.requires_grad),
               "schedule": getattr(engine, "gpp_config", None) and engine.gpp_config.schedule,
               "ckpt_interval": module.activation_checkpoint_interval,
               "ckpt_func": getattr(module.activation_checkpoint_func, "__name__", None)}
     if hasattr(engine, "stage_graph"):
         result["depth"] = engine.stage_graph.depth(engine.stage_id)
+        result["frozen"] = engine.stage_id in engine.stage_graph.frozen
         result["reads_batch"] = engine.is_first_stage() or engine.is_last_stage()
     if case.get("checkpoint"):
         ckpt = str(out / f"ckpt_{case['id']}")
-        train(engine, mc, case, range(2))
+        result["trained"] = train(engine, mc, case, range(2))
         engine.save_checkpoint(ckpt, tag="t2")
-        result["uninterrupted"] = train(engine, mc, case, range(2, 4))
-        mc, module, engine = build(case, world_size)
+        result["state_before"] = sorted(module.graph_state_dict())
+        # "resume_as": the keys of the case that change when it resumes (another layout).
+        after = {**case, **case.get("resume_as", {})}
+        if "resume_as" not in case:
+            result["uninterrupted"] = train(engine, mc, case, range(2, 4))
+        mc, module, engine = build(after, world_size)
         engine.load_checkpoint(ckpt, tag="t2")
-        result["resumed"] = train(engine, mc, case, range(2, 4))
+        result["resumed"] = train(engine, mc, after, range(2, 4))
+        result["resumed_stage"], result["state_after"] = engine.stage_id, sorted(module.graph_state_dict())
+        if hasattr(engine, "stage_graph"):
+            result["resumed_depth"] = engine.stage_graph.depth(engine.stage_id)
     else:
         result["losses"] = train(engine, mc, case, range(case["steps"]))
         # What this rank ran in its last training batch (the program's list for its stage).
         result["actions"] = [str(a) for a, _, _ in getattr(engine, "last_timeline", ())]
+        result["ran"] = sorted({op.kind.value for a, _, _ in getattr(engine, "last_timeline", ()) for op in a.parts})
         it = iter(to_model_dtype(make_batches(mc, step=100, dp_rank=replica(engine),
                                               micro_batches=case["gas"], micro_batch_size=case["mbs"]), case))
         loss, logits = engine.eval_batch(it, return_logits=True)
@@ -150,13 +170,26 @@ def run_case(case, out, rank, world_size):
             result["seen"] = engine.case_seen
         if isinstance(module, GraphPipelineModule):
             result["state"] = {k: v.detach().float().clone() for k, v in module.graph_state_dict().items()}
+    if case.get("fp16"):
+        result["loss_scale"] = float(engine.optimizer.loss_scale)
     if hasattr(engine, "weight_version_memory"):
         result["weight_versions"] = engine.weight_version_memory()
     torch.save(result, out / f"{case['id']}.rank{rank}.pt")
 
 
+def allow_fp16_on_this_cpu() -> None:
+    """DeepSpeed asks its CPU accelerator whether fp16 is supported, which answers with oneDNN's
+    fp16 support (absent on this machine's CPU); torch computes fp16 on any CPU, and DeepSpeed's
+    fp16 optimizer and loss scaler are device-independent Python. The fp16 cases run them for real
+    with the answer set to yes (nothing else is replaced)."""
+    from deepspeed.accelerator import get_accelerator
+    get_accelerator().is_fp16_supported = lambda: True
+
+
 def main():
     cases = json.loads(Path(sys.argv[1]).read_text())
+    if any(case.get("fp16") for case in cases):
+        allow_fp16_on_this_cpu()
     out = Path(sys.argv[2])
     deepspeed.init_distributed(dist_backend="gloo")
     rank, world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
