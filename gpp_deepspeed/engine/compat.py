@@ -22,6 +22,14 @@ step: :func:`hand_grads_to_master` gives DeepSpeed's bf16 optimizer a gradient t
 live weights without a backward, and :func:`stage_local_norm` keeps one stage's own update from
 summing its norm over the whole pipeline.
 
+ZeRO-2 inside a stage's data-parallel group (:mod:`.zero`): ``PipelineEngine.__init__`` asserts
+ZeRO stage < 2 right after DeepSpeed built the optimizer; :func:`pipeline_assert_stage` shows that
+one assert stage 1, and every other caller the real stage. DeepSpeed's ZeRO-2 optimizer reduces each
+parameter's gradient from its hook during every backward; :func:`reduce_micro_batch_gradients` runs
+the epilogue that reduces what is left in its bucket and adds the micro-batch into the partition
+(what ``DeepSpeedEngine.backward`` runs after each backward), and :func:`finish_gradient_accumulation`
+builds the partitions the step reads (DeepSpeed's own unmanaged-accumulation path).
+
 ``PipelineModule._synchronize_tied_weights`` broadcasts each tied weight, a leaf that requires
 grad, with autograd recording: torch then warns at the first backward that ``c10d::broadcast_`` has
 no autograd kernel. :func:`broadcast_tied_weights` is the same broadcast of the values alone.
@@ -33,6 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import sys
 from typing import Callable
 
 import torch
@@ -40,10 +49,12 @@ import torch
 import deepspeed
 from deepspeed import comm as dist
 import deepspeed.runtime.pipe.module as _ds_pipe_module
+from deepspeed.runtime.pipe.engine import PipelineEngine as _PipelineEngine
 
 __all__ = ["DEEPSPEED_VERSION", "pipeline_grid", "count_each_stage_once", "flat_optimizer_groups",
            "base_optimizer", "base_optimizer_state", "link_fragment_state", "broadcast_tied_weights",
-           "hand_grads_to_master", "stage_local_norm"]
+           "hand_grads_to_master", "stage_local_norm", "pipeline_assert_stage",
+           "reduce_micro_batch_gradients", "finish_gradient_accumulation"]
 
 DEEPSPEED_VERSION = "0.19.8"  # the version whose internals this module reaches into
 
@@ -137,6 +148,41 @@ def stage_local_norm(optimizer):
         yield
     finally:
         optimizer.mpu = mpu
+
+
+def pipeline_assert_stage(stage: int) -> int:
+    """The ZeRO stage to report to the caller of ``zero_optimization_stage()`` two frames up: 1
+    (for a ZeRO stage of 2) to ``PipelineEngine.__init__``, whose assert "ZeRO-2 and ZeRO-3 are
+    incompatible with pipeline parallelism" is the one thing it does with the stage; the real
+    stage to everyone else (DeepSpeed's optimizer set-up ran before, with the real one)."""
+    if stage == 2 and sys._getframe(2).f_code is _PipelineEngine.__init__.__code__:
+        return 1
+    return stage
+
+
+def reduce_micro_batch_gradients(optimizer) -> None:
+    """After one micro-batch's backward on a ZeRO-2 optimizer: reduce the gradients still in its
+    bucket over the data-parallel group and add this rank's share into its gradient partition, as
+    ``DeepSpeedEngine.backward`` does after each backward (``overlapping_partition_gradients_reduce_epilogue``).
+    The accumulation boundary is off, so the partition keeps accumulating; a backward that reached no
+    parameter of this stage set up no bucket and has nothing to reduce."""
+    if not optimizer.ready_for_gradients:
+        return
+    optimizer.set_gradient_accumulation_boundary(False)
+    optimizer.overlapping_partition_gradients_reduce_epilogue()
+
+
+def finish_gradient_accumulation(optimizer) -> None:
+    """At the end of a batch: give a ZeRO-2 optimizer the flat gradient partitions its step (and
+    ``safe_get_full_grad``) reads, from what the micro-batches accumulated."""
+    for i, params in enumerate(optimizer.params_in_partition):
+        if i not in optimizer.all_grad_tensors or optimizer.all_grad_tensors[i] is None:
+            # no micro-batch reached this group on this rank: its gradient is zero
+            optimizer.all_grad_tensors[i] = optimizer.get_all_grad_tensors(params,
+                                                                           dtype=optimizer.gradient_accumulation_dtype)
+    optimizer.finalize_gradient_accumulation_boundary()
+
+
 def broadcast_tied_weights(tied_comms: dict) -> None:
     """Give every copy of each tied weight the value of the first rank holding it, as
     ``PipelineModule._synchronize_tied_weights`` does (at construction and after loading a

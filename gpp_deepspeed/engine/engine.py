@@ -56,6 +56,7 @@ from .module import GraphPipelineModule
 from .p2p import EdgeTransport, Incoming, Outgoing
 from .reshard import cut_rows, edge_peers, grad_scale, join_rows, warm_up_pairs
 from .split_engine import SplitBackwardMixin, check_split_backward_supported, use_split_backward_recompute
+from .zero import PartitionedGradientsMixin, check_zero_supported
 
 __all__ = ["GraphPipelineEngine"]
 
@@ -83,7 +84,7 @@ def _wall_clock(timer: str, handler):
     return timed
 
 
-class GraphPipelineEngine(SplitBackwardMixin, PipelineEngine):
+class GraphPipelineEngine(PartitionedGradientsMixin, SplitBackwardMixin, PipelineEngine):
     """Trains a :class:`GraphPipelineModule`; built by :func:`gpp_deepspeed.initialize`."""
 
     def __init__(self, *args, gpp_config: GraphPipelineConfig | None = None, **kwargs):
@@ -95,6 +96,7 @@ class GraphPipelineEngine(SplitBackwardMixin, PipelineEngine):
                                         getattr(kwargs.get("model"), "plan_schedule", None))
         self.schedule_spec = get_schedule(gpp_config.schedule)
         config_class = kwargs.get("config_class")
+        check_zero_supported(config_class)
         check_split_backward_supported(self.schedule_spec, kwargs.get("model"),
                                        config_class.pipeline if config_class is not None else None)
         super().__init__(*args, **kwargs)
@@ -270,7 +272,11 @@ class GraphPipelineEngine(SplitBackwardMixin, PipelineEngine):
     def _exec_reduce_tied_grads(self):
         """Sum each tied weight's gradient over the stages holding a copy, each copy first divided
         by its stage's data-parallel size: the data-parallel all-reduce that follows averages equal
-        values, so every copy ends with the total gradient whatever the stage degrees."""
+        values, so every copy ends with the total gradient whatever the stage degrees. Under ZeRO-2
+        the gradients are already reduced and partitioned (:mod:`.zero`)."""
+        if self.zero_optimization_partition_gradients():
+            self._reduce_tied_partitioned()
+            return
         for weight, group in self.module.get_tied_weights_and_groups():
             grad = weight._hp_grad if self.using_bf16_optimizer else weight.grad
             if grad is not None:
@@ -497,6 +503,7 @@ class GraphPipelineEngine(SplitBackwardMixin, PipelineEngine):
             super()._exec_backward_pass(buffer_id)  # DeepSpeed's backward(loss), scaled by 1/GAS
         else:
             self._backward_from_grads(outputs, grads)
+        self._reduce_micro_batch()
 
     def _backward_from_grads(self, outputs, grads):
         """One autograd pass from every output that received a gradient (summed over readers)."""
@@ -651,6 +658,7 @@ class GraphPipelineEngine(SplitBackwardMixin, PipelineEngine):
         **PipelineEngine._INSTRUCTION_MAP,
         ds.LoadMicroBatch: _exec_load_micro_batch,
         ds.ReduceTiedGrads: _exec_reduce_tied_grads,
+        ds.ReduceGrads: PartitionedGradientsMixin._exec_reduce_grads,
         ds.ForwardPass: _exec_forward_pass,
         ds.BackwardPass: _exec_backward_pass,
         SendActivationTo: _wall_clock(PIPE_SEND_OUTPUT_TIMER, _exec_send_activations_to),

@@ -159,6 +159,7 @@ class SplitBackwardMixin:
             self._backward_epilogue()
         elif self.using_bf16_optimizer and not self._config.bfloat16_config.immediate_grad_update:
             self.optimizer.update_hp_grads(clear_lp_grads=False)
+        self._reduce_micro_batch()  # ZeRO-2: this micro-batch's gradients into the partitions
 
     def _reentrant_activation_checkpointing(self):
         """Whether loaded inputs must require grad for the checkpoint function: only for a

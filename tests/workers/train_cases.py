@@ -136,7 +136,10 @@ def run_case(case, out, rank, world_size):
               "trainable": sum(p.numel() for p in module.parameters() if p.requires_grad),
               "schedule": getattr(engine, "gpp_config", None) and engine.gpp_config.schedule,
               "ckpt_interval": module.activation_checkpoint_interval,
-              "ckpt_func": getattr(module.activation_checkpoint_func, "__name__", None)}
+              "ckpt_func": getattr(module.activation_checkpoint_func, "__name__", None),
+              # the optimizer DeepSpeed built, and whether it partitions gradients (ZeRO-2)
+              "optimizer": type(engine.optimizer).__name__,
+              "partitions_grads": bool(getattr(engine.optimizer, "partition_gradients", False))}
     if hasattr(engine, "stage_graph"):
         result["depth"] = engine.stage_graph.depth(engine.stage_id)
         result["frozen"] = engine.stage_id in engine.stage_graph.frozen
