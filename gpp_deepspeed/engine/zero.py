@@ -22,7 +22,17 @@ This is per micro-batch and needs every rank of a stage's group to run the same 
 order, which the stage program guarantees: the ranks of a stage run one action list. Per-stage
 degrees need nothing more: the optimizer's group is the stage's (:class:`~.topology.StageGrid`).
 
-ZeRO-3 is refused: see :func:`check_zero_supported`.
+ZeRO-3 is refused (:func:`check_zero_supported`), before any communication. Measured with the
+refusal lifted (pipe 2 x data 2, 1f1b): every rank blocks in the first micro-batch's forward.
+DeepSpeed's ZeRO-3 registers a forward pre-hook on the whole module that calls
+``PartitionedParameterCoordinator.reset_step`` (meant once per forward + backward of a data-parallel
+model); while its trace is incomplete that checks the module order with
+``assert_ints_same_as_other_ranks``, a ``dist.broadcast`` from rank 0 over *all* ranks. A pipeline
+stage runs its forwards at its own time between point-to-point transfers, and each stage holds other
+modules, so rank 0 waits in the broadcast while the next stage waits for rank 0's activations.
+Driving it would mean replacing ZeRO-3's coordinator (its trace, prefetch and release), not calling
+it. Not tried past that point: the split backward's ``W`` would run after ZeRO-3's post-backward
+hook (fired in ``I``) released the parameters.
 """
 
 from __future__ import annotations
@@ -42,11 +52,12 @@ def check_zero_supported(config_class) -> None:
     stage = config_class.zero_optimization_stage if config_class is not None else 0
     if stage >= 3:
         raise GPPConfigError(
-            '"zero_optimization.stage": 3 is not supported by the graph pipeline: DeepSpeed\'s ZeRO-3 gathers a '
-            "layer's parameters from module hooks around one forward and one backward and frees them after, "
-            "while a pipeline stage holds several micro-batches' forwards alive before their backwards and a "
-            "split backward (zb1/zb2) computes weight gradients after the parameters were freed; use stage 2 "
-            "(gradients and optimizer state partitioned over the stage's ranks) or 1")
+            '"zero_optimization.stage": 3 is not supported by the graph pipeline: DeepSpeed 0.19.8\'s ZeRO-3 '
+            "restarts its parameter-fetch trace at the start of every forward of the stage module and, until a "
+            "trace is complete, checks it against rank 0's with a broadcast over all ranks "
+            "(PartitionedParameterCoordinator.reset_step), which the stages of a pipeline reach at different "
+            "times with different modules, so the first micro-batch deadlocks; use stage 2 (gradients and "
+            "optimizer state partitioned over each stage's ranks) or 1")
 
 
 class PartitionedGradientsMixin:

@@ -85,6 +85,11 @@ CASES = {
         optimizer=torch.optim.SGD(m.parameters(), lr=0.1),
         config={**CONFIG, "gradient_clipping": 0.0, "zero_optimization": {"stage": 1}, "zero_allow_untested_optimizer": True,
                 "graph_pipeline": {"schedule": "pipedream"}}),
+    # ZeRO-3's parameter coordinator broadcasts over all ranks at every stage forward: refused, naming stage 2.
+    "zero3": lambda: gpp_deepspeed.initialize(
+        model=(m := GraphPipelineModule(GOOD, input_names=["x"], num_stages=2, loss_fn=nn.MSELoss())),
+        optimizer=torch.optim.SGD(m.parameters(), lr=0.1),
+        config={**CONFIG, "zero_optimization": {"stage": 3}, "zero_allow_untested_optimizer": True}),
     # The authors' PipeOptim restores the live weights after the forward: a recomputation would not see the prediction.
     "pipeoptim_inplace_with_recomputation": lambda: gpp_deepspeed.initialize(
         model=(m := GraphPipelineModule(GOOD, input_names=["x"], num_stages=2, loss_fn=nn.MSELoss(),
