@@ -39,6 +39,7 @@ bench: setup
 	$(PY) benchmarks/transport_costs.py
 	$(PY) benchmarks/planned_runs.py
 	$(PY) benchmarks/large_models.py
+	$(PY) benchmarks/zero_memory.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -54,7 +54,7 @@ from deepspeed.runtime.pipe.engine import PipelineEngine as _PipelineEngine
 __all__ = ["DEEPSPEED_VERSION", "pipeline_grid", "count_each_stage_once", "flat_optimizer_groups",
            "base_optimizer", "base_optimizer_state", "link_fragment_state", "broadcast_tied_weights",
            "hand_grads_to_master", "stage_local_norm", "pipeline_assert_stage",
-           "reduce_micro_batch_gradients", "finish_gradient_accumulation"]
+           "reduce_micro_batch_gradients", "finish_gradient_accumulation", "optimizer_gradient_tensors"]
 
 DEEPSPEED_VERSION = "0.19.8"  # the version whose internals this module reaches into
 
@@ -181,6 +181,24 @@ def finish_gradient_accumulation(optimizer) -> None:
             optimizer.all_grad_tensors[i] = optimizer.get_all_grad_tensors(params,
                                                                            dtype=optimizer.gradient_accumulation_dtype)
     optimizer.finalize_gradient_accumulation_boundary()
+
+
+def optimizer_gradient_tensors(optimizer):
+    """The tensors in which a ZeRO-1/2 or bf16 optimizer holds gradients, besides the parameters'
+    ``.grad``: the flat fp32 partitions' ``.grad``, bf16's fp32 accumulators, and ZeRO-2's reduce
+    buckets, accumulated partitions (``all_grad_tensors``, ``averaged_gradients``) and
+    ``grads_in_partition``. For measuring memory (``benchmarks/zero_memory.py``)."""
+    groups = flat_optimizer_groups(optimizer) or []
+    yield from (flat.grad for _, flat in groups if flat.grad is not None)
+    for name in ("fp32_groups_gradients_flat", ):   # BF16_Optimizer
+        yield from (t for t in getattr(optimizer, name, ()) if torch.is_tensor(t))
+    for name in ("all_grad_tensors", "averaged_gradients"):
+        for tensors in (getattr(optimizer, name, None) or {}).values():
+            yield from (t for t in tensors or () if torch.is_tensor(t))
+    if torch.is_tensor(getattr(optimizer, "grads_in_partition", None)):
+        yield optimizer.grads_in_partition
+    for bucket in (getattr(optimizer, "ipg_buckets", None) or {}).values():
+        yield from bucket.buffer
 
 
 def broadcast_tied_weights(tied_comms: dict) -> None:
