@@ -50,11 +50,13 @@ import deepspeed
 from deepspeed import comm as dist
 import deepspeed.runtime.pipe.module as _ds_pipe_module
 from deepspeed.runtime.pipe.engine import PipelineEngine as _PipelineEngine
+from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3 as _ZeroStage3
 
 __all__ = ["DEEPSPEED_VERSION", "pipeline_grid", "count_each_stage_once", "flat_optimizer_groups",
            "base_optimizer", "base_optimizer_state", "link_fragment_state", "broadcast_tied_weights",
            "hand_grads_to_master", "stage_local_norm", "pipeline_assert_stage",
-           "reduce_micro_batch_gradients", "finish_gradient_accumulation", "optimizer_gradient_tensors"]
+           "reduce_micro_batch_gradients", "finish_gradient_accumulation", "optimizer_gradient_tensors",
+           "zero3_trace_checked_within", "zero3_stage_partitions"]
 
 DEEPSPEED_VERSION = "0.19.8"  # the version whose internals this module reaches into
 
@@ -72,11 +74,16 @@ def pipeline_grid(factory: Callable):
 
 
 def count_each_stage_once(optimizer, *, is_stage_leader: bool, group) -> None:
-    """Make a ZeRO-1/2 optimizer's norm reduction over the model-parallel ``group`` count every
+    """Make a ZeRO optimizer's norm reduction over the model-parallel ``group`` count every
     stage once: after its data-parallel sum each rank of a stage holds the stage's total, so only
-    the stage's leader adds it in (``MAX`` reductions, overflow checks, are unchanged)."""
+    the stage's leader adds it in (``MAX`` reductions, overflow checks, are unchanged). ZeRO-3 also
+    counts every stage's gradients (not those of model-parallel rank 0 alone) and tied copies once."""
     if not hasattr(optimizer, "_model_parallel_all_reduce"):
         return
+    # ZeRO-3 counts a parameter's norm only on model-parallel rank 0 (mpu.get_model_parallel_rank(),
+    # the stage index here; ZeRO-1/2 ask for the tensor-parallel rank): every stage counts its own.
+    if hasattr(optimizer, "model_parallel_rank"):
+        optimizer.model_parallel_rank = 0
 
     def reduce(tensor, op):
         if op == dist.ReduceOp.SUM and not is_stage_leader:
@@ -84,6 +91,18 @@ def count_each_stage_once(optimizer, *, is_stage_leader: bool, group) -> None:
         dist.all_reduce(tensor=tensor, op=op, group=group)
 
     optimizer._model_parallel_all_reduce = reduce
+
+    if isinstance(optimizer, _ZeroStage3):
+        # ZeRO-1/2 skip the pipeline-replicated copies of tied weights in the norm
+        # (``ds_pipe_replicated``); ZeRO-3 does not: count them as zero, so each tie counts once.
+        norm = optimizer.get_grad_norm_direct
+
+        def norm_without_replicas(gradients, params, norm_type=2):
+            gradients = [torch.zeros_like(g) if getattr(p, "ds_pipe_replicated", False) else g
+                         for g, p in zip(gradients, params)]
+            return norm(gradients, params, norm_type)
+
+        optimizer.get_grad_norm_direct = norm_without_replicas
 
 
 def flat_optimizer_groups(optimizer) -> list[tuple[list, "torch.Tensor"]] | None:
@@ -155,7 +174,7 @@ def pipeline_assert_stage(stage: int) -> int:
     (for a ZeRO stage of 2) to ``PipelineEngine.__init__``, whose assert "ZeRO-2 and ZeRO-3 are
     incompatible with pipeline parallelism" is the one thing it does with the stage; the real
     stage to everyone else (DeepSpeed's optimizer set-up ran before, with the real one)."""
-    if stage == 2 and sys._getframe(2).f_code is _PipelineEngine.__init__.__code__:
+    if stage >= 2 and sys._getframe(2).f_code is _PipelineEngine.__init__.__code__:
         return 1
     return stage
 
@@ -166,15 +185,21 @@ def reduce_micro_batch_gradients(optimizer) -> None:
     ``DeepSpeedEngine.backward`` does after each backward (``overlapping_partition_gradients_reduce_epilogue``).
     The accumulation boundary is off, so the partition keeps accumulating; a backward that reached no
     parameter of this stage set up no bucket and has nothing to reduce."""
-    if not optimizer.ready_for_gradients:
+    if not getattr(optimizer, "ready_for_gradients", True):
         return
     optimizer.set_gradient_accumulation_boundary(False)
     optimizer.overlapping_partition_gradients_reduce_epilogue()
+    # ZeRO-3 counts micro-batches at the next forward (copy the first, add the others); a stage may
+    # run two backwards with no forward between (GPipe, a pipeline's cool-down): count it now.
+    optimizer.clear_backward_seen_flag()
 
 
 def finish_gradient_accumulation(optimizer) -> None:
     """At the end of a batch: give a ZeRO-2 optimizer the flat gradient partitions its step (and
     ``safe_get_full_grad``) reads, from what the micro-batches accumulated."""
+    if not hasattr(optimizer, "params_in_partition"):   # ZeRO-3: its partitions are ready
+        optimizer.finalize_gradient_accumulation_boundary()
+        return
     for i, params in enumerate(optimizer.params_in_partition):
         if i not in optimizer.all_grad_tensors or optimizer.all_grad_tensors[i] is None:
             # no micro-batch reached this group on this rank: its gradient is zero
@@ -197,8 +222,47 @@ def optimizer_gradient_tensors(optimizer):
             yield from (t for t in tensors or () if torch.is_tensor(t))
     if torch.is_tensor(getattr(optimizer, "grads_in_partition", None)):
         yield optimizer.grads_in_partition
+    if torch.is_tensor(getattr(optimizer, "grad_partitions_flat_buffer", None)):   # ZeRO-3
+        yield optimizer.grad_partitions_flat_buffer
     for bucket in (getattr(optimizer, "ipg_buckets", None) or {}).values():
-        yield from bucket.buffer
+        buffer = bucket.buffer
+        yield from ([buffer] if torch.is_tensor(buffer) else buffer or ())
+
+
+@contextlib.contextmanager
+def zero3_trace_checked_within(group):
+    """While active, ZeRO-3's parameter coordinator checks that the ranks agree on the order its trace
+    recorded over ``group`` (the stage's data-parallel group) instead of over all ranks.
+
+    ``PartitionedParameterCoordinator.reset_step`` runs at the start of every forward of the stage
+    module and, while its trace is incomplete, calls ``assert_ints_same_as_other_ranks``: a
+    ``dist.broadcast`` from rank 0 over the world. The stages of a pipeline reach their forwards at
+    different times, between point-to-point transfers, and hold different modules, so that check
+    deadlocks (rank 0 waits in it while the next stage waits for rank 0's activations) or would fail;
+    the ranks of one stage run the same program and must agree, and are checked (ids relative to
+    the first of the list: step numbers and ids counted from where the process's counter stood)."""
+    from deepspeed.runtime.zero import partitioned_param_coordinator as coordinator
+    original = coordinator.assert_ints_same_as_other_ranks
+
+    def same_on_stage(ints) -> None:
+        # ZeRO-3 numbers modules and parameters from a process-wide counter: a process that built
+        # other engines before numbers the same stage apart, by a constant, so compare relative ids.
+        ints = list(ints)
+        gathered = [None] * torch.distributed.get_world_size(group=group)
+        torch.distributed.all_gather_object(gathered, [i - ints[0] for i in ints], group=group)
+        if any(g != gathered[0] for g in gathered):
+            raise RuntimeError(f"ZeRO-3's module trace differs between the ranks of a stage: {gathered}")
+
+    coordinator.assert_ints_same_as_other_ranks = same_on_stage
+    try:
+        yield
+    finally:
+        coordinator.assert_ints_same_as_other_ranks = original
+
+
+def zero3_stage_partitions(params) -> list:
+    """This rank's partition of each ZeRO-3 parameter (``ds_tensor``), for measuring memory."""
+    return [getattr(p, "ds_tensor", p) for p in params]
 
 
 def broadcast_tied_weights(tied_comms: dict) -> None:

@@ -96,7 +96,7 @@ class GraphPipelineEngine(PartitionedGradientsMixin, SplitBackwardMixin, Pipelin
                                         getattr(kwargs.get("model"), "plan_schedule", None))
         self.schedule_spec = get_schedule(gpp_config.schedule)
         config_class = kwargs.get("config_class")
-        check_zero_supported(config_class)
+        check_zero_supported(config_class, self.schedule_spec)
         check_split_backward_supported(self.schedule_spec, kwargs.get("model"),
                                        config_class.pipeline if config_class is not None else None)
         super().__init__(*args, **kwargs)
@@ -204,6 +204,7 @@ class GraphPipelineEngine(PartitionedGradientsMixin, SplitBackwardMixin, Pipelin
     # -- checkpoints (portable across layouts: see portable.py) ------------------------------------
 
     def save_checkpoint(self, save_dir, tag=None, client_state={}, save_latest=True, exclude_frozen_parameters=False):
+        self._refuse_zero3_checkpoint("save_checkpoint")
         self.flush()  # an asynchronous pipeline's in-flight updates belong to the saved weights
         tag = f"global_step{self.global_steps}" if tag is None else str(tag)   # DeepSpeed's default tag
 
@@ -221,6 +222,7 @@ class GraphPipelineEngine(PartitionedGradientsMixin, SplitBackwardMixin, Pipelin
     def load_checkpoint(self, load_dir, tag=None, **kwargs):
         """DeepSpeed's ``load_checkpoint``; a checkpoint saved under another layout (partition,
         stage count, data-parallel degree, or a ``GraphModel``) loads layer by layer by name."""
+        self._refuse_zero3_checkpoint("load_checkpoint")
         self.flush()
         path, client_state = portable.load_checkpoint(self, load_dir, tag, ds_load=super().load_checkpoint, **kwargs)
         tag = tag if tag is not None else latest_tag(load_dir)

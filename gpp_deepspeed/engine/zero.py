@@ -1,41 +1,50 @@
-"""ZeRO-2 inside a stage's data-parallel group: gradients and optimizer state partitioned.
+"""ZeRO-2 and ZeRO-3 inside a stage's data-parallel group.
 
-DeepSpeed's ``PipelineEngine`` refuses ZeRO-2 (``assert zero stage < 2``) because it reduces
-gradients once per batch (``REDUCE_GRAD``), while ZeRO-2 reduces them inside every backward. Here
-DeepSpeed's own ZeRO-2 optimizer (``DeepSpeedZeroOptimizer``, ``partition_gradients=True``) runs as
-it does under plain data parallelism with gradient accumulation:
+DeepSpeed's ``PipelineEngine`` refuses ZeRO-2 and ZeRO-3 (``assert zero stage < 2``) because it
+reduces gradients once per batch (``REDUCE_GRAD``), while they reduce them inside every backward.
+Here DeepSpeed's own optimizers (``DeepSpeedZeroOptimizer`` with ``partition_gradients=True``,
+``DeepSpeedZeroOptimizer_Stage3``) run as they do under plain data parallelism with gradient
+accumulation, over the ranks of one stage:
 
 * during each micro-batch's backward (``B``, or the ``W`` of a split backward: parameter gradients
-  exist only there) its gradient hooks fill a bucket and reduce it over the stage's data-parallel
-  group when full, each rank keeping the part of its partition;
+  exist only there) their gradient hooks fill a bucket and reduce it over the stage's data-parallel
+  group when full, each rank keeping its partition;
 * after that backward, :meth:`PartitionedGradientsMixin._reduce_micro_batch` runs the epilogue
   DeepSpeed runs after every ``engine.backward`` (the rest of the bucket; the micro-batch added into
-  the partition; the full gradients freed);
+  the partition; the whole gradients freed);
 * at ``REDUCE_TIED`` the accumulated partitions become the ones the step reads, and tied weights
   sum their gradients over the stages holding a copy (each rank of a stage rebuilds the whole
   gradient with DeepSpeed's ``safe_get_full_grad``, a collective over the stage's group, and writes
   the sum back into its partition with ``safe_set_full_grad``);
-* ``REDUCE_GRAD`` has nothing left to do; the step (clipping by the norm over the pipeline
-  included) is DeepSpeed's.
+* ``REDUCE_GRAD`` has nothing left to do; the step (clipping by the norm over the pipeline included)
+  is DeepSpeed's.
 
-This is per micro-batch and needs every rank of a stage's group to run the same backwards in the same
-order, which the stage program guarantees: the ranks of a stage run one action list. Per-stage
-degrees need nothing more: the optimizer's group is the stage's (:class:`~.topology.StageGrid`).
+This needs every rank of a stage to run the same backwards in the same order, which the stage
+program guarantees (the ranks of a stage run one action list). Per-stage degrees need nothing more:
+the optimizer's group is the stage's (:class:`~.topology.StageGrid`).
 
-ZeRO-3 is refused (:func:`check_zero_supported`), before any communication. Measured with the
-refusal lifted (pipe 2 x data 2, 1f1b): every rank blocks in the first micro-batch's forward.
-DeepSpeed's ZeRO-3 registers a forward pre-hook on the whole module that calls
-``PartitionedParameterCoordinator.reset_step`` (meant once per forward + backward of a data-parallel
-model); while its trace is incomplete that checks the module order with
-``assert_ints_same_as_other_ranks``, a ``dist.broadcast`` from rank 0 over *all* ranks. A pipeline
-stage runs its forwards at its own time between point-to-point transfers, and each stage holds other
-modules, so rank 0 waits in the broadcast while the next stage waits for rank 0's activations.
-Driving it would mean replacing ZeRO-3's coordinator (its trace, prefetch and release), not calling
-it. Not tried past that point: the split backward's ``W`` would run after ZeRO-3's post-backward
-hook (fired in ``I``) released the parameters.
+ZeRO-3 also partitions the parameters: its module hooks gather a layer's parameters for each forward
+and backward and free them after. Two things are adjusted (:mod:`.compat`): its trace check, a
+broadcast over all ranks at every stage forward that would deadlock the pipeline, runs over the
+stage's group (:func:`~.compat.zero3_trace_checked_within`); and it counts gradient norms on every
+stage, not on model-parallel rank 0 only (:func:`~.compat.count_each_stage_once`).
+
+Refused (:func:`check_zero_supported`, before any communication):
+
+* ZeRO-3 with a split backward (``zb1``, ``zb2``). Measured: ``W`` runs a layer's backward after
+  ZeRO-3's post-backward hook (which ``I`` fires) released its parameters, and DeepSpeed's ZeRO-3
+  linear function computes the input gradient there too, from the released weight ("size mismatch,
+  got input (4), mat (4x8), vec (0)"). Gathering each parameter group around its ``W`` pass does
+  not help either: the pass runs the layer's pre-backward hook without its post-backward hook, so
+  the parameters stay marked in use and cannot be freed ("Cannot free a ZeRO-3 parameter while it is
+  still active in submodules").
+* Checkpoints under ZeRO-3 (``save_checkpoint`` / ``load_checkpoint``): the per-layer files would
+  hold partitions; not done.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 from deepspeed import comm as dist
@@ -47,24 +56,30 @@ from . import compat
 __all__ = ["PartitionedGradientsMixin", "check_zero_supported"]
 
 
-def check_zero_supported(config_class) -> None:
-    """Refuse, before any communication, a ZeRO stage the graph pipeline cannot drive."""
+def check_zero_supported(config_class, schedule_spec) -> None:
+    """Refuse, before any communication, what the graph pipeline cannot drive with the configured
+    ZeRO stage (``schedule_spec``: the schedule's registry entry)."""
     stage = config_class.zero_optimization_stage if config_class is not None else 0
-    if stage >= 3:
+    if stage == 3 and schedule_spec.splits_backward:
         raise GPPConfigError(
-            '"zero_optimization.stage": 3 is not supported by the graph pipeline: DeepSpeed 0.19.8\'s ZeRO-3 '
-            "restarts its parameter-fetch trace at the start of every forward of the stage module and, until a "
-            "trace is complete, checks it against rank 0's with a broadcast over all ranks "
-            "(PartitionedParameterCoordinator.reset_step), which the stages of a pipeline reach at different "
-            "times with different modules, so the first micro-batch deadlocks; use stage 2 (gradients and "
-            "optimizer state partitioned over each stage's ranks) or 1")
+            f'"zero_optimization.stage": 3 cannot run graph_pipeline.schedule "{schedule_spec.name}": its split '
+            "backward computes weight gradients (W) after ZeRO-3's hooks released the layer's parameters at the "
+            'input-gradient pass (I); use schedule "1f1b" or "gpipe" with stage 3, or stage 2 (gradients and '
+            "optimizer state partitioned) with any synchronous schedule")
 
 
 class PartitionedGradientsMixin:
-    """ZeRO-2 handlers for :class:`~gpp_deepspeed.engine.GraphPipelineEngine`."""
+    """ZeRO-2/3 handlers for :class:`~gpp_deepspeed.engine.GraphPipelineEngine`."""
 
     def zero_optimization_stage(self):
         return compat.pipeline_assert_stage(super().zero_optimization_stage())
+
+    def _exec_forward_pass(self, buffer_id):
+        # Reached through GraphPipelineEngine._exec_forward_pass's super() call.
+        if not self.zero_optimization_partition_weights():
+            return super()._exec_forward_pass(buffer_id)
+        with compat.zero3_trace_checked_within(self.grid.get_data_parallel_group()):
+            return super()._exec_forward_pass(buffer_id)
 
     def _reduce_micro_batch(self) -> None:
         """After a backward that gave this stage's parameters gradients (``B`` or ``W``)."""
@@ -87,3 +102,16 @@ class PartitionedGradientsMixin:
         if self.zero_optimization_partition_gradients():
             return  # reduced during each backward; REDUCE_TIED built the partitions
         super()._exec_reduce_grads()
+
+    def _refuse_zero3_checkpoint(self, what: str) -> None:
+        if self.zero_optimization_partition_weights():
+            raise GPPConfigError(f"{what} is not supported with \"zero_optimization.stage\": 3 in the graph pipeline "
+                                 "(its per-layer files would hold this rank's parameter partitions); use stage 2")
+
+    def gathered_parameters(self):
+        """A context in which this stage's parameters are whole on every rank of the stage (ZeRO-3
+        gathers them over the stage's group; a no-op otherwise). Collective over the stage."""
+        if not self.zero_optimization_partition_weights():
+            return contextlib.nullcontext()
+        from deepspeed.runtime.zero.partition_parameters import GatheredParameters
+        return GatheredParameters(list(self.module.parameters()))

@@ -85,11 +85,12 @@ CASES = {
         optimizer=torch.optim.SGD(m.parameters(), lr=0.1),
         config={**CONFIG, "gradient_clipping": 0.0, "zero_optimization": {"stage": 1}, "zero_allow_untested_optimizer": True,
                 "graph_pipeline": {"schedule": "pipedream"}}),
-    # ZeRO-3's parameter coordinator broadcasts over all ranks at every stage forward: refused, naming stage 2.
-    "zero3": lambda: gpp_deepspeed.initialize(
+    # ZeRO-3 frees a layer's parameters after I; the split backward's W would need them.
+    "zero3_with_split_backward": lambda: gpp_deepspeed.initialize(
         model=(m := GraphPipelineModule(GOOD, input_names=["x"], num_stages=2, loss_fn=nn.MSELoss())),
         optimizer=torch.optim.SGD(m.parameters(), lr=0.1),
-        config={**CONFIG, "zero_optimization": {"stage": 3}, "zero_allow_untested_optimizer": True}),
+        config={**CONFIG, "zero_optimization": {"stage": 3}, "zero_allow_untested_optimizer": True,
+                "graph_pipeline": {"schedule": "zb1"}}),
     # The authors' PipeOptim restores the live weights after the forward: a recomputation would not see the prediction.
     "pipeoptim_inplace_with_recomputation": lambda: gpp_deepspeed.initialize(
         model=(m := GraphPipelineModule(GOOD, input_names=["x"], num_stages=2, loss_fn=nn.MSELoss(),

@@ -172,7 +172,8 @@ def run_case(case, out, rank, world_size):
         if case.get("training_data"):
             result["seen"] = engine.case_seen
         if isinstance(module, GraphPipelineModule):
-            result["state"] = {k: v.detach().float().clone() for k, v in module.graph_state_dict().items()}
+            with engine.gathered_parameters():   # ZeRO-3 partitions them
+                result["state"] = {k: v.detach().float().clone() for k, v in module.graph_state_dict().items()}
     if case.get("fp16"):
         result["loss_scale"] = float(engine.optimizer.loss_scale)
     if hasattr(engine, "weight_version_memory"):
