@@ -4,14 +4,16 @@
 
 A two-stage graph pipeline whose stage 0 (eight ``Linear(512, 512)``, 2.1 M parameters) runs on
 ``n`` = 1, 2 and 4 ranks (``stage_degrees=[n, 1]``, ``n + 1`` gloo ranks) and whose stage 1 is a
-small head, trained 2 steps of 4 micro-batches with torch's Adam in fp32 under ZeRO-0, 1 and 2
-(ZeRO-3 is refused at ``initialize``: see ``gpp_deepspeed/engine/zero.py``). After every action
-of the schedule each rank of stage 0 adds up the distinct tensor storages it holds:
+small head, trained 2 steps of 4 micro-batches (1F1B) with torch's Adam in fp32 under ZeRO-0, 1, 2
+and 3. After every action of the schedule each rank of stage 0 adds up the distinct tensor storages
+it holds:
 
-* parameters: the stage module's parameters;
+* parameters: the stage module's parameters (under ZeRO-3 this rank's partitions, ``ds_tensor``,
+  and whatever is gathered at that moment);
 * gradients: the parameters' ``.grad`` and the optimizer's gradient buffers (ZeRO-1's flat
   partition gradient at the step; ZeRO-2's reduce bucket, its accumulated partition and the
-  partition it hands the step: ``gpp_deepspeed.engine.compat.optimizer_gradient_tensors``);
+  partition it hands the step; ZeRO-3's flat gradient partition:
+  ``gpp_deepspeed.engine.compat.optimizer_gradient_tensors``);
 * optimizer state: Adam's moments and ZeRO's fp32 master partition (torch's Adam under ZeRO-0 keeps
   no master copy).
 
@@ -25,16 +27,19 @@ ZeRO     parameters  gradients             optimizer
 0        4P          4P                    8P
 1        4P          4P + 4B               12P/n
 2        4P          4P/n                  12P/n
-3        4P/n        4P/n                  12P/n  (refused)
+3        4P/n        4P/n + 4B             8P/n
 =======  ==========  ====================  ==============
 
 ``B`` is the reduce bucket (elements). ZeRO-1 keeps whole gradients until ``REDUCE_GRAD`` and its
-bucket, filled by its hooks, until then too; ZeRO-2 frees its bucket at the end of each backward.
+bucket, filled by its hooks, until then too; ZeRO-2 frees its bucket at the end of each backward,
+ZeRO-3 keeps it. ZeRO-3 on fp32 parameters steps its fp32 partition of the parameters itself (no
+separate master copy: Adam's moments alone).
 
 What the samples miss: storages alive only inside an action (ZeRO-2's bucket during a backward, and
 each parameter's gradient whole between autograd writing it and the hook copying it into the bucket;
-the flat partition's gradient, 4P/n, inside ZeRO-1's and ZeRO-2's step), and anything outside these
-three (activations, communication buffers, the runtime).
+the flat partition's gradient, 4P/n, inside ZeRO-1's and ZeRO-2's step; ZeRO-3's gathered layer
+during its forward or backward), and anything outside these three (activations, communication
+buffers, the runtime).
 """
 
 from __future__ import annotations
@@ -52,9 +57,12 @@ RESULTS = ROOT / "benchmarks" / "results"
 MIB = 2**20
 
 HIDDEN, LAYERS, CLASSES = 512, 8, 10
-DEGREES, ZERO_STAGES = (1, 2, 4), (0, 1, 2)
+DEGREES, ZERO_STAGES = (1, 2, 4), (0, 1, 2, 3)
 BUCKET = 2**18      # ZeRO-2's reduce bucket, in elements (DeepSpeed's default, 5e8, is 2 GB of fp32)
 MBS, GAS, STEPS = 4, 4, 2
+# ZeRO-3 frees a layer's parameters after use: no prefetch, no reuse window, no small parameters kept
+# whole (its defaults keep up to 1e9 elements gathered when reused soon, and biases whole).
+ZERO3_RELEASE = {"stage3_prefetch_bucket_size": 0, "stage3_max_reuse_distance": 0, "stage3_param_persistence_threshold": 0}
 
 
 def _specs():
@@ -81,7 +89,7 @@ def _sample(engine) -> tuple[int, int, int]:
     from gpp_deepspeed.engine import compat
     from gpp_deepspeed.engine.memory import _optimizer_tensors
     params = list(engine.module.parameters())
-    p_bytes, p_keys = _storage_bytes(params)
+    p_bytes, p_keys = _storage_bytes([*params, *compat.zero3_stage_partitions(params)])
     g_bytes, g_keys = _storage_bytes([*(p.grad for p in params), *compat.optimizer_gradient_tensors(engine.optimizer)],
                                      p_keys)
     o_bytes, _ = _storage_bytes(_optimizer_tensors(engine.optimizer), p_keys | g_keys)
@@ -120,7 +128,8 @@ def worker(out: str) -> None:
         config = {"train_micro_batch_size_per_gpu": MBS, "gradient_accumulation_steps": GAS,
                   "train_batch_size": MBS * GAS, "steps_per_print": 10**6, "gradient_clipping": 1.0,
                   "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}},
-                  "zero_optimization": {"stage": zero, "reduce_bucket_size": BUCKET, "allgather_bucket_size": BUCKET},
+                  "zero_optimization": {"stage": zero, "reduce_bucket_size": BUCKET, "allgather_bucket_size": BUCKET,
+                                        **(ZERO3_RELEASE if zero == 3 else {})},
                   "graph_pipeline": {"print_stage_graph": False}}
         engine, *_ = gpp_deepspeed.initialize(model=module, model_parameters=[p for p in module.parameters()],
                                               config=config)
@@ -131,7 +140,7 @@ def worker(out: str) -> None:
             batches = [(torch.randn(MBS, HIDDEN, generator=g), torch.randint(0, CLASSES, (MBS, ), generator=g))
                        for _ in range(GAS)]
             engine.train_batch(iter(batches))
-        stage_params = sum(p.numel() for p in module.parameters())
+        stage_params = sum(getattr(p, "ds_numel", p.numel()) for p in module.parameters())
         results.append({"zero": zero, "degree": degree, "rank": rank, "stage": engine.stage_id,
                         "stage_params": stage_params, "optimizer": type(engine.optimizer).__name__, **peaks})
         torch.distributed.barrier()
@@ -142,8 +151,9 @@ def worker(out: str) -> None:
 def formula(zero: int, params: int, degree: int) -> dict:
     """Bytes per rank (see the module docstring)."""
     p, n = 4 * params, degree
-    grads = {0: p, 1: p + 4 * BUCKET, 2: p / n}[zero]
-    return {"params": p, "grads": grads, "optimizer": 8 * params if zero == 0 else 12 * params / n}
+    grads = {0: p, 1: p + 4 * BUCKET, 2: p / n, 3: p / n + 4 * BUCKET}[zero]
+    optimizer = {0: 8 * params, 1: 12 * params / n, 2: 12 * params / n, 3: 8 * params / n}[zero]
+    return {"params": p / n if zero == 3 else p, "grads": grads, "optimizer": optimizer}
 
 
 def measure() -> list[dict]:
@@ -167,13 +177,12 @@ def write(rows: list[dict]) -> None:
     lines = ["## ZeRO inside a stage: parameters, gradients and optimizer state per rank (measured)", "",
              f"Stage 0 of a two-stage pipeline ({LAYERS} x `Linear({HIDDEN}, {HIDDEN})`, "
              f"{rows[0]['stage_params'] / 1e6:.2f} M parameters) on n ranks (`stage_degrees=[n, 1]`), torch's Adam "
-             f"in fp32, {STEPS} steps of {GAS} micro-batches, ZeRO-2's reduce bucket {BUCKET} elements. Peak MiB "
+             f"in fp32, {STEPS} steps of {GAS} micro-batches (1F1B), reduce bucket {BUCKET} elements, ZeRO-3 "
+             "set to free every layer after use (`ZERO3_RELEASE`). Peak MiB "
              "per rank of stage 0 (the largest over its ranks), sampled after every action of the schedule; "
-             "in brackets the formula (`benchmarks/zero_memory.py` gives it and what the samples miss). "
-             "ZeRO-3 is refused at `initialize` (DeepSpeed's ZeRO-3 parameter coordinator broadcasts over all "
-             "ranks at each stage forward; see the README's Limits), so its row is the formula alone.", "",
-             "| ZeRO | n | parameters | gradients | optimizer state | peak of the sum | optimizer + gradients vs n = 1 |",
-             "|---|---|---|---|---|---|---|"]
+             "in brackets the formula (`benchmarks/zero_memory.py` gives it and what the samples miss).", "",
+             "| ZeRO | n | parameters | gradients | optimizer state | peak of the sum | optimizer + gradients vs n = 1 "
+             "| parameters vs n = 1 |", "|---|---|---|---|---|---|---|---|"]
     best = {}
     for zero in ZERO_STAGES:
         for degree in DEGREES:
@@ -187,11 +196,7 @@ def write(rows: list[dict]) -> None:
             ratio = (m["grads"] + m["optimizer"]) / base
             cells = [f"{m[k] / MIB:.1f} ({f[k] / MIB:.1f})" for k in ("params", "grads", "optimizer")]
             lines.append(f"| {zero} | {degree} | " + " | ".join(cells)
-                         + f" | {m['sum'] / MIB:.1f} | {ratio:.2f} |")
-    for degree in DEGREES:
-        f = {"params": 4 * params / degree, "grads": 4 * params / degree, "optimizer": 12 * params / degree}
-        lines.append(f"| 3 | {degree} | ({f['params'] / MIB:.1f}) | ({f['grads'] / MIB:.1f}) | "
-                     f"({f['optimizer'] / MIB:.1f}) | refused | |")
+                         + f" | {m['sum'] / MIB:.1f} | {ratio:.2f} | {m['params'] / best[zero, 1]['params']:.2f} |")
     (RESULTS / "zero_memory.md").write_text("\n".join(lines) + "\n")
 
 

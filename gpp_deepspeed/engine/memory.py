@@ -3,9 +3,11 @@
 Glossary
 --------
 parameters
-    The stage's parameters and buffers on this rank (tied copies included).
+    The stage's parameters and buffers on this rank (tied copies included; under ZeRO-3 its
+    partitions, and what is gathered at the moment).
 gradients
-    One gradient per trainable parameter, the buffers backward fills.
+    One gradient per trainable parameter, the buffers backward fills (under ZeRO-2/3, this rank's
+    share of them: the stage's gradients over its ranks).
 optimizer state
     Tensors the optimizer keeps besides the parameters: momentum, Adam's moments, and the fp32
     master copies and flat partitions of DeepSpeed's bf16 and ZeRO optimizers; counted as
@@ -33,6 +35,7 @@ import torch
 from torch import nn
 
 from ..errors import InfeasiblePlanError
+from .compat import zero3_stage_partitions
 
 __all__ = ["StageMemory", "MemoryReport", "ActivationMeter", "memory_report", "process_peak_bytes",
            "check_fits_memory"]
@@ -189,9 +192,12 @@ def stage_memory(engine) -> StageMemory:
     """This rank's :class:`StageMemory` (no communication)."""
     module: nn.Module = engine.module
     params = list(module.parameters())
-    own = {_storage_key(p) for p in params}
-    param_bytes = _unique_bytes([*params, *module.buffers()], set())
-    grad_bytes = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
+    held = [*params, *zero3_stage_partitions(params)]   # ZeRO-3: this rank's partitions
+    own = {_storage_key(p) for p in held}
+    param_bytes = _unique_bytes([*held, *module.buffers()], set())
+    grad_bytes = sum(getattr(p, "ds_numel", p.numel()) * p.element_size() for p in params if p.requires_grad)
+    if engine.zero_optimization_partition_gradients():
+        grad_bytes //= engine.dp_world_size   # ZeRO-2/3 keep this rank's partition of the stage's gradients
     optimizer_bytes = _unique_bytes(_optimizer_tensors(engine.optimizer), own)
     meter = getattr(module, "activations", None)
     return StageMemory(stage_idx=engine.stage_id, rank=engine.global_rank, param_bytes=param_bytes,
