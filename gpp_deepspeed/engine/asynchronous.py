@@ -126,6 +126,11 @@ def check_async_options(engine) -> None:
                         "which stages updating after every micro-batch at their own times never meet; use stage 0 "
                         "(bf16 keeps fp32 master weights, partitioned over the stage's replicas, all the same) or "
                         '"2bw")')
+    if not per_micro_batch and engine.zero_optimization_partition_gradients():
+        problems.append(f'"zero_optimization.stage" {engine.zero_optimization_stage()} (ZeRO-2/3 take gradients from '
+                        "their hooks during a backward, while 2BW hands a retired micro-batch's gradient to the "
+                        "optimizer outside any backward, and ZeRO-3's parameters are partitions 2BW cannot stash; "
+                        'use stage 1, or a synchronous schedule)')
     if per_micro_batch and engine.fp16_enabled():
         problems.append('"fp16" (the output stage scales a micro-batch\'s loss when it runs its backward, every other '
                         "stage unscales at its own update, micro-batches later, and a dynamic loss scale is moved by "

@@ -85,6 +85,12 @@ CASES = {
         optimizer=torch.optim.SGD(m.parameters(), lr=0.1),
         config={**CONFIG, "gradient_clipping": 0.0, "zero_optimization": {"stage": 1}, "zero_allow_untested_optimizer": True,
                 "graph_pipeline": {"schedule": "pipedream"}}),
+    # 2BW's retired gradients reach the optimizer outside a backward, where ZeRO-2's hooks never look.
+    "2bw_with_zero2": lambda: gpp_deepspeed.initialize(
+        model=(m := GraphPipelineModule(GOOD, input_names=["x"], num_stages=2, loss_fn=nn.MSELoss())),
+        optimizer=torch.optim.SGD(m.parameters(), lr=0.1),
+        config={**CONFIG, "zero_optimization": {"stage": 2}, "zero_allow_untested_optimizer": True,
+                "graph_pipeline": {"schedule": "2bw"}}),
     # ZeRO-3 frees a layer's parameters after I; the split backward's W would need them.
     "zero3_with_split_backward": lambda: gpp_deepspeed.initialize(
         model=(m := GraphPipelineModule(GOOD, input_names=["x"], num_stages=2, loss_fn=nn.MSELoss())),
