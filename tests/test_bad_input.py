@@ -32,6 +32,7 @@ EXPECTED = {  # case -> words the message must contain
     "async_with_clipping": ['"pipedream"', '"gradient_clipping" = 1.0', '"gradient_clipping": 0'],
     "async_with_zero": ['"pipedream"', '"zero_optimization.stage"', '"2bw"'],
     "2bw_with_zero2": ['"2bw"', '"zero_optimization.stage" 2', "use stage 1"],
+    "zero3_checkpoint": ["save_checkpoint", '"zero_optimization.stage": 3', "use stage 2"],
     "zero3_with_split_backward": ['"zero_optimization.stage": 3', '"zb1"', '"1f1b"', "stage 2"],
     "pipeoptim_inplace_with_recomputation": ['"pipeoptim-inplace"', '"activation_checkpoint_interval"', '"pipeoptim"'],
     "pipeoptim_with_weight_decay": ['"pipeoptim"', '"weight_decay"'],

@@ -6,6 +6,7 @@ another. Writes ``OUT_DIR/errors.rank<r>.json``: ``{case: [exception type, messa
 
 import json
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -119,6 +120,19 @@ def wrong_batch():
 
 
 CASES["wrong_number_of_inputs"] = wrong_batch
+
+
+def zero3_checkpoint():
+    """ZeRO-3 trains under 1f1b, but its per-layer checkpoint files would hold partitions: refused."""
+    module = GraphPipelineModule(GOOD, input_names=["x"], num_stages=2, loss_fn=nn.MSELoss())
+    engine, *_ = gpp_deepspeed.initialize(model=module, optimizer=torch.optim.SGD(module.parameters(), lr=0.1),
+                                          config={**CONFIG, "zero_optimization": {"stage": 3},
+                                                  "zero_allow_untested_optimizer": True})
+    with tempfile.TemporaryDirectory() as folder:
+        engine.save_checkpoint(folder)
+
+
+CASES["zero3_checkpoint"] = zero3_checkpoint
 
 
 def dead_peer():
