@@ -183,10 +183,7 @@ def write(rows: list[dict]) -> None:
              "set to free every layer after use (`ZERO3_RELEASE`). Peak MiB "
              "per rank of stage 0 (the largest over its ranks), sampled after every action of the schedule; "
              "in brackets the formula (`benchmarks/zero_memory.py` gives it and what the samples miss). "
-             "ZeRO-3's parameters peak above the formula: right after every backward action (steps 0 and 1 "
-             "measured) the stage's layers are still whole (4P/n + 4P: 12.0 MiB at n = 2), so under this pipeline "
-             "ZeRO-3 does not yet lower the peak of parameter memory, only what a rank holds between batches "
-             "(the last column, after the optimizer step).", "",
+             "The last column is what each rank holds after the optimizer step, between batches.", "",
              "| ZeRO | n | parameters | gradients | optimizer state | peak of the sum | optimizer + gradients vs n = 1 "
              "| parameters after the step |", "|---|---|---|---|---|---|---|---|"]
     best = {}

@@ -27,7 +27,11 @@ ZeRO-3 also partitions the parameters: its module hooks gather a layer's paramet
 and backward and free them after. Two things are adjusted (:mod:`.compat`): its trace check, a
 broadcast over all ranks at every stage forward that would deadlock the pipeline, runs over the
 stage's group (:func:`~.compat.zero3_trace_checked_within`); and it counts gradient norms on every
-stage, not on model-parallel rank 0 only (:func:`~.compat.count_each_stage_once`).
+stage, not on model-parallel rank 0 only, and tied copies once (:func:`~.compat.count_each_stage_once`).
+After each micro-batch's backward the engine also runs ZeRO-3's end-of-backward release
+(``backward_epilogue``), as ``DeepSpeedEngine.backward`` does: ZeRO-3's post-backward hook counts a
+layer's pending backwards from the layer's last forward, so with micro-batches in flight it misses
+the last backwards of a batch and the stage would stay gathered.
 
 Refused (:func:`check_zero_supported`, before any communication):
 
@@ -85,6 +89,13 @@ class PartitionedGradientsMixin:
         """After a backward that gave this stage's parameters gradients (``B`` or ``W``)."""
         if self.zero_optimization_partition_gradients():
             compat.reduce_micro_batch_gradients(self.optimizer)
+        if self.zero_optimization_partition_weights() and not self.is_last_stage():
+            # What DeepSpeedEngine.backward runs last (the output stage's backward is DeepSpeed's):
+            # ZeRO-3 frees the layers whose post-backward hook did not fire. Its hook counts a
+            # layer's pending backwards from the layer's last forward, so with several micro-batches
+            # in flight the last backwards of a batch do not fire it; without this the whole stage
+            # stayed gathered after them (benchmarks/zero_memory.py measured 4P/n + 4P).
+            self.optimizer.backward_epilogue()
 
     def _reduce_tied_partitioned(self) -> None:
         compat.finish_gradient_accumulation(self.optimizer)
