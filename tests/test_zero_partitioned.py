@@ -56,6 +56,8 @@ CASES = _each_zero(
     case("fanout3", stages=2, schedule="gpipe"), case("skip", degrees=[1, 2, 1], partition=SKIP3, schedule="zb2"),
     case("four_branch", stages=2, ckpt_interval=1, tag="-recompute"),
     case("four_branch", degrees=[2, 1, 1], schedule="zb2", ckpt_interval=1, tag="-recompute"),
+    # stages without parameters (glue), and a frozen first layer: optimizers whose hooks never fire
+    case("glue", stages=4), case("skip_frozen", stages=2),
 )
 # Save after 2 steps, train 2 more; rebuild, load, train the same 2: both runs must agree. The
 # partitioned Adam state moves to another layout too (degrees [1, 1, 2], ZeRO-1).
