@@ -36,12 +36,14 @@ the last backwards of a batch and the stage would stay gathered.
 Refused (:func:`check_zero_supported`, before any communication):
 
 * ZeRO-3 with a split backward (``zb1``, ``zb2``). Measured: ``W`` runs a layer's backward after
-  ZeRO-3's post-backward hook (which ``I`` fires) released its parameters, and DeepSpeed's ZeRO-3
-  linear function computes the input gradient there too, from the released weight ("size mismatch,
-  got input (4), mat (4x8), vec (0)"). Gathering each parameter group around its ``W`` pass does
-  not help either: the pass runs the layer's pre-backward hook without its post-backward hook, so
-  the parameters stay marked in use and cannot be freed ("Cannot free a ZeRO-3 parameter while it is
-  still active in submodules").
+  ZeRO-3's hooks released its parameters at ``I``, and DeepSpeed's ZeRO-3 linear function computes
+  the input gradient there too, from the released weight ("size mismatch, got input (4), mat (4x8),
+  vec (0)"). Two ways of driving it failed: gathering each parameter group around its ``W`` pass
+  (``GatheredParameters``) fails on leaving it ("Cannot free a ZeRO-3 parameter while it is still
+  active in submodules": ZeRO-3's module bookkeeping of that backward is still open); also running
+  ZeRO-3's end-of-backward release inside it fails in a later pass ("active_backward_submodules is
+  empty during backward pass"). ZeRO-3's per-module hooks assume one backward per forward of a
+  module, start to end; ``I`` and ``W`` are two partial ones.
 * Checkpoints under ZeRO-3 (``save_checkpoint`` / ``load_checkpoint``): the per-layer files would
   hold partitions; not done.
 """
