@@ -44,7 +44,9 @@ def test_graph_and_schedule_modules_themselves_import_no_torch_nor_deepspeed():
         stub.__path__ = list(spec.submodule_search_locations)
         sys.modules["gpp_deepspeed"] = stub
         import gpp_deepspeed.graph, gpp_deepspeed.schedule, gpp_deepspeed.config, gpp_deepspeed.errors
-        assert gpp_deepspeed.schedule.build_schedule
+        # the stub stood in: the package's own __init__ (its lazy names) never ran
+        assert sys.modules["gpp_deepspeed"] is stub and not hasattr(stub, "initialize"), "gpp_deepspeed/__init__ ran"
+        assert "gpp_deepspeed.schedule.program" in sys.modules and "gpp_deepspeed.engine" not in sys.modules
     """)
     assert loaded == []
 
