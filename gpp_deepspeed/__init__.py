@@ -26,6 +26,7 @@ _LAZY = {
     "GraphPipelineEngine": ".engine",
     "GraphPipelineConfig": ".config",
     "initialize": ".initialize",
+    "load_config": ".config",
     "capture": ".capture",
     "load_pretrained": ".pretrained",
     "save_pretrained": ".pretrained",
@@ -33,8 +34,8 @@ _LAZY = {
 
 __all__ = [
     "GraphLayerSpec", "GraphModel", "GraphPipelineModule", "GraphPipelineEngine", "GraphPipelineConfig",
-    "initialize", "capture", "load_pretrained", "save_pretrained", "GPPError", "GPPConfigError", "GraphError",
-    "PartitionError", "CheckpointError", "ScheduleError",
+    "initialize", "load_config", "capture", "load_pretrained", "save_pretrained", "GPPError", "GPPConfigError",
+    "GraphError", "PartitionError", "CheckpointError", "ScheduleError",
 ]
 
 

@@ -15,10 +15,9 @@ from deepspeed import comm as dist
 from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.config import DeepSpeedConfig
 from deepspeed.runtime import zero
-from deepspeed.runtime.tensor_parallel.init_utils import load_ds_config
 from deepspeed.constants import TORCH_DISTRIBUTED_DEFAULT_PORT
 
-from .config import CONFIG_KEY, parse_graph_pipeline_config
+from .config import CONFIG_KEY, load_config, parse_graph_pipeline_config
 from .engine.engine import GraphPipelineEngine
 from .engine.module import GraphPipelineModule
 from .engine.shm import release_own_shm
@@ -39,9 +38,7 @@ def _load_config(args, config, config_params) -> dict[str, Any]:
         config = from_args
     if config is None:
         raise GPPConfigError("DeepSpeed needs a config: pass config=<path or dict> or --deepspeed_config")
-    if not isinstance(config, dict):
-        config = load_ds_config(config)
-    return dict(config)
+    return load_config(config)
 
 
 def _rows_per_stage(config: dict[str, Any], placement) -> list[int] | None:
