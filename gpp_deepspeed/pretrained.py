@@ -318,7 +318,7 @@ def save_pretrained(engine_or_module, directory: str | os.PathLike, captured, *,
                              "PreTrainedModel, so pass config=")
     start = time.perf_counter()
     directory = Path(directory)
-    grid = module._grid
+    grid = module.mpu()   # the module's StageGrid (PipelineModule.mpu(), public)
     writes = grid.replica_id == 0 and grid.is_stage_leader()
     tensors = _stage_tensors(module, captured) if writes else {}
     shards = _shards(tensors, max_shard_bytes)

@@ -300,7 +300,7 @@ class GraphPipelineModule(PipelineModule):
         """Layer files are keyed by layer name (:mod:`gpp_deepspeed.checkpoint`), not by the
         partition-dependent index DeepSpeed uses, so checkpoints move between layouts."""
         return layer_model_file(ckpt_dir, self._local_entries[local_layer_idx].name,
-                                self._grid._topo.get_rank_repr(rank=self.global_rank))
+                                self.mpu().topology().get_rank_repr(rank=self.global_rank))
 
     def ckpt_layer_path_list(self, ckpt_dir, local_layer_idx):
         name = self._local_entries[local_layer_idx].name
