@@ -18,6 +18,7 @@ from deepspeed.runtime import zero
 from deepspeed.constants import TORCH_DISTRIBUTED_DEFAULT_PORT
 
 from .config import CONFIG_KEY, load_config, parse_graph_pipeline_config
+from .engine.compat import configure_python_gc
 from .engine.engine import GraphPipelineEngine
 from .engine.module import GraphPipelineModule
 from .engine.shm import release_own_shm
@@ -91,6 +92,6 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
                                  dist_init_required=dist_init_required, collate_fn=collate_fn, config=ds_config,
                                  config_class=config_class, gpp_config=gpp_config)
     zero.partition_parameters.restore_init_context()
-    engine._configure_python_gc()
+    configure_python_gc(engine)
     release_own_shm()   # every rank has mapped every peer's shm workspace: nothing need stay in /dev/shm
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler

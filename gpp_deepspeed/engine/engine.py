@@ -46,6 +46,7 @@ from ..schedule import KINDS, Program, build_program, get_schedule, validate_pro
 from ..schedule.ir import Action, ActionKind as K
 from .flat import flatten, port_ranges, unflatten
 from . import asynchronous as _async
+from . import compat
 from .compat import count_each_stage_once
 from . import portable
 from .instructions import (BUFFER_KEYS, GraphPipeSchedule, RecvActivationFrom, RecvGradFrom, Release,
@@ -256,7 +257,7 @@ class GraphPipelineEngine(SplitBackwardMixin, PipelineEngine):
             self.global_samples += self.train_batch_size()
         losses = torch.zeros(2, dtype=torch.float32, device=self.device)
         if self.is_last_stage():
-            loss = self._scale_loss_by_gas(self.total_loss).detach()
+            loss = compat.scale_loss_by_gas(self, self.total_loss).detach()
             agg = loss.clone()
             if self.is_data_parallel:
                 dist.all_reduce(agg, group=self.grid.get_data_parallel_group())
@@ -272,7 +273,7 @@ class GraphPipelineEngine(SplitBackwardMixin, PipelineEngine):
         by its stage's data-parallel size: the data-parallel all-reduce that follows averages equal
         values, so every copy ends with the total gradient whatever the stage degrees."""
         for weight, group in self.module.get_tied_weights_and_groups():
-            grad = weight._hp_grad if self.using_bf16_optimizer else weight.grad
+            grad = compat.tied_weight_grad(self, weight)
             if grad is not None:
                 grad.div_(self.dp_world_size)
                 dist.all_reduce(grad, group=group)
@@ -352,7 +353,7 @@ class GraphPipelineEngine(SplitBackwardMixin, PipelineEngine):
         """This process's watchdog, watching the ranks this one exchanges data with."""
         if not self.gpp_config.watchdog:
             return None
-        topo = self.grid._topo
+        topo = self.module.topology()
 
         def describe(rank: int) -> str:
             coord = topo.get_coord(rank)
@@ -427,7 +428,7 @@ class GraphPipelineEngine(SplitBackwardMixin, PipelineEngine):
         return dict(zip(names, values))
 
     def _exec_load_micro_batch(self, buffer_id):
-        batch = self._next_batch()
+        batch = compat.next_batch(self)
         if not isinstance(batch, (tuple, list)) or len(batch) != 2:
             raise GPPConfigError(f"data_iter must yield (inputs, labels) pairs, got {type(batch).__name__}"
                                  + (f" of {len(batch)} elements" if isinstance(batch, (tuple, list)) else ""))
@@ -507,19 +508,13 @@ class GraphPipelineEngine(SplitBackwardMixin, PipelineEngine):
             return
         if self.using_bf16_optimizer:
             self.optimizer.clear_lp_grads()
-        self._running_engine_backward = True
-        try:
+        with compat.engine_backward(self):
             torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
-        finally:
-            self._running_engine_backward = False
         # The module's output hooks ran DeepSpeed's backward prologue, which starts the backward
         # timers; engine.backward() would stop them in its epilogue, which we skip (its all-reduce
         # belongs to REDUCE_GRAD). Stop them here, or wall_clock_breakdown fails on the next one.
-        for name in (*self.engine_timers.backward_inner_timers, *self.engine_timers.backward_timers):
-            timer = self.timers(name)
-            if getattr(timer, "started_", False):
-                timer.stop()
-        if self.using_bf16_optimizer and not self._config.bfloat16_config.immediate_grad_update:
+        compat.stop_started_backward_timers(self)
+        if compat.hp_grads_deferred(self):
             self.optimizer.update_hp_grads(clear_lp_grads=False)
 
     def clip_fp32_gradients(self):
