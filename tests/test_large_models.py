@@ -10,6 +10,7 @@ directories are written here with ``save_pretrained`` (no hub).
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -281,6 +282,26 @@ def test_pretrained_to_pipeline_to_directory_round_trip_equals_one_process(round
     ids, _ = eval_batch()[-1]
     with torch.no_grad():
         torch.testing.assert_close(LM(loaded)(ids), logits[0], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.dist
+def test_the_memory_report_counts_each_ranks_stage_and_is_printed_beneath_the_stage_graph(roundtrip):
+    _, out, ranks = roundtrip
+    for res in ranks:
+        report = res["memory"]   # gathered: every rank's entry, the same on every rank
+        assert report == ranks[0]["memory"] and [m["rank"] for m in report] == list(range(STAGES))
+        mine = report[res["rank"]]
+        assert mine["stage_idx"] == res["stage"]
+        assert mine["param_bytes"] == res["counted"]["tensors"]      # parameters and buffers, tied copies included
+        assert mine["grad_bytes"] == res["counted"]["trainable"] > 0
+        assert mine["optimizer_bytes"] == 0                           # plain SGD keeps no state
+        assert mine["activation_peak_bytes"] > 0
+        assert mine["process_peak_bytes"] > mine["param_bytes"] + mine["grad_bytes"] + mine["activation_peak_bytes"]
+    log = (out / "logs" / "rank0.log").read_text()
+    graph, at_init, after_step = (log.find(s) for s in ("stage graph:", "memory per rank (MiB) at initialize",
+                                                        "memory per rank (MiB) after step 1"))
+    assert 0 <= graph < at_init < after_step, log[-2000:]
+    assert len(re.findall(r"^  stage \d+ \(rank \d+\): ", log[at_init:after_step], re.M)) == STAGES
 
 
 @pytest.mark.dist
