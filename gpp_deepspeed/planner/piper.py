@@ -89,7 +89,7 @@ class _Pairs:
     fed_bytes: np.ndarray    # [D] bytes per sample X reads from outside itself, each tensor once
     params: np.ndarray       # [D] parameter bytes
     stash: np.ndarray        # [D] stashed bytes per sample
-    largest: np.ndarray      # [D] parameter bytes of the largest layer
+    layer_params: np.ndarray  # [n] parameter bytes of each layer
 
     @classmethod
     def build(cls, model: StageCostModel, upsets: list[int]) -> "_Pairs":
@@ -112,7 +112,7 @@ class _Pairs:
         return cls(upsets=upsets, words=words, member=member, fed_bytes=feeds @ out_bytes,
                    params=as_float @ param_bytes,
                    stash=as_float @ np.array([c.stash_bytes for c in layers], dtype=np.float64),
-                   largest=(as_float * param_bytes).max(axis=1, initial=0.0))
+                   layer_params=param_bytes)
 
     def below(self, u: int) -> np.ndarray:
         """Indices of the upsets strictly inside upset ``u`` (they precede it: sorted by size)."""
@@ -193,8 +193,9 @@ def _price(model: StageCostModel, pairs: _Pairs, combos: _Combos, u: int, sub: n
     weight = weight_state_bytes(params, optimizer_factor=hw.optimizer_factor, num_devices=combos.d,
                                 zero_stage=model.zero_stage)    # [K, k]
     if model.zero_stage == 3:
-        # One layer's parameters gathered at a time; the stage's largest is bounded by U's largest.
-        weight = weight + np.where(combos.d > 1, pairs.largest[u], 0.0)
+        # One layer's parameters gathered at a time (StageCost.gathered_bytes): the stage's largest.
+        largest = np.where(pairs.member[u] & ~pairs.member[sub], pairs.layer_params, 0.0).max(axis=1, initial=0.0)
+        weight = weight + np.where(combos.d > 1, largest, 0.0)
     stash = pairs.stash[u] - pairs.stash[sub]
     if np.all(weight + combos.num_devices * combos.shard.max() * stash <= hw.memory_bytes):
         return tps, None
