@@ -17,13 +17,15 @@ schedule, pricing every candidate stage graph with the memory and the simulated 
 schedule, so each schedule may get another partition; other planners' plans are priced under each.
 ``plan`` keeps the fastest plan whose memory fits (the plan JSON carries its schedule, and the
 engine runs it unless the DeepSpeed config's ``graph_pipeline.schedule`` says otherwise);
-``compare`` shows every method's best plan per schedule side by side. ``plan --zero`` sets the ZeRO
-stage the plan is priced with (DeepSpeed's ``zero_optimization.stage``, default 0): ZeRO-1, 2 and 3
-partition a stage's optimizer state, then its gradients, then its parameters over the stage's
-ranks, and 2 and 3 add collectives per micro-batch. ``--zero auto`` searches under each and keeps
-the lowest stage unless a higher one is faster, which happens only where memory binds. The asynchronous schedules (``pipedream``,
+``compare`` shows every method's best plan per schedule side by side. The asynchronous schedules (``pipedream``,
 ``2bw``, ``pipeoptim``) are priced in steady state: one batch with the pipeline full before and
 after it (no warm-up, no flush), their stashed weight versions counted in memory.
+
+``plan --zero`` sets the ZeRO stage the plan is priced with (DeepSpeed's ``zero_optimization.stage``,
+default 0): ZeRO-1, 2 and 3 partition a stage's optimizer state, then its gradients, then its
+parameters over the stage's ranks, and 2 and 3 add collectives per micro-batch. ``--zero auto``
+searches under each and keeps the lowest stage unless a higher one is faster, which happens only
+where memory binds; the printed DeepSpeed config carries the stage chosen.
 
 Every subcommand takes ``--json`` (machine-readable JSON on stdout instead of a table) and
 ``--quiet`` (no progress lines on stderr). Errors the package raises and missing files print
@@ -258,7 +260,8 @@ def _simulate(args) -> None:
                        "bubble_fraction": (span - busy) / span if span > 0 else 0.0,
                        "in_flight": p.stage_in_flight[s], "mem_bytes": p.stage_mem_bytes[s]})
     data = {"plan": args.plan, "costs": args.costs, "source": db.source, "method": plan.method,
-            "micro_batch": plan.micro_batch, "mini_batch": plan.mini_batch, "stages": stages,
+            "micro_batch": plan.micro_batch, "mini_batch": plan.mini_batch, "zero_stage": plan.zero_stage,
+            "stages": stages,
             **dataclasses.asdict(p)}
     rows = [[str(r["stage"]), str(r["devices"]), str(r["layers"]), *map(_ms, (r["fwd_s"], r["bwd_s"],
              r["allreduce_s"], r["busy_s"], r["idle_s"])), f"{r['bubble_fraction']:.1%}", str(r["in_flight"]),
@@ -266,7 +269,8 @@ def _simulate(args) -> None:
     header = ["stage", "devices", "layers", "fwd ms", "bwd ms", "allreduce ms", "busy ms", "idle ms", "bubble",
               "in-flight", "GiB/device"]
     lines = [f"{plan.method} plan for {plan.model}: {plan.num_stages} stages on {plan.num_devices} devices, "
-             f"micro-batch {plan.micro_batch} x {plan.num_microbatches} ({plan.pipeline} pipeline)",
+             f"micro-batch {plan.micro_batch} x {plan.num_microbatches} ({plan.pipeline} pipeline"
+             + (f", ZeRO stage {plan.zero_stage})" if plan.zero_stage else ")"),
              f"costs: {db.source}"]
     if plan.source != db.source:
         lines.append(f"note: the plan was searched on other costs: {plan.source}")

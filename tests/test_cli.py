@@ -248,6 +248,8 @@ def test_gpp_plan_zero_auto_partitions_where_memory_binds_and_prints_the_stage_i
     out = capsys.readouterr().out
     assert Plan.load(path).zero_stage == 3
     assert '"zero_optimization": {"stage": 3}' in out and "ZeRO stage 3" in out
+    assert gpp("simulate", path, "--costs", costs) == 0
+    assert "ZeRO stage 3" in capsys.readouterr().out
     assert gpp(*argv, "--zero", "5") == 2
     assert 'must be "auto" or a ZeRO stage 0, 1, 2, 3, got "5"' in capsys.readouterr().err
 
