@@ -749,8 +749,9 @@ def zero_collectives(link: CommFit, num_devices: int, *, zero_stage: int = 0) ->
       7.2.1);
     * stage 2: a rank keeps only its partition of the gradients between micro-batches, so each
       micro-batch's gradients are reduce-scattered as its backward makes them (ZeRO Sec. 5.2;
-      DeepSpeed's stage 2 reduces on every micro-step, stage 1 at the accumulation boundary only),
-      and the updated parameters are all-gathered once per mini-batch;
+      DeepSpeed's ``DeepSpeedEngine.allreduce_gradients``: "ZeRO stage >= 2 communicates during
+      non gradient accumulation boundaries as well", stage 1 only at the boundary), and the
+      updated parameters are all-gathered once per mini-batch;
     * stage 3: the parameters are all-gathered before each micro-batch's forward and again before
       its backward, and the gradients reduce-scattered after it (ZeRO Sec. 7.2.2: 1.5 times the
       all-reduce's bytes for one micro-batch); nothing per mini-batch.
