@@ -35,7 +35,7 @@ about equal; on a loaded one the extra exchange waits for a sleeping process to 
 
     python benchmarks/transport_costs.py --world 16      # writes benchmarks/results/transport_costs.json
 
-Run it on a quiet machine (``/work/bin/slot --exclusive``): every figure is wall clock.
+Run it on a quiet machine: every figure is wall clock.
 """
 
 from __future__ import annotations
