@@ -195,3 +195,19 @@ def test_the_engine_never_branches_on_a_schedule_name():
 def test_the_schedule_name_scan_catches_an_injected_branch(tmp_path, line):
     (tmp_path / "engine.py").write_text('raise ValueError("use \\"2bw\\"")  # a message may name one\n' + line + "\n")
     assert schedule_name_branches(tmp_path) == ["engine.py:2"]
+
+
+def test_capture_and_initialize_stay_functions_after_their_modules_are_imported():
+    # Importing gpp_deepspeed.capture binds the submodule to the package's attribute of the same
+    # name; the documented gpp_deepspeed.capture(model) must still call the function.
+    code = textwrap.dedent("""
+        import json
+        from gpp_deepspeed.capture import CapturedModel
+        from gpp_deepspeed.initialize import initialize as from_module
+        import gpp_deepspeed
+        print(json.dumps([callable(gpp_deepspeed.capture), gpp_deepspeed.capture.__module__,
+                          gpp_deepspeed.initialize is from_module]))
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO_ROOT)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == [True, "gpp_deepspeed.capture", True]
