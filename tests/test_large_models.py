@@ -177,6 +177,19 @@ def test_a_meta_model_loaded_from_a_directory_computes_what_from_pretrained_comp
     reference.load_state_dict(captured.module_state_dict(twin.state_dict()), strict=True)
 
 
+def test_loaded_weights_are_the_processs_own_so_overwriting_the_directory_leaves_them_alone(tmp_path):
+    # safetensors hands out views of the file's mapping; a parameter never written (a frozen one)
+    # would keep reading the file, and save_pretrained to the same path rewrites it.
+    from safetensors.torch import load_file, save_file
+    _save_llama(tmp_path)
+    twin = load_pretrained(capture_llama(meta=True, config_dir=tmp_path), tmp_path).graph_model()
+    before = {k: v.clone() for k, v in twin.state_dict().items()}
+    file = tmp_path / "model.safetensors"
+    save_file({k: torch.full_like(v, 7.0) for k, v in load_file(file).items()}, file, metadata={"format": "pt"})
+    for name, value in twin.state_dict().items():
+        torch.testing.assert_close(value, before[name], rtol=0, atol=0, msg=name)
+
+
 def test_a_directory_whose_names_or_shapes_differ_is_refused_naming_the_first_few(tmp_path):
     _save_llama(tmp_path / "wide", hidden_size=24, num_attention_heads=2, num_key_value_heads=1)
     with pytest.raises(CheckpointError, match=r"other shapes: \['m.model.embed_tokens.weight: checkpoint "
