@@ -53,7 +53,7 @@ from .instructions import (BUFFER_KEYS, GraphPipeSchedule, RecvActivationFrom, R
 from .watchdog import start_watchdog
 from .memory import MemoryReport, memory_report
 from .module import GraphPipelineModule
-from .p2p import EdgeTransport, Incoming, Outgoing
+from .p2p import EdgeTransport, Incoming, Outgoing, pack, receive_buffers, unpack
 from .reshard import cut_rows, edge_peers, grad_scale, join_rows, warm_up_pairs
 from .split_engine import SplitBackwardMixin, check_split_backward_supported, use_split_backward_recompute
 
@@ -64,7 +64,7 @@ _EXTRA_BUFFERS = tuple(k for keys in BUFFER_KEYS.values() for k in keys if k not
 _WAITING = frozenset(k for k, spec in KINDS.items() if spec.waits)
 # DeepSpeed's pipe timer of each transfer kind (wall_clock_breakdown).
 _TIMERS = {K.SEND_F: PIPE_SEND_OUTPUT_TIMER, K.RECV_F: PIPE_RECV_INPUT_TIMER, K.SEND_B: PIPE_SEND_GRAD_TIMER,
-           K.RECV_B: PIPE_RECV_GRAD_TIMER}
+           K.RECV_B: PIPE_RECV_GRAD_TIMER, K.SEND_L: PIPE_SEND_OUTPUT_TIMER, K.RECV_L: PIPE_RECV_INPUT_TIMER}
 
 
 def _wall_clock(timer: str, handler):
@@ -111,6 +111,7 @@ class GraphPipelineEngine(SplitBackwardMixin, PipelineEngine):
         self.module.frozen = self.stage_id in self.stage_graph.frozen
         self.transport = EdgeTransport(self.grid, self.device, stage=self.stage_id,
                                        timeout_s=self.gpp_config.p2p_timeout_s)
+        self._layouts_sent = False   # a program has sent every edge's layout (see program())
         self._out_index = {ref: i for i, ref in enumerate(self.spec.out_ports)}
         # This stage's edges by peer, in the order the schedule visits them (fixed for the run).
         self._in_edges = {e.src: e for e in self.stage_graph.edges if e.dst == self.stage_id}
@@ -279,11 +280,17 @@ class GraphPipelineEngine(SplitBackwardMixin, PipelineEngine):
 
     # -- schedules ----------------------------------------------------------------------------------
 
-    def program(self, micro_batches: int, *, train: bool) -> Program:
-        """The program of one synchronous batch (or of evaluation), validated once per shape."""
-        key = (micro_batches, train)
+    def program(self, micro_batches: int, *, train: bool, layouts: bool | None = None) -> Program:
+        """The program of one synchronous batch (or of evaluation), validated once per shape.
+
+        ``layouts``: whether it sends every activation's layout before it; by default what the next
+        batch needs: always under ``dynamic_shape``, else until one batch has sent them (every
+        batch carries activations on every stage edge), the same decision on every rank."""
+        layouts = (self.dynamic_shape or not self._layouts_sent) if layouts is None else layouts
+        key = (micro_batches, train, layouts)
         if key not in self._programs:
-            program = build_program(self.stage_graph, micro_batches, schedule=self.schedule_spec.name, train=train)
+            program = build_program(self.stage_graph, micro_batches, schedule=self.schedule_spec.name, train=train,
+                                    layouts=layouts)
             if self.gpp_config.validate_schedule:
                 validate_program(program, self.stage_graph)
             if self.global_rank == 0:
@@ -296,6 +303,7 @@ class GraphPipelineEngine(SplitBackwardMixin, PipelineEngine):
             program = self._async.program(micro_batches, flush=flush)
         else:
             program = self.program(micro_batches, train=train)
+        self._layouts_sent |= program.layouts
         self.last_timeline = []
         return GraphPipeSchedule(program.actions[self.stage_id], micro_batches=micro_batches, stages=self.num_stages,
                                  stage_id=self.stage_id, slot_of=program.slots[self.stage_id],
@@ -412,6 +420,7 @@ class GraphPipelineEngine(SplitBackwardMixin, PipelineEngine):
     def reset_activation_shape(self):
         super().reset_activation_shape()
         self.transport.reset_layouts()
+        self._layouts_sent = False
 
     # -- data -------------------------------------------------------------------------------------
 
@@ -555,35 +564,50 @@ class GraphPipelineEngine(SplitBackwardMixin, PipelineEngine):
     # -- transfers --------------------------------------------------------------------------------
 
     def _exec_transfers(self, ops):
-        """Run one transfer action: every send and receive of ``ops`` posted at once."""
+        """Run one transfer action: every send and receive of ``ops``, layouts included, posted as
+        one batch (:meth:`EdgeTransport.exchange`); each receive is sized before it is posted."""
         # With per-stage degrees a stage edge is one message per peer rank: each consumer rank gets
         # exactly its rows from the producer ranks holding them (reshard.py); gradients go back the
         # same way. With equal degrees that is one message to the same-index rank.
         sends, recvs, receivers = [], [], []
         for kind, buffer_id, peer in ops:
-            if kind is K.SEND_F:
-                flat, arity = self._flat_ports(buffer_id, self._out_edges[peer].tensors)
-                what = f"edge {self.stage_id} -> {peer}"
-                sends += [Outgoing(peer, (self.stage_id, peer), cut_rows(flat, to, what=what), arity, rank=to.rank)
-                          for to in self._out_peers[peer]]
+            if kind in (K.SEND_F, K.SEND_L):
+                edge = self._out_edges[peer]
+                flat, arity = self._flat_ports(buffer_id, edge.tensors)
+                for to in self._out_peers[peer]:
+                    part = cut_rows(flat, to, what=f"edge {self.stage_id} -> {peer}")
+                    bufs = pack(part) if kind is K.SEND_F else [self.transport.header(
+                        arity, part, edge=(self.stage_id, peer), num_ports=len(edge.tensors))]
+                    sends.append(Outgoing(peer, to.rank, bufs))
             elif kind is K.SEND_B:
                 grads, what = self._input_grads(buffer_id, peer), f"edge {peer} -> {self.stage_id}"
-                sends += [Outgoing(peer, (peer, self.stage_id), cut_rows(grads, to, what=what), rank=to.rank)
-                          for to in self._in_peers[peer]]
+                sends += [Outgoing(peer, to.rank, pack(cut_rows(grads, to, what=what))) for to in self._in_peers[peer]]
+            elif kind is K.RECV_L:
+                edge, num_ports = (peer, self.stage_id), len(self._in_edges[peer].tensors)
+                got = [Incoming(peer, frm.rank, [self.transport.header_buffer(num_ports)]) for frm in self._in_peers[peer]]
+                recvs += got
+                receivers.append(lambda got=got, edge=edge: [self.transport.keep_layout(edge, m.rank, m.buffers[0])
+                                                             for m in got])
             elif kind is K.RECV_F:
-                recvs += [Incoming(peer, (peer, self.stage_id), rank=frm.rank) for frm in self._in_peers[peer]]
-                receivers.append((self._store_activations, buffer_id, peer, None, len(self._in_peers[peer])))
+                layouts = [self.transport.layout((peer, self.stage_id), frm.rank) for frm in self._in_peers[peer]]
+                got = [Incoming(peer, frm.rank, receive_buffers(layout.specs, self.device))
+                       for frm, layout in zip(self._in_peers[peer], layouts)]
+                recvs += got
+                receivers.append(lambda got=got, layouts=layouts, b=buffer_id, p=peer: self._store_activations(
+                    b, p, layouts[0], join_rows([unpack(m.buffers, lay.specs) for m, lay in zip(got, layouts)]), None))
             else:
                 positions, outputs = self._grad_positions(buffer_id, peer)
                 what = f"edge {self.stage_id} -> {peer}"
-                for frm in self._out_peers[peer]:
-                    specs = tuple((tuple(t.shape), t.dtype) for t in cut_rows(outputs, frm, what=what))
-                    recvs.append(Incoming(peer, (self.stage_id, peer), specs, rank=frm.rank))
-                receivers.append((self._store_grads, buffer_id, peer, positions, len(self._out_peers[peer])))
-        got = iter(self.transport.exchange(sends, recvs, always_layout=self.dynamic_shape))
-        for store, buffer_id, peer, extra, count in receivers:
-            parts = [next(got) for _ in range(count)]
-            store(buffer_id, peer, parts[0][0], join_rows([tensors for _, tensors in parts]), extra)
+                specs = [tuple((tuple(t.shape), t.dtype) for t in cut_rows(outputs, frm, what=what))
+                         for frm in self._out_peers[peer]]
+                got = [Incoming(peer, frm.rank, receive_buffers(spec, self.device))
+                       for frm, spec in zip(self._out_peers[peer], specs)]
+                recvs += got
+                receivers.append(lambda got=got, specs=specs, b=buffer_id, p=peer, pos=positions: self._store_grads(
+                    b, p, None, join_rows([unpack(m.buffers, spec) for m, spec in zip(got, specs)]), pos))
+        self.transport.exchange(sends, recvs)
+        for store in receivers:
+            store()
 
     def _flat_ports(self, buffer_id, refs):
         outputs = self.pipe_buffers["outputs"][buffer_id]
