@@ -53,7 +53,7 @@ from .instructions import (BUFFER_KEYS, GraphPipeSchedule, RecvActivationFrom, R
 from .watchdog import start_watchdog
 from .memory import MemoryReport, memory_report
 from .module import GraphPipelineModule
-from .p2p import EdgeTransport, Incoming, Outgoing, pack, receive_buffers, unpack
+from .p2p import EdgeTransport, Incoming, Outgoing, header_capacity, pack, receive_buffers, unpack
 from .reshard import cut_rows, edge_peers, grad_scale, join_rows, warm_up_pairs
 from .split_engine import SplitBackwardMixin, check_split_backward_supported, use_split_backward_recompute
 
@@ -566,48 +566,53 @@ class GraphPipelineEngine(SplitBackwardMixin, PipelineEngine):
     def _exec_transfers(self, ops):
         """Run one transfer action: every send and receive of ``ops``, layouts included, posted as
         one batch (:meth:`EdgeTransport.exchange`); each receive is sized before it is posted."""
-        # With per-stage degrees a stage edge is one message per peer rank: each consumer rank gets
-        # exactly its rows from the producer ranks holding them (reshard.py); gradients go back the
-        # same way. With equal degrees that is one message to the same-index rank.
         sends, recvs, receivers = [], [], []
         for kind, buffer_id, peer in ops:
-            if kind in (K.SEND_F, K.SEND_L):
-                edge = self._out_edges[peer]
-                flat, arity = self._flat_ports(buffer_id, edge.tensors)
-                for to in self._out_peers[peer]:
-                    part = cut_rows(flat, to, what=f"edge {self.stage_id} -> {peer}")
-                    bufs = pack(part) if kind is K.SEND_F else [self.transport.header(
-                        arity, part, edge=(self.stage_id, peer), num_ports=len(edge.tensors))]
-                    sends.append(Outgoing(peer, to.rank, bufs))
-            elif kind is K.SEND_B:
-                grads, what = self._input_grads(buffer_id, peer), f"edge {peer} -> {self.stage_id}"
-                sends += [Outgoing(peer, to.rank, pack(cut_rows(grads, to, what=what))) for to in self._in_peers[peer]]
-            elif kind is K.RECV_L:
-                edge, num_ports = (peer, self.stage_id), len(self._in_edges[peer].tensors)
-                got = [Incoming(peer, frm.rank, [self.transport.header_buffer(num_ports)]) for frm in self._in_peers[peer]]
-                recvs += got
-                receivers.append(lambda got=got, edge=edge: [self.transport.keep_layout(edge, m.rank, m.buffers[0])
-                                                             for m in got])
-            elif kind is K.RECV_F:
-                layouts = [self.transport.layout((peer, self.stage_id), frm.rank) for frm in self._in_peers[peer]]
-                got = [Incoming(peer, frm.rank, receive_buffers(layout.specs, self.device))
-                       for frm, layout in zip(self._in_peers[peer], layouts)]
-                recvs += got
-                receivers.append(lambda got=got, layouts=layouts, b=buffer_id, p=peer: self._store_activations(
-                    b, p, layouts[0], join_rows([unpack(m.buffers, lay.specs) for m, lay in zip(got, layouts)]), None))
-            else:
-                positions, outputs = self._grad_positions(buffer_id, peer)
-                what = f"edge {self.stage_id} -> {peer}"
-                specs = [tuple((tuple(t.shape), t.dtype) for t in cut_rows(outputs, frm, what=what))
-                         for frm in self._out_peers[peer]]
-                got = [Incoming(peer, frm.rank, receive_buffers(spec, self.device))
-                       for frm, spec in zip(self._out_peers[peer], specs)]
-                recvs += got
-                receivers.append(lambda got=got, specs=specs, b=buffer_id, p=peer, pos=positions: self._store_grads(
-                    b, p, None, join_rows([unpack(m.buffers, spec) for m, spec in zip(got, specs)]), pos))
+            if kind.spec.send:
+                sends += self._outgoing(kind, buffer_id, peer)
+                continue
+            ranks, specs, store, extra = self._incoming(kind, buffer_id, peer)
+            got = [Incoming(peer, rank, receive_buffers(spec, self.device)) for rank, spec in zip(ranks, specs)]
+            recvs += got
+            receivers.append((store, buffer_id, peer, extra, ranks, got, specs))
         self.transport.exchange(sends, recvs)
-        for store in receivers:
-            store()
+        for store, buffer_id, peer, extra, ranks, got, specs in receivers:
+            store(buffer_id, peer, extra, ranks, [unpack(m.buffers, spec) for m, spec in zip(got, specs)])
+
+    # With per-stage degrees a stage edge is one message per peer rank: each consumer rank gets
+    # exactly its rows from the producer ranks holding them (reshard.py); gradients go back the same
+    # way. With equal degrees that is one message to the same-index rank.
+
+    def _outgoing(self, kind, buffer_id, peer) -> list[Outgoing]:
+        """The messages of one send: activations, their layout headers, or input gradients."""
+        if kind is K.SEND_B:
+            grads, what = self._input_grads(buffer_id, peer), f"edge {peer} -> {self.stage_id}"
+            return [Outgoing(peer, to.rank, pack(cut_rows(grads, to, what=what))) for to in self._in_peers[peer]]
+        edge = self._out_edges[peer]
+        flat, arity = self._flat_ports(buffer_id, edge.tensors)
+        out = []
+        for to in self._out_peers[peer]:
+            part = cut_rows(flat, to, what=f"edge {self.stage_id} -> {peer}")
+            out.append(Outgoing(peer, to.rank, pack(part) if kind is K.SEND_F else [self.transport.header(
+                arity, part, edge=(self.stage_id, peer), num_ports=len(edge.tensors))]))
+        return out
+
+    def _incoming(self, kind, buffer_id, peer):
+        """One receive: the peer ranks, the (shape, dtype) specs of each one's message, sized before
+        it is posted, and where it goes (``store(buffer_id, peer, extra, ranks, tensors)``)."""
+        if kind is K.RECV_L:
+            ranks = [frm.rank for frm in self._in_peers[peer]]
+            spec = (((header_capacity(len(self._in_edges[peer].tensors)), ), torch.int64), )
+            return ranks, [spec] * len(ranks), self._store_layouts, None
+        if kind is K.RECV_F:
+            ranks = [frm.rank for frm in self._in_peers[peer]]
+            layouts = [self.transport.layout((peer, self.stage_id), rank) for rank in ranks]
+            return ranks, [layout.specs for layout in layouts], self._store_activations, layouts[0].arity
+        positions, outputs = self._grad_positions(buffer_id, peer)
+        what = f"edge {self.stage_id} -> {peer}"
+        specs = [tuple((tuple(t.shape), t.dtype) for t in cut_rows(outputs, frm, what=what))
+                 for frm in self._out_peers[peer]]
+        return [frm.rank for frm in self._out_peers[peer]], specs, self._store_grads, positions
 
     def _flat_ports(self, buffer_id, refs):
         outputs = self.pipe_buffers["outputs"][buffer_id]
@@ -628,14 +633,20 @@ class GraphPipelineEngine(SplitBackwardMixin, PipelineEngine):
                      if flat[i].is_floating_point()]
         return positions, [flat[i] for i in positions]
 
-    def _store_activations(self, buffer_id, peer, layout, tensors, _):
+    def _store_layouts(self, buffer_id, peer, _, ranks, parts):
+        for rank, (header, ) in zip(ranks, parts):
+            self.transport.keep_layout((peer, self.stage_id), rank, header)
+
+    def _store_activations(self, buffer_id, peer, arity, ranks, parts):
+        tensors = join_rows(parts)
         for t in tensors:
             t.requires_grad = t.is_floating_point() and torch.is_grad_enabled() and self._in_edges[peer].grad
         received = self.pipe_buffers["received"][buffer_id] or {}
-        received.update(zip(self._in_edges[peer].tensors, unflatten(tensors, layout.arity)))
+        received.update(zip(self._in_edges[peer].tensors, unflatten(tensors, arity)))
         self.pipe_buffers["received"][buffer_id] = received
 
-    def _store_grads(self, buffer_id, peer, _, got, positions):
+    def _store_grads(self, buffer_id, peer, positions, ranks, parts):
+        got = join_rows(parts)
         scale = grad_scale(self.placement, src=self.stage_id, dst=peer)
         if scale != 1:  # see reshard.py: each rank differentiates its stage degree times its share
             got = [g * scale for g in got]
