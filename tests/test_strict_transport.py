@@ -98,3 +98,17 @@ def test_synchronous_schedules_under_the_strict_transport_equal_the_single_devic
 @pytest.mark.parametrize("c", CASES[-len(ASYNC):], ids=[c["id"] for c in CASES[-len(ASYNC):]])
 def test_asynchronous_schedules_under_the_strict_transport_follow_their_update_rule(strict_out, c):
     _check_against_reference(c, _ranks(strict_out, c))
+
+
+def test_a_layout_too_large_for_its_fixed_header_names_the_edge_its_size_and_the_fix():
+    from gpp_deepspeed.engine.p2p import decode_header, encode_header, header_capacity
+    from gpp_deepspeed.errors import GPPError
+
+    fits = [torch.zeros(2, 3, 5, 7)] * 10   # 1 + 10 x (2 + 4) = 61 ints, and the count: 62 of 66
+    header = encode_header([10], fits, capacity=header_capacity(1), edge=(2, 5))
+    assert len(header) == header_capacity(1) == 66
+    assert decode_header(header).specs == (((2, 3, 5, 7), torch.float32), ) * 10
+    with pytest.raises(GPPError, match=r"the layout of edge 2 -> 5 \(1 port\(s\), 20 tensors of up to 4 dims\) "
+                                       r"takes 123 int64s, more than its fixed header of 66 \(64 per port\); send "
+                                       "fewer tensors on that edge"):
+        encode_header([20], fits * 2, capacity=header_capacity(1), edge=(2, 5))

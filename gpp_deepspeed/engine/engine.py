@@ -656,7 +656,7 @@ class GraphPipelineEngine(SplitBackwardMixin, PipelineEngine):
         self.pipe_buffers["grads"][buffer_id] = grads
 
     def _exec_transfer_group(self, ops):
-        timers = [_TIMERS[kind] for kind in dict.fromkeys(kind for kind, _, _ in ops)]
+        timers = list(dict.fromkeys(_TIMERS[kind] for kind, _, _ in ops))   # a layout shares its data's timer
         if self.wall_clock_breakdown():  # a grouped transfer counts under each of its kinds' timers
             for name in timers:
                 self.timers(name).start()
