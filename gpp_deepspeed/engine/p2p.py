@@ -38,7 +38,15 @@ those rules. Messages between a pair of ranks match in posting order, at both en
 (``layout, activations, layout, activations`` on an activation channel): the simulator checks the
 n-th message of a channel has the same micro-batch and kind at both ends. A two-phase exchange
 (layouts in one group, activations in the next) is as safe as that argument and no safer: both
-groups are actions the validator runs, not a detail of the transport.
+groups are actions the validator runs, not a detail of the transport. Where the grouped program
+fails the validator, lowering falls back to one transfer per group in one global order of messages
+(:func:`~gpp_deepspeed.schedule.lowering.group_for_rendezvous`), which runs under these rules.
+
+Assumed, not proven here: that the ops of one group progress once every peer's matching group has
+been launched, whatever their order inside it. NCCL does not promise that for groups spanning many
+peers (it may split a large group into several launches); a group here holds one stage's transfers
+at one point of its program, to a few peers. ``tests/strict_p2p.py`` runs the engine under these
+rules on gloo.
 
 Communicators: NCCL creates the communicator of a pair of ranks on its first transfer, a blocking
 collective of the two; :meth:`EdgeTransport.warm_up` makes one exchange over every stage edge, in
