@@ -82,6 +82,13 @@ class _Strict:
         return request
 
     def _launch_in_order(self) -> None:
+        try:
+            self._launch_forever()
+        except Exception as exc:   # a bug here must not look like a hang 30 s later
+            print(f"strict p2p: rank {self.rank} launcher failed: {exc!r}", file=sys.stderr, flush=True)
+            os._exit(HANG_EXIT_CODE + 1)
+
+    def _launch_forever(self) -> None:
         while True:
             ops, batched, request = self.queue.get()
             self.counts["groups"] += 1
@@ -119,19 +126,24 @@ def _is_send(op) -> bool:
     return op.op in (_ORIGINAL["isend"], _isend)
 
 
+def _global(peer, group, group_peer) -> int:
+    """The global rank of a peer named either way (the strict channels span the whole world)."""
+    return peer if peer is not None else dist.get_global_rank(group, group_peer)
+
+
 def _batch_isend_irecv(p2p_op_list):
     if not p2p_op_list:
         return []
-    ops = [(_is_send(op), op.tensor, op.peer) for op in p2p_op_list]
+    ops = [(_is_send(op), op.tensor, _global(op.peer, op.group, getattr(op, "group_peer", None))) for op in p2p_op_list]
     return [_state.post(ops, batched=True)]
 
 
 def _isend(tensor, dst=None, group=None, tag=0, group_dst=None):
-    return _state.post([(True, tensor, dst)], batched=False)
+    return _state.post([(True, tensor, _global(dst, group, group_dst))], batched=False)
 
 
 def _irecv(tensor, src=None, group=None, tag=0, group_src=None):
-    return _state.post([(False, tensor, src)], batched=False)
+    return _state.post([(False, tensor, _global(src, group, group_src))], batched=False)
 
 
 def install(hang_s: float | None = None) -> None:
