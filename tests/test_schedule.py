@@ -213,6 +213,8 @@ def test_build_schedule_on_random_stage_dags_passes_the_rendezvous_validator(sg,
                 assert kinds.count(K.RELEASE_IN) == kinds.count(K.RELEASE_OUT) == num_mb
                 assert kinds[-1] is (K.STEP if train else K.WAIT_SENDS)
                 assert num_slots(slots[s]) <= num_mb
+            # dynamic shapes: every activation's layout in an earlier action, still deadlock-free
+            validate_program(build_program(sg, num_mb, schedule=name, train=train, layouts=True), sg)
 
 
 @pytest.mark.parametrize("num_stages", range(1, 6))
