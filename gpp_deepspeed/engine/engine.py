@@ -54,7 +54,7 @@ from .instructions import (BUFFER_KEYS, GraphPipeSchedule, RecvActivationFrom, R
 from .watchdog import start_watchdog
 from .memory import MemoryReport, memory_report
 from .module import GraphPipelineModule
-from .p2p import EdgeTransport, Incoming, Outgoing
+from .p2p import EdgeTransport, Incoming, Outgoing, header_capacity, pack, receive_buffers, unpack
 from .reshard import cut_rows, edge_peers, grad_scale, join_rows, warm_up_pairs
 from .split_engine import SplitBackwardMixin, check_split_backward_supported, use_split_backward_recompute
 
@@ -65,7 +65,7 @@ _EXTRA_BUFFERS = tuple(k for keys in BUFFER_KEYS.values() for k in keys if k not
 _WAITING = frozenset(k for k, spec in KINDS.items() if spec.waits)
 # DeepSpeed's pipe timer of each transfer kind (wall_clock_breakdown).
 _TIMERS = {K.SEND_F: PIPE_SEND_OUTPUT_TIMER, K.RECV_F: PIPE_RECV_INPUT_TIMER, K.SEND_B: PIPE_SEND_GRAD_TIMER,
-           K.RECV_B: PIPE_RECV_GRAD_TIMER}
+           K.RECV_B: PIPE_RECV_GRAD_TIMER, K.SEND_L: PIPE_SEND_OUTPUT_TIMER, K.RECV_L: PIPE_RECV_INPUT_TIMER}
 
 
 def _wall_clock(timer: str, handler):
@@ -112,6 +112,7 @@ class GraphPipelineEngine(SplitBackwardMixin, PipelineEngine):
         self.module.frozen = self.stage_id in self.stage_graph.frozen
         self.transport = EdgeTransport(self.grid, self.device, stage=self.stage_id,
                                        timeout_s=self.gpp_config.p2p_timeout_s)
+        self._layouts_sent = False   # a program has sent every edge's layout (see program())
         self._out_index = {ref: i for i, ref in enumerate(self.spec.out_ports)}
         # This stage's edges by peer, in the order the schedule visits them (fixed for the run).
         self._in_edges = {e.src: e for e in self.stage_graph.edges if e.dst == self.stage_id}
@@ -280,11 +281,17 @@ class GraphPipelineEngine(SplitBackwardMixin, PipelineEngine):
 
     # -- schedules ----------------------------------------------------------------------------------
 
-    def program(self, micro_batches: int, *, train: bool) -> Program:
-        """The program of one synchronous batch (or of evaluation), validated once per shape."""
-        key = (micro_batches, train)
+    def program(self, micro_batches: int, *, train: bool, layouts: bool | None = None) -> Program:
+        """The program of one synchronous batch (or of evaluation), validated once per shape.
+
+        ``layouts``: whether it sends every activation's layout before it; by default what the next
+        batch needs: always under ``dynamic_shape``, else until one batch has sent them (every
+        batch carries activations on every stage edge), the same decision on every rank."""
+        layouts = (self.dynamic_shape or not self._layouts_sent) if layouts is None else layouts
+        key = (micro_batches, train, layouts)
         if key not in self._programs:
-            program = build_program(self.stage_graph, micro_batches, schedule=self.schedule_spec.name, train=train)
+            program = build_program(self.stage_graph, micro_batches, schedule=self.schedule_spec.name, train=train,
+                                    layouts=layouts)
             if self.gpp_config.validate_schedule:
                 validate_program(program, self.stage_graph)
             if self.global_rank == 0:
@@ -297,6 +304,7 @@ class GraphPipelineEngine(SplitBackwardMixin, PipelineEngine):
             program = self._async.program(micro_batches, flush=flush)
         else:
             program = self.program(micro_batches, train=train)
+        self._layouts_sent |= program.layouts
         self.last_timeline = []
         return GraphPipeSchedule(program.actions[self.stage_id], micro_batches=micro_batches, stages=self.num_stages,
                                  stage_id=self.stage_id, slot_of=program.slots[self.stage_id],
@@ -413,6 +421,7 @@ class GraphPipelineEngine(SplitBackwardMixin, PipelineEngine):
     def reset_activation_shape(self):
         super().reset_activation_shape()
         self.transport.reset_layouts()
+        self._layouts_sent = False
 
     # -- data -------------------------------------------------------------------------------------
 
@@ -550,35 +559,55 @@ class GraphPipelineEngine(SplitBackwardMixin, PipelineEngine):
     # -- transfers --------------------------------------------------------------------------------
 
     def _exec_transfers(self, ops):
-        """Run one transfer action: every send and receive of ``ops`` posted at once."""
-        # With per-stage degrees a stage edge is one message per peer rank: each consumer rank gets
-        # exactly its rows from the producer ranks holding them (reshard.py); gradients go back the
-        # same way. With equal degrees that is one message to the same-index rank.
+        """Run one transfer action: every send and receive of ``ops``, layouts included, posted as
+        one batch (:meth:`EdgeTransport.exchange`); each receive is sized before it is posted."""
         sends, recvs, receivers = [], [], []
         for kind, buffer_id, peer in ops:
-            if kind is K.SEND_F:
-                flat, arity = self._flat_ports(buffer_id, self._out_edges[peer].tensors)
-                what = f"edge {self.stage_id} -> {peer}"
-                sends += [Outgoing(peer, (self.stage_id, peer), cut_rows(flat, to, what=what), arity, rank=to.rank)
-                          for to in self._out_peers[peer]]
-            elif kind is K.SEND_B:
-                grads, what = self._input_grads(buffer_id, peer), f"edge {peer} -> {self.stage_id}"
-                sends += [Outgoing(peer, (peer, self.stage_id), cut_rows(grads, to, what=what), rank=to.rank)
-                          for to in self._in_peers[peer]]
-            elif kind is K.RECV_F:
-                recvs += [Incoming(peer, (peer, self.stage_id), rank=frm.rank) for frm in self._in_peers[peer]]
-                receivers.append((self._store_activations, buffer_id, peer, None, len(self._in_peers[peer])))
-            else:
-                positions, outputs = self._grad_positions(buffer_id, peer)
-                what = f"edge {self.stage_id} -> {peer}"
-                for frm in self._out_peers[peer]:
-                    specs = tuple((tuple(t.shape), t.dtype) for t in cut_rows(outputs, frm, what=what))
-                    recvs.append(Incoming(peer, (self.stage_id, peer), specs, rank=frm.rank))
-                receivers.append((self._store_grads, buffer_id, peer, positions, len(self._out_peers[peer])))
-        got = iter(self.transport.exchange(sends, recvs, always_layout=self.dynamic_shape))
-        for store, buffer_id, peer, extra, count in receivers:
-            parts = [next(got) for _ in range(count)]
-            store(buffer_id, peer, parts[0][0], join_rows([tensors for _, tensors in parts]), extra)
+            if kind.spec.send:
+                sends += self._outgoing(kind, buffer_id, peer)
+                continue
+            ranks, specs, store, extra = self._incoming(kind, buffer_id, peer)
+            got = [Incoming(peer, rank, receive_buffers(spec, self.device)) for rank, spec in zip(ranks, specs)]
+            recvs += got
+            receivers.append((store, buffer_id, peer, extra, ranks, got, specs))
+        self.transport.exchange(sends, recvs)
+        for store, buffer_id, peer, extra, ranks, got, specs in receivers:
+            store(buffer_id, peer, extra, ranks, [unpack(m.buffers, spec) for m, spec in zip(got, specs)])
+
+    # With per-stage degrees a stage edge is one message per peer rank: each consumer rank gets
+    # exactly its rows from the producer ranks holding them (reshard.py); gradients go back the same
+    # way. With equal degrees that is one message to the same-index rank.
+
+    def _outgoing(self, kind, buffer_id, peer) -> list[Outgoing]:
+        """The messages of one send: activations, their layout headers, or input gradients."""
+        if kind is K.SEND_B:
+            grads, what = self._input_grads(buffer_id, peer), f"edge {peer} -> {self.stage_id}"
+            return [Outgoing(peer, to.rank, pack(cut_rows(grads, to, what=what))) for to in self._in_peers[peer]]
+        edge = self._out_edges[peer]
+        flat, arity = self._flat_ports(buffer_id, edge.tensors)
+        out = []
+        for to in self._out_peers[peer]:
+            part = cut_rows(flat, to, what=f"edge {self.stage_id} -> {peer}")
+            out.append(Outgoing(peer, to.rank, pack(part) if kind is K.SEND_F else [self.transport.header(
+                arity, part, edge=(self.stage_id, peer), num_ports=len(edge.tensors))]))
+        return out
+
+    def _incoming(self, kind, buffer_id, peer):
+        """One receive: the peer ranks, the (shape, dtype) specs of each one's message, sized before
+        it is posted, and where it goes (``store(buffer_id, peer, extra, ranks, tensors)``)."""
+        if kind is K.RECV_L:
+            ranks = [frm.rank for frm in self._in_peers[peer]]
+            spec = (((header_capacity(len(self._in_edges[peer].tensors)), ), torch.int64), )
+            return ranks, [spec] * len(ranks), self._store_layouts, None
+        if kind is K.RECV_F:
+            ranks = [frm.rank for frm in self._in_peers[peer]]
+            layouts = [self.transport.layout((peer, self.stage_id), rank) for rank in ranks]
+            return ranks, [layout.specs for layout in layouts], self._store_activations, layouts[0].arity
+        positions, outputs = self._grad_positions(buffer_id, peer)
+        what = f"edge {self.stage_id} -> {peer}"
+        specs = [tuple((tuple(t.shape), t.dtype) for t in cut_rows(outputs, frm, what=what))
+                 for frm in self._out_peers[peer]]
+        return [frm.rank for frm in self._out_peers[peer]], specs, self._store_grads, positions
 
     def _flat_ports(self, buffer_id, refs):
         outputs = self.pipe_buffers["outputs"][buffer_id]
@@ -599,14 +628,20 @@ class GraphPipelineEngine(SplitBackwardMixin, PipelineEngine):
                      if flat[i].is_floating_point()]
         return positions, [flat[i] for i in positions]
 
-    def _store_activations(self, buffer_id, peer, layout, tensors, _):
+    def _store_layouts(self, buffer_id, peer, _, ranks, parts):
+        for rank, (header, ) in zip(ranks, parts):
+            self.transport.keep_layout((peer, self.stage_id), rank, header)
+
+    def _store_activations(self, buffer_id, peer, arity, ranks, parts):
+        tensors = join_rows(parts)
         for t in tensors:
             t.requires_grad = t.is_floating_point() and torch.is_grad_enabled() and self._in_edges[peer].grad
         received = self.pipe_buffers["received"][buffer_id] or {}
-        received.update(zip(self._in_edges[peer].tensors, unflatten(tensors, layout.arity)))
+        received.update(zip(self._in_edges[peer].tensors, unflatten(tensors, arity)))
         self.pipe_buffers["received"][buffer_id] = received
 
-    def _store_grads(self, buffer_id, peer, _, got, positions):
+    def _store_grads(self, buffer_id, peer, positions, ranks, parts):
+        got = join_rows(parts)
         scale = grad_scale(self.placement, src=self.stage_id, dst=peer)
         if scale != 1:  # see reshard.py: each rank differentiates its stage degree times its share
             got = [g * scale for g in got]
@@ -616,7 +651,7 @@ class GraphPipelineEngine(SplitBackwardMixin, PipelineEngine):
         self.pipe_buffers["grads"][buffer_id] = grads
 
     def _exec_transfer_group(self, ops):
-        timers = [_TIMERS[kind] for kind in dict.fromkeys(kind for kind, _, _ in ops)]
+        timers = list(dict.fromkeys(_TIMERS[kind] for kind, _, _ in ops))   # a layout shares its data's timer
         if self.wall_clock_breakdown():  # a grouped transfer counts under each of its kinds' timers
             for name in timers:
                 self.timers(name).start()
