@@ -4,7 +4,7 @@ peaks, and a 1.5 B-parameter Llama loaded from, trained in and saved to Hugging 
     python benchmarks/large_models.py            # all three; writes benchmarks/results/large_models.{json,md}
     python benchmarks/large_models.py --only init,model,big
 
-Run it alone on the machine (``/work/bin/slot --exclusive``): it measures resident memory.
+Run it with nothing else running on the machine: it measures resident memory.
 
 * ``init``: a ``transformers`` ``LlamaForCausalLM`` of 98 M and 246 M parameters (hidden 1024, 4 and
   14 decoder layers, vocabulary 32000), 4 gloo ranks, 4 stages, ``partition_method="parameters"``,
@@ -386,8 +386,8 @@ def write_report(results: dict) -> None:
     results = {**old, **results}
     path.write_text(json.dumps(results, indent=1))
     parts = ["## Large models: memory per rank, the planner's memory model, a 1.5 B model in and out (measured)", "",
-             "`python benchmarks/large_models.py` (CPU, gloo, `OMP_NUM_THREADS=1`, run with `slot --exclusive`; other "
-             "engineers' single-process work may have been running). Peaks are each rank's `VmHWM` above its resident "
+             "`python benchmarks/large_models.py` (CPU, gloo, `OMP_NUM_THREADS=1`; other "
+             "engineers' tests shared the 2-core machine, which moves times, not memory). Peaks are each rank's `VmHWM` above its resident "
              "memory after imports (torch, DeepSpeed, transformers: about 370 MiB per rank)."]
     if "init" in results:
         parts += ["", "### Peak memory per rank at `initialize`: a Llama built on every rank (`real`, before), on the "

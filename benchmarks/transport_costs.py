@@ -35,7 +35,7 @@ about equal; on a loaded one the extra exchange waits for a sleeping process to 
 
     python benchmarks/transport_costs.py --world 16      # writes benchmarks/results/transport_costs.json
 
-Run it on a quiet machine (``/work/bin/slot --exclusive``): every figure is wall clock.
+Run it on a quiet machine: every figure is wall clock.
 """
 
 from __future__ import annotations
@@ -81,15 +81,14 @@ def worker(repeats: int, out: str) -> None:
 
     def ping_pong(peer: int, nbytes: int, first: bool) -> None:
         t = torch.zeros(max(1, nbytes // 4))
-        edge = (nbytes, min(rank, peer))   # one edge per size: its layout is sent once
-        send = [Outgoing(peer=peer, edge=edge, tensors=[t], arity=[-1], rank=peer)]
-        recv = [Incoming(peer=peer, edge=edge, rank=peer)]
+        send = [Outgoing(peer=peer, rank=peer, buffers=[t])]
+        recv = [Incoming(peer=peer, rank=peer, buffers=[torch.empty_like(t)])]   # sized as the engine's are
         if first:
-            transport.exchange(send, [], always_layout=False)
-            transport.exchange([], recv, always_layout=False)
+            transport.exchange(send, [])
+            transport.exchange([], recv)
         else:
-            transport.exchange([], recv, always_layout=False)
-            transport.exchange(send, [], always_layout=False)
+            transport.exchange([], recv)
+            transport.exchange(send, [])
         transport.wait_sends()
 
     # 1. messages: pair (0, 1) alone, then every pair (2i, 2i + 1) at once
@@ -99,7 +98,7 @@ def worker(repeats: int, out: str) -> None:
             dist.barrier()
             if rank in active:
                 peer = rank ^ 1
-                ping_pong(peer, nbytes, rank % 2 == 0)   # the layout goes once, before timing
+                ping_pong(peer, nbytes, rank % 2 == 0)   # one round before timing
                 per_size[nbytes] = _median_time(lambda: ping_pong(peer, nbytes, rank % 2 == 0), repeats) / 2
             dist.barrier()
         if rank == 0:
@@ -138,7 +137,7 @@ def worker(repeats: int, out: str) -> None:
 
 def fan_round(transport, k: int, repeats: int) -> dict[str, list[float]]:
     """Rank 0's samples of measurements 2-4 with ranks ``1..k`` as its peers (one warm-up round
-    each, which also sends every edge's layout); every rank must call it."""
+    each); every rank must call it."""
     import torch
     from deepspeed import comm as dist
 
@@ -149,19 +148,18 @@ def fan_round(transport, k: int, repeats: int) -> dict[str, list[float]]:
     out = {"senders_first": [], "receiver_first": [], "posting": []}
     pause = 0.01   # long enough for the other side to be posted, on a loaded machine too
 
-    def to_zero(payload):
-        return [Outgoing(peer=0, edge=(rank, 0), tensors=[payload], arity=[-1], rank=0)]
 
     def receive_all() -> float:
         """Rank 0: post the k receives as one group; seconds from the later of that and the last
         send's posting (each message carries it) to the group's completion."""
         start = time.perf_counter()
-        got = transport.exchange([], [Incoming(peer=p, edge=(p, 0), rank=p) for p in peers], always_layout=False)
-        return time.perf_counter() - max(start, max(float(tensors[0][0]) for _, tensors in got))
+        got = [Incoming(peer=p, rank=p, buffers=[torch.empty(GRAD_FLOATS, dtype=torch.float64)]) for p in peers]
+        transport.exchange([], got)
+        return time.perf_counter() - max(start, max(float(m.buffers[0][0]) for m in got))
 
     def send_one(grad) -> None:
         grad[0] = time.perf_counter()
-        transport.exchange(to_zero(grad), [], always_layout=False)
+        transport.exchange([Outgoing(peer=0, rank=0, buffers=[grad])], [])
         transport.wait_sends()
 
     for i in range(repeats + 1):
@@ -182,14 +180,13 @@ def fan_round(transport, k: int, repeats: int) -> dict[str, list[float]]:
         dist.barrier()
         if rank == 0:
             start = time.perf_counter()
-            transport.exchange([Outgoing(peer=p, edge=(0, p), tensors=[grad], arity=[-1], rank=p) for p in peers], [],
-                               always_layout=False)
+            transport.exchange([Outgoing(peer=p, rank=p, buffers=[grad]) for p in peers], [])
             if i:
                 out["posting"].append(time.perf_counter() - start)
             transport.wait_sends()
         elif rank <= k:
             time.sleep(pause)
-            transport.exchange([], [Incoming(peer=0, edge=(0, rank), rank=0)], always_layout=False)
+            transport.exchange([], [Incoming(peer=0, rank=0, buffers=[torch.empty(GRAD_FLOATS, dtype=torch.float64)])])
     return out
 
 

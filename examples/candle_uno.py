@@ -43,7 +43,7 @@ args = parser.parse_args()
 
 deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
 rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-config = deepspeed.runtime.config.DeepSpeedConfig(args.deepspeed_config)._param_dict  # the parsed JSON
+config = gpp_deepspeed.load_config(args.deepspeed_config)  # the parsed JSON
 
 # -- the model: a description (sizes and edges), then the layer list the runtime trains -------
 desc = tiny("candle_uno", branches=args.branches) if args.size == "tiny" else candle_uno(branches=args.branches)

@@ -92,7 +92,7 @@ def main():
     parser = deepspeed.add_config_arguments(parser)
     args = parser.parse_args()
     deepspeed.init_distributed(dist_backend="gloo" if not torch.cuda.is_available() else "nccl")
-    config = deepspeed.runtime.config.DeepSpeedConfig(args.deepspeed_config)._param_dict  # parsed JSON
+    config = gpp_deepspeed.load_config(args.deepspeed_config)  # parsed JSON
     rank = torch.distributed.get_rank()
 
     torch.manual_seed(0)  # every rank builds the same weights, so every rank captures the same model

@@ -79,7 +79,7 @@ args = parser.parse_args()
 
 deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
 rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-config = deepspeed.runtime.config.DeepSpeedConfig(args.deepspeed_config)._param_dict  # the parsed JSON
+config = gpp_deepspeed.load_config(args.deepspeed_config)  # the parsed JSON
 size = SIZES[args.size]
 clip_config = CLIPConfig(text_config=size["text"], vision_config=size["vision"], projection_dim=size["projection_dim"])
 text, vision = clip_config.text_config, clip_config.vision_config

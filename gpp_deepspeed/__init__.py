@@ -13,6 +13,8 @@ The torch- and deepspeed-facing names load on first use, so the pure subpackages
 (``gpp_deepspeed.graph``, ``gpp_deepspeed.schedule``) import without torch or deepspeed.
 """
 
+import sys
+import types
 from importlib import import_module
 
 from .errors import CheckpointError, GPPConfigError, GPPError, GraphError, PartitionError, ScheduleError
@@ -26,6 +28,7 @@ _LAZY = {
     "GraphPipelineEngine": ".engine",
     "GraphPipelineConfig": ".config",
     "initialize": ".initialize",
+    "load_config": ".config",
     "capture": ".capture",
     "load_pretrained": ".pretrained",
     "save_pretrained": ".pretrained",
@@ -33,8 +36,8 @@ _LAZY = {
 
 __all__ = [
     "GraphLayerSpec", "GraphModel", "GraphPipelineModule", "GraphPipelineEngine", "GraphPipelineConfig",
-    "initialize", "capture", "load_pretrained", "save_pretrained", "GPPError", "GPPConfigError", "GraphError",
-    "PartitionError", "CheckpointError", "ScheduleError",
+    "initialize", "load_config", "capture", "load_pretrained", "save_pretrained", "GPPError", "GPPConfigError",
+    "GraphError", "PartitionError", "CheckpointError", "ScheduleError",
 ]
 
 
@@ -48,3 +51,21 @@ def __getattr__(name):
 
 def __dir__():
     return sorted(set(globals()) | set(__all__))
+
+
+class _Package(types.ModuleType):
+    """The package module, keeping ``capture`` and ``initialize`` the functions.
+
+    Importing a submodule binds it to the parent's attribute of the same name, and two functions
+    share their module's name: after ``from gpp_deepspeed.capture import CapturedModel``,
+    ``gpp_deepspeed.capture(model)`` would call a module. The function stays; the modules remain
+    reachable as ``sys.modules["gpp_deepspeed.capture"]`` and through ``from ... import``.
+    """
+
+    def __setattr__(self, name, value):
+        if isinstance(value, types.ModuleType) and _LAZY.get(name) == f".{name}":
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package

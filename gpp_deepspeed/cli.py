@@ -5,7 +5,7 @@ Synopsis::
     gpp profile MODEL -o COSTS [--tiny] [--granularity layer|sublayer] [--analytic v100|a100|h100]
                       [--device cpu|cuda] [--no-link-measure] [--micro-batches 1,2,4] [--size KEY=VALUE ...]
     gpp plan COSTS --devices N --mini-batch B [--method METHOD] [--space full|runtime]
-                   [--micro-batches 1,2,4] [-o PLAN]
+                   [--micro-batches 1,2,4] [--zero auto|0|1|2|3] [-o PLAN]
     gpp simulate PLAN --costs COSTS
     gpp viz PLAN --costs COSTS [-o OUTDIR] [--format png|svg|both]
     gpp viz-run TRACE_DIR [--step N] [-o OUTDIR] [--format png|svg|both]
@@ -20,6 +20,12 @@ engine runs it unless the DeepSpeed config's ``graph_pipeline.schedule`` says ot
 ``compare`` shows every method's best plan per schedule side by side. The asynchronous schedules (``pipedream``,
 ``2bw``, ``pipeoptim``) are priced in steady state: one batch with the pipeline full before and
 after it (no warm-up, no flush), their stashed weight versions counted in memory.
+
+``plan --zero`` sets the ZeRO stage the plan is priced with (DeepSpeed's ``zero_optimization.stage``,
+default 0): ZeRO-1, 2 and 3 partition a stage's optimizer state, then its gradients, then its
+parameters over the stage's ranks, and 2 and 3 add collectives per micro-batch. ``--zero auto``
+searches under each and keeps the lowest stage unless a higher one is faster, which happens only
+where memory binds; the printed DeepSpeed config carries the stage chosen.
 
 Every subcommand takes ``--json`` (machine-readable JSON on stdout instead of a table) and
 ``--quiet`` (no progress lines on stderr). Errors the package raises and missing files print
@@ -49,7 +55,8 @@ from .errors import GPPConfigError, GPPError
 from .models import BUILDERS, DEVICES, ModelDesc, analytic_costs, tiny
 from .planner import CommFit, CostDB, Hardware, Plan, SearchResult, graphpipe_search, simulate_plan
 from .planner.pipedream2bw import pipedream_2bw_search
-from .planner.simulate import choose_schedule, predict
+from .planner.costs import ZERO_STAGES
+from .planner.simulate import choose_schedule, choose_zero_stage, predict
 from .schedule import get_schedule
 
 __all__ = ["main"]
@@ -145,6 +152,8 @@ def _plan(args) -> None:
     db = _load_costs(args.costs)
     if args.space is not None and args.method != "graphpipe":
         _warn(f"--space applies to graphpipe only; {args.method} ignores it")
+    if args.zero not in (None, (0,)) and args.cluster:
+        _warn("--zero does not apply with --cluster: the heterogeneous planner prices ZeRO stage 0")
     if args.cluster:
         result = _hetero(db, args)
     else:
@@ -157,13 +166,17 @@ def _plan(args) -> None:
         # GraphPipe searched under every schedule; another planner's plan is priced under each, and
         # the schedule becomes part of the plan: the fastest that fits memory.
         plan = choose_schedule(plan, db, schedules=args.schedules)
+    if args.zero is not None and args.method != "graphpipe" and not args.cluster:
+        # GraphPipe searched under every ZeRO stage; another planner's stage graph gets the lowest
+        # that fits (a higher one only adds collectives to a fixed stage graph).
+        plan = choose_zero_stage(plan, db, zero_stages=args.zero)
     if args.topology:
         plan = _placed(plan, db, args)
     if args.output:
         plan.save(args.output)
     data = {"method": result.method, "status": result.status, "search_time_s": result.search_time_s,
             "states": result.states, "output": args.output, "num_stages": plan.num_stages,
-            "num_devices": plan.num_devices, "micro_batch": plan.micro_batch,
+            "num_devices": plan.num_devices, "micro_batch": plan.micro_batch, "zero_stage": plan.zero_stage,
             **dataclasses.asdict(plan.predicted), "plan": json.loads(plan.to_json())}
     lines = [plan.describe(), f"  search: {result.search_time_s:.2f} s, {result.states} states"]
     if args.output:
@@ -214,7 +227,8 @@ def _how_to_run(plan: Plan, path: str | None) -> str:
     text = (f'  to run it: GraphPipelineModule(layers, ..., partition_method="{path or "plan.json"}") on '
             f"{plan.num_devices} ranks ({spread}), e.g. deepspeed --num_gpus {plan.num_devices} train.py\n"
             f'  DeepSpeed config: "train_batch_size": {plan.mini_batch}, "train_micro_batch_size_per_gpu": '
-            f'{plan.micro_batch}, "gradient_accumulation_steps": {plan.num_microbatches}'
+            f'{plan.micro_batch}, "gradient_accumulation_steps": {plan.num_microbatches}, '
+            f'"zero_optimization": {{"stage": {plan.zero_stage}}}'
             f"{'' if set(degrees) == {1} else ' (each rank of stage s processes micro-batch / ranks of s rows)'}"
             + ("" if path else "\n  (write the plan with -o plan.json)"))
     if plan.pipeline == "chain":
@@ -246,7 +260,8 @@ def _simulate(args) -> None:
                        "bubble_fraction": (span - busy) / span if span > 0 else 0.0,
                        "in_flight": p.stage_in_flight[s], "mem_bytes": p.stage_mem_bytes[s]})
     data = {"plan": args.plan, "costs": args.costs, "source": db.source, "method": plan.method,
-            "micro_batch": plan.micro_batch, "mini_batch": plan.mini_batch, "stages": stages,
+            "micro_batch": plan.micro_batch, "mini_batch": plan.mini_batch, "zero_stage": plan.zero_stage,
+            "stages": stages,
             **dataclasses.asdict(p)}
     rows = [[str(r["stage"]), str(r["devices"]), str(r["layers"]), *map(_ms, (r["fwd_s"], r["bwd_s"],
              r["allreduce_s"], r["busy_s"], r["idle_s"])), f"{r['bubble_fraction']:.1%}", str(r["in_flight"]),
@@ -254,7 +269,8 @@ def _simulate(args) -> None:
     header = ["stage", "devices", "layers", "fwd ms", "bwd ms", "allreduce ms", "busy ms", "idle ms", "bubble",
               "in-flight", "GiB/device"]
     lines = [f"{plan.method} plan for {plan.model}: {plan.num_stages} stages on {plan.num_devices} devices, "
-             f"micro-batch {plan.micro_batch} x {plan.num_microbatches} ({plan.pipeline} pipeline)",
+             f"micro-batch {plan.micro_batch} x {plan.num_microbatches} ({plan.pipeline} pipeline"
+             + (f", ZeRO stage {plan.zero_stage})" if plan.zero_stage else ")"),
              f"costs: {db.source}"]
     if plan.source != db.source:
         lines.append(f"note: the plan was searched on other costs: {plan.source}")
@@ -386,7 +402,8 @@ def _search(method: str, db: CostDB, args) -> SearchResult:
     search = _method(method)
     kw = {}
     if method == "graphpipe":
-        kw = {"space": args.space or "full", "recompute": args.recompute, "schedules": args.schedules or ("1f1b",)}
+        kw = {"space": args.space or "full", "recompute": args.recompute, "schedules": args.schedules or ("1f1b",),
+              "zero_stages": getattr(args, "zero", None) or (0,)}
     elif method == "pipedream":   # PipeDream's DP plans for each schedule (weight versions in its memory)
         kw = {"schedules": args.schedules or ("1f1b",)}
     _say(args, f"{method}: searching {db.model} on {args.devices} devices, mini-batch {args.mini_batch}")
@@ -505,6 +522,15 @@ def _names(text: str) -> list[str]:
     return [t.strip() for t in text.split(",") if t.strip()]
 
 
+def _zero_stages(text: str) -> tuple[int, ...]:
+    """``auto`` (every ZeRO stage) or one stage, 0 to 3."""
+    if text.strip().lower() == "auto":
+        return ZERO_STAGES
+    if text.strip() in tuple(map(str, ZERO_STAGES)):
+        return (int(text),)
+    raise argparse.ArgumentTypeError(f'must be "auto" or a ZeRO stage {", ".join(map(str, ZERO_STAGES))}, got "{text}"')
+
+
 def _schedule_names(text: str) -> tuple[str, ...]:
     names = tuple(n.lower() for n in _names(text))
     for n in names:
@@ -559,6 +585,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="with --cluster: training throughput, or forward-only pipeline throughput (EdgePipe)")
     p.add_argument("--method", default="graphpipe", help="graphpipe (default), pipedream, piper, ds-uniform, "
                    "ds-parameters, pipedream-2bw (PipeDream-2BW's planner, for the 2bw schedule)")
+    p.add_argument("--zero", type=_zero_stages, metavar="auto|0|1|2|3",
+                   help="ZeRO stage to price the plan with (DeepSpeed's zero_optimization.stage; default 0); auto: "
+                   "the lowest stage unless a higher one is faster because memory binds")
     p.add_argument("-o", "--output", metavar="PLAN", help="plan JSON to write")
     p.set_defaults(run=_plan)
 

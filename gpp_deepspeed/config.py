@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from .errors import GPPConfigError
 from .schedule.registry import SCHEDULES
 
-__all__ = ["CONFIG_KEY", "GraphPipelineConfig", "parse_graph_pipeline_config", "with_plan_schedule"]
+__all__ = ["CONFIG_KEY", "GraphPipelineConfig", "load_config", "parse_graph_pipeline_config", "with_plan_schedule"]
 
 CONFIG_KEY = "graph_pipeline"
 
@@ -88,6 +88,19 @@ class GraphPipelineConfig(BaseModel):
 
     heartbeat_s: float = Field(default=1.0, gt=0)
     """Seconds between heartbeats (and between checks of the peers' heartbeats)."""
+
+
+def load_config(config: str | dict[str, Any]) -> dict[str, Any]:
+    """A DeepSpeed config as the dict ``gpp_deepspeed.initialize`` reads: a path to a JSON (or
+    hjson) file, a base64-encoded string or a dict, parsed as DeepSpeed parses
+    ``--deepspeed_config`` (a key given twice is an error). Scripts that need the config's values
+    themselves read it with this::
+
+        config = gpp_deepspeed.load_config(args.deepspeed_config)
+        lr = config["optimizer"]["params"]["lr"]
+    """
+    from deepspeed.runtime.tensor_parallel.init_utils import load_ds_config  # deepspeed only when called
+    return dict(load_ds_config(config))
 
 
 def parse_graph_pipeline_config(ds_config: Mapping[str, Any] | None) -> GraphPipelineConfig:

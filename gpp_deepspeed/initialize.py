@@ -15,10 +15,10 @@ from deepspeed import comm as dist
 from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.config import DeepSpeedConfig
 from deepspeed.runtime import zero
-from deepspeed.runtime.tensor_parallel.init_utils import load_ds_config
 from deepspeed.constants import TORCH_DISTRIBUTED_DEFAULT_PORT
 
-from .config import CONFIG_KEY, parse_graph_pipeline_config
+from .config import CONFIG_KEY, load_config, parse_graph_pipeline_config
+from .engine.compat import configure_python_gc
 from .engine.engine import GraphPipelineEngine
 from .engine.module import GraphPipelineModule
 from .engine.shm import release_own_shm
@@ -39,9 +39,7 @@ def _load_config(args, config, config_params) -> dict[str, Any]:
         config = from_args
     if config is None:
         raise GPPConfigError("DeepSpeed needs a config: pass config=<path or dict> or --deepspeed_config")
-    if not isinstance(config, dict):
-        config = load_ds_config(config)
-    return dict(config)
+    return load_config(config)
 
 
 def _rows_per_stage(config: dict[str, Any], placement) -> list[int] | None:
@@ -94,6 +92,6 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
                                  dist_init_required=dist_init_required, collate_fn=collate_fn, config=ds_config,
                                  config_class=config_class, gpp_config=gpp_config)
     zero.partition_parameters.restore_init_context()
-    engine._configure_python_gc()
+    configure_python_gc(engine)
     release_own_shm()   # every rank has mapped every peer's shm workspace: nothing need stay in /dev/shm
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler

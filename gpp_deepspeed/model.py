@@ -18,7 +18,7 @@ from torch import nn
 from deepspeed.runtime.pipe.module import TiedLayerSpec
 
 from .graph.ir import LayerGraph, TensorRef, build_layer_graph
-from .spec import LayerEntry, build_entry, call_layer, normalize_layers, resolve
+from .spec import LayerEntry, build_entry, call_layer, normalize_layers, resolve, tensors_in
 
 __all__ = ["GraphModel"]
 
@@ -82,7 +82,7 @@ class GraphModel(nn.Module):
         sizes = {}
         for edge in partition.stage_graph.edges:
             leaves = [port_leaves(ref, resolve(env, ref)) for ref in edge.tensors]
-            sizes[(edge.src, edge.dst)] = sum(t.numel() * t.element_size() for t in _tensors(leaves))
+            sizes[(edge.src, edge.dst)] = sum(t.numel() * t.element_size() for t in tensors_in(leaves))
         return sizes
 
     def load_pipeline_checkpoint(self, load_dir: str, tag: str | None = None, *,
@@ -99,14 +99,6 @@ class GraphModel(nn.Module):
         ``engine.load_checkpoint`` loads under any partition; returns its folder."""
         from .checkpoint import save_graph_model
         return save_graph_model(self, save_dir, tag, optimizer=optimizer, global_steps=global_steps)
-
-
-def _tensors(value: Any) -> list[torch.Tensor]:
-    if torch.is_tensor(value):
-        return [value]
-    if isinstance(value, (tuple, list)):
-        return [t for v in value for t in _tensors(v)]
-    return []
 
 
 def _bind(forward_fn, module):

@@ -227,8 +227,12 @@ class PretrainedWeights:
         return module
 
     def _read(self, names: set[str]) -> dict[str, torch.Tensor]:
-        """The tensors ``names``, each file opened once and closed before returning (its mapped pages
-        are then no longer this process's)."""
+        """The tensors ``names``, each file opened once and closed before returning.
+
+        ``safe_open`` hands out tensors backed by the file's memory mapping; each is copied, so the
+        mapping goes with the file: a parameter never written (a frozen one) would otherwise read
+        the file for as long as it lives, and change (or fault) when the directory is overwritten,
+        by ``save_pretrained`` to the same path for one."""
         from safetensors import safe_open
         out = {}
         by_file: dict[str, list[str]] = {}
@@ -237,7 +241,7 @@ class PretrainedWeights:
         for file, group in by_file.items():
             with safe_open(self.directory / file, framework="pt", device="cpu") as f:
                 for name in group:
-                    out[name] = f.get_tensor(name)
+                    out[name] = f.get_tensor(name).clone()
         return out
 
 
@@ -318,7 +322,7 @@ def save_pretrained(engine_or_module, directory: str | os.PathLike, captured, *,
                              "PreTrainedModel, so pass config=")
     start = time.perf_counter()
     directory = Path(directory)
-    grid = module._grid
+    grid = module.mpu()   # the module's StageGrid (PipelineModule.mpu(), public)
     writes = grid.replica_id == 0 and grid.is_stage_leader()
     tensors = _stage_tensors(module, captured) if writes else {}
     shards = _shards(tensors, max_shard_bytes)

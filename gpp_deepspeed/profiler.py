@@ -47,7 +47,7 @@ from torch import nn
 from .errors import GPPConfigError, GPPError
 from .graph.ir import TensorRef, build_layer_graph
 from .planner.costs import CommFit, CostDB, Hardware, LayerCost
-from .spec import LayerEntry, build_entry, call_layer, normalize_layers, resolve
+from .spec import LayerEntry, build_entry, call_layer, normalize_layers, resolve, tensors_in
 
 __all__ = ["profile_layers", "profile_on_ranks", "fit_affine", "measure_p2p", "measure_hardware", "with_links",
            "P2P_SIZES"]
@@ -105,7 +105,7 @@ def profile_layers(layers: Sequence[Any], *, input_names: Sequence[str], output:
             times.append(_time_layer(e, fn, args, params, warmup=warmup, repeats=repeats, sync=sync) if timed
                          else (0.0,) * 4)
             out, stashed = _stash(e, fn, args, params + buffers)
-            out_bytes = max(out_bytes, math.ceil(sum(t.numel() * t.element_size() for t in _tensors(out)) / b))
+            out_bytes = max(out_bytes, math.ceil(sum(t.numel() * t.element_size() for t in tensors_in(out)) / b))
             stash_bytes = max(stash_bytes, math.ceil(stashed / b))
             del out
             with torch.no_grad():   # the value later layers read, as GraphModel.forward computes it
@@ -290,14 +290,6 @@ def _map_tensors(fn: Callable, value: Any) -> Any:
     return value
 
 
-def _tensors(value: Any) -> list[torch.Tensor]:
-    if torch.is_tensor(value):
-        return [value]
-    if isinstance(value, (tuple, list)):
-        return [t for v in value for t in _tensors(v)]
-    return []
-
-
 def _fresh_inputs(args: list) -> tuple[list, list[torch.Tensor]]:
     """Copies of a layer's arguments to call it on, and the leaves to differentiate towards.
 
@@ -331,7 +323,7 @@ def _time_layer(entry: LayerEntry, fn: Callable, args: list, params: list, *, wa
         out = call_layer(entry, fn, xs)
         sync()
         t1 = time.perf_counter()
-        outs = [t for t in _tensors(out) if t.requires_grad]
+        outs = [t for t in tensors_in(out) if t.requires_grad]
         back = split_in = split_w = 0.0
         if outs and wrt:
             grads = [torch.randn_like(t) for t in outs]

@@ -29,7 +29,7 @@ from .errors import GPPConfigError, GraphError
 from .graph.ir import LayerGraph, TensorRef, build_layer_graph
 
 __all__ = ["GraphLayerSpec", "LayerEntry", "normalize_layers", "layer_graph", "layer_seed", "call_layer", "build_entry",
-           "check_captured_rows", "resolve", "port_leaves"]
+           "check_captured_rows", "resolve", "port_leaves", "tensors_in"]
 
 
 class GraphLayerSpec(LayerSpec):
@@ -214,6 +214,20 @@ def _select(value: Any, step: int | str, ref: TensorRef, at: TensorRef) -> Any:
         pass
     what = f"element {step}" if isinstance(step, int) else f'"{step}"'
     raise GraphError(f'"{ref}" selects {what} of "{at}", which is {_describe(value)}')
+
+
+def tensors_in(value: Any) -> list[torch.Tensor]:
+    """The tensors of a layer's value: a tensor, or tuples / lists of them nested (other leaves
+    are skipped).
+
+    >>> [tuple(t.shape) for t in tensors_in((torch.zeros(2), [torch.zeros(3, 1), None]))]
+    [(2,), (3, 1)]
+    """
+    if torch.is_tensor(value):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in tensors_in(v)]
+    return []
 
 
 def port_leaves(ref: TensorRef, value: Any) -> Any:

@@ -179,6 +179,33 @@ def test_capture_data_dependent_if_names_the_submodule_and_the_fix():
     capture(WithGate())  # kept whole by default: traceable
 
 
+def test_capture_advice_to_keep_a_submodule_whole_says_which_named_layers_it_merges():
+    # Advice that would silently remove the pipeline (one layer where several were named) says so.
+    with pytest.raises(GraphError, match=r'keep submodule "gate" whole.*that makes it one layer on one stage, so the '
+                                         r"1 layers named inside it \(gate.inner\) can no longer be cut apart"):
+        capture(WithGate(), layers=["gate.inner"])
+
+
+class ConstantBranch(nn.Module):
+    """A submodule called on a tensor that forward makes from no input."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.bias = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x):
+        c = self.bias(torch.ones(4))
+        return self.b(self.a(x)) + c
+
+
+def test_capture_refuses_a_layer_that_reads_no_tensor_naming_the_models_line():
+    # The error quotes the model's own line, not torch/fx/proxy.py.
+    with pytest.raises(GraphError, match=r'layer "bias" \(bias \(at [^()]*test_capture.py:\d+: c = self.bias\('
+                                         r'torch.ones\(4\)\)\)\) reads no tensor from the inputs or other layers') as err:
+        capture(ConstantBranch())
+    assert "torch/fx" not in str(err.value)
+
+
 def test_capture_rejects_unknown_layer_names_listing_close_ones():
     with pytest.raises(GPPConfigError, match=r'"text.poj".*close names:.*text.proj'):
         capture(make_model(), layers=["text.poj"])

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from costdbs import branches, hardware
+from costdbs import branches, chain, hardware
 from gpp_deepspeed.cli import _parser, main
 from gpp_deepspeed.planner import CommFit, CostDB, Plan, simulate_plan
 
@@ -90,7 +90,6 @@ def test_gpp_simulate_json_equals_the_simulators_prediction(costs, plan_file, ca
 
 
 def test_gpp_compare_json_gives_one_row_per_method_and_piper_plans_a_tiny_db(costs, capsys):
-    pytest.importorskip("gpp_deepspeed.planner.baselines")
     methods = ["graphpipe", "pipedream", "piper", "ds-uniform", "ds-parameters"]
     assert gpp("compare", costs, "--devices", DEVICES, "--mini-batch", MINI_BATCH, "--json", "--quiet") == 0
     out = json.loads(capsys.readouterr().out)
@@ -190,7 +189,7 @@ def test_gpp_subcommands_and_options_are_frozen():
     assert options == {
         "profile": sorted(common + ["--analytic", "--device", "--granularity", "--micro-batches",
                                     "--no-link-measure", "--output", "--size", "--tiny"]),
-        "plan": sorted(search + ["--cluster", "--method", "--objective", "--output", "--topology"]),
+        "plan": sorted(search + ["--cluster", "--method", "--objective", "--output", "--topology", "--zero"]),
         "simulate": sorted(common + ["--costs"]),
         "viz": sorted(common + ["--costs", "--format", "--output-dir"]),
         "viz-run": sorted(common + ["--step", "--format", "--output-dir"]),
@@ -231,3 +230,29 @@ def test_gpp_compare_prices_the_asynchronous_schedules_in_steady_state(costs, ca
         assert rows[name]["iteration_time_s"] <= rows["1f1b"]["iteration_time_s"] + 1e-12
         assert rows[name]["peak_mem_bytes"] > rows["1f1b"]["peak_mem_bytes"]
     assert rows["pipedream"]["peak_mem_bytes"] == rows["pipeoptim"]["peak_mem_bytes"]
+
+
+def test_gpp_plan_zero_auto_partitions_where_memory_binds_and_prints_the_stage_in_the_deepspeed_config(tmp_path,
+                                                                                                       capsys):
+    # Eight 1 MB layers (fp32 Adam), 0.1 MB stashed per sample, 10 MB per device: only ZeRO-3 on one
+    # stage of four ranks fits (9.8 MB; tests/test_zero_planning.py lists the alternatives).
+    names = [f"l{i}" for i in range(8)]
+    db = chain(8, param_bytes=dict.fromkeys(names, 1e6), stash_bytes=dict.fromkeys(names, 1e5), micro_batches=(4,),
+               hw=hardware(memory_bytes=1e7, optimizer_factor=3.0, link=CommFit(alpha_s=0.0, beta_s_per_byte=1e-9)))
+    costs, path = tmp_path / "costs.json", tmp_path / "plan.json"
+    db.save(costs)
+    argv = ["plan", costs, "--devices", 4, "--mini-batch", 16, "--micro-batches", "4", "--quiet"]
+    assert gpp(*argv) == 2 and "found no plan" in capsys.readouterr().err
+    assert gpp(*argv, "--zero", "auto", "-o", path) == 0
+    out = capsys.readouterr().out
+    assert Plan.load(path).zero_stage == 3
+    assert '"zero_optimization": {"stage": 3}' in out and "ZeRO stage 3" in out
+    assert gpp("simulate", path, "--costs", costs) == 0
+    assert "ZeRO stage 3" in capsys.readouterr().out
+    assert gpp(*argv, "--zero", "5") == 2
+    assert 'must be "auto" or a ZeRO stage 0, 1, 2, 3, got "5"' in capsys.readouterr().err
+
+
+def test_gpp_plan_prints_zero_stage_0_by_default(costs, capsys):
+    assert gpp("plan", costs, "--devices", DEVICES, "--mini-batch", MINI_BATCH, "--quiet") == 0
+    assert '"zero_optimization": {"stage": 0}' in capsys.readouterr().out

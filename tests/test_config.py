@@ -80,3 +80,33 @@ def test_a_plans_schedule_applies_unless_the_config_names_one():
     assert (other.schedule, other.print_stage_graph) == ("zb2", False)
     with pytest.raises(ValueError, match="schedule"):
         with_plan_schedule(GraphPipelineConfig(), "zb9")  # a plan file naming no known schedule
+
+
+def test_load_config_reads_a_deepspeed_config_as_initialize_does_and_refuses_a_repeated_key(tmp_path):
+    # what the examples read their optimizer and batch values with (no DeepSpeed private name)
+    import base64
+    import json
+
+    from gpp_deepspeed.config import load_config
+
+    config = {"train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "Adam", "params": {"lr": 0.01}},
+              CONFIG_KEY: {"schedule": "zb1"}}
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(config))
+    assert load_config(str(path)) == config == load_config(config)
+    assert load_config(base64.urlsafe_b64encode(json.dumps(config).encode()).decode()) == config
+    path.write_text('{"gradient_clipping": 1.0, "gradient_clipping": 0.0}')
+    with pytest.raises(ValueError, match="gradient_clipping"):
+        load_config(str(path))
+
+
+def test_load_config_before_initialize_leaves_gpp_deepspeed_initialize_the_function():
+    # the examples call gpp_deepspeed.load_config first; a lazy name served from the module
+    # gpp_deepspeed.initialize would have left the package attribute the module, not the function
+    import subprocess
+    import sys
+
+    code = ("import gpp_deepspeed; gpp_deepspeed.load_config({}); "
+            "assert callable(gpp_deepspeed.initialize), gpp_deepspeed.initialize")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]

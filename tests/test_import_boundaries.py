@@ -44,7 +44,9 @@ def test_graph_and_schedule_modules_themselves_import_no_torch_nor_deepspeed():
         stub.__path__ = list(spec.submodule_search_locations)
         sys.modules["gpp_deepspeed"] = stub
         import gpp_deepspeed.graph, gpp_deepspeed.schedule, gpp_deepspeed.config, gpp_deepspeed.errors
-        assert gpp_deepspeed.schedule.build_schedule
+        # the stub stood in: the package's own __init__ (its lazy names) never ran
+        assert sys.modules["gpp_deepspeed"] is stub and not hasattr(stub, "initialize"), "gpp_deepspeed/__init__ ran"
+        assert "gpp_deepspeed.schedule.program" in sys.modules and "gpp_deepspeed.engine" not in sys.modules
     """)
     assert loaded == []
 
@@ -145,3 +147,67 @@ def test_the_partition_options_import_no_torch_nor_deepspeed():
         import gpp_deepspeed.partitioning
     """)
     assert loaded == []
+
+
+# ---------------------------------------------------------------------------------------------
+# engine/ never branches on a schedule's name: it reads the registry's ScheduleSpec and runs a Program.
+
+def schedule_name_branches(directory: Path) -> list[str]:
+    """``file:line`` of every comparison (``==``, ``in``, ...) or dict key in the Python files under
+    ``directory`` that names a registered schedule as a string literal (error messages may name
+    them; code may not decide by them)."""
+    from gpp_deepspeed.schedule.registry import SCHEDULES
+
+    names = {n.lower() for n in SCHEDULES}
+
+    def literals(node) -> list[str]:
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            return [node.value.lower()]
+        if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+            return [s for elt in node.elts for s in literals(elt)]
+        return []
+
+    hits = []
+    for path in sorted(directory.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Compare):
+                found = [s for side in (node.left, *node.comparators) for s in literals(side)]
+            elif isinstance(node, ast.Dict):
+                found = [s for key in node.keys if key is not None for s in literals(key)]
+            else:
+                continue
+            if names & set(found):
+                hits.append(f"{path.name}:{node.lineno}")
+    return hits
+
+
+def test_the_engine_never_branches_on_a_schedule_name():
+    assert sorted(PACKAGE_ROOT.joinpath("engine").glob("*.py")), "no engine module found: the scan would pass vacuously"
+    assert schedule_name_branches(PACKAGE_ROOT / "engine") == []
+
+
+@pytest.mark.parametrize("line", [
+    'if spec.name == "2bw":\n    pass',
+    'if name in ("zb1", "zb2"):\n    pass',
+    'x = "PipeOptim" != name',
+    'HANDLERS = {"pipedream": 1}',
+])
+def test_the_schedule_name_scan_catches_an_injected_branch(tmp_path, line):
+    (tmp_path / "engine.py").write_text('raise ValueError("use \\"2bw\\"")  # a message may name one\n' + line + "\n")
+    assert schedule_name_branches(tmp_path) == ["engine.py:2"]
+
+
+def test_capture_and_initialize_stay_functions_after_their_modules_are_imported():
+    # Importing gpp_deepspeed.capture binds the submodule to the package's attribute of the same
+    # name; the documented gpp_deepspeed.capture(model) must still call the function.
+    code = textwrap.dedent("""
+        import json
+        from gpp_deepspeed.capture import CapturedModel
+        from gpp_deepspeed.initialize import initialize as from_module
+        import gpp_deepspeed
+        print(json.dumps([callable(gpp_deepspeed.capture), gpp_deepspeed.capture.__module__,
+                          gpp_deepspeed.initialize is from_module]))
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO_ROOT)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == [True, "gpp_deepspeed.capture", True]

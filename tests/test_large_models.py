@@ -10,6 +10,7 @@ directories are written here with ``save_pretrained`` (no hub).
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -176,6 +177,19 @@ def test_a_meta_model_loaded_from_a_directory_computes_what_from_pretrained_comp
     reference.load_state_dict(captured.module_state_dict(twin.state_dict()), strict=True)
 
 
+def test_loaded_weights_are_the_processs_own_so_overwriting_the_directory_leaves_them_alone(tmp_path):
+    # safetensors hands out views of the file's mapping; a parameter never written (a frozen one)
+    # would keep reading the file, and save_pretrained to the same path rewrites it.
+    from safetensors.torch import load_file, save_file
+    _save_llama(tmp_path)
+    twin = load_pretrained(capture_llama(meta=True, config_dir=tmp_path), tmp_path).graph_model()
+    before = {k: v.clone() for k, v in twin.state_dict().items()}
+    file = tmp_path / "model.safetensors"
+    save_file({k: torch.full_like(v, 7.0) for k, v in load_file(file).items()}, file, metadata={"format": "pt"})
+    for name, value in twin.state_dict().items():
+        torch.testing.assert_close(value, before[name], rtol=0, atol=0, msg=name)
+
+
 def test_a_directory_whose_names_or_shapes_differ_is_refused_naming_the_first_few(tmp_path):
     _save_llama(tmp_path / "wide", hidden_size=24, num_attention_heads=2, num_key_value_heads=1)
     with pytest.raises(CheckpointError, match=r"other shapes: \['m.model.embed_tokens.weight: checkpoint "
@@ -281,6 +295,26 @@ def test_pretrained_to_pipeline_to_directory_round_trip_equals_one_process(round
     ids, _ = eval_batch()[-1]
     with torch.no_grad():
         torch.testing.assert_close(LM(loaded)(ids), logits[0], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.dist
+def test_the_memory_report_counts_each_ranks_stage_and_is_printed_beneath_the_stage_graph(roundtrip):
+    _, out, ranks = roundtrip
+    for res in ranks:
+        report = res["memory"]   # gathered: every rank's entry, the same on every rank
+        assert report == ranks[0]["memory"] and [m["rank"] for m in report] == list(range(STAGES))
+        mine = report[res["rank"]]
+        assert mine["stage_idx"] == res["stage"]
+        assert mine["param_bytes"] == res["counted"]["tensors"]      # parameters and buffers, tied copies included
+        assert mine["grad_bytes"] == res["counted"]["trainable"] > 0
+        assert mine["optimizer_bytes"] == 0                           # plain SGD keeps no state
+        assert mine["activation_peak_bytes"] > 0
+        assert mine["process_peak_bytes"] > mine["param_bytes"] + mine["grad_bytes"] + mine["activation_peak_bytes"]
+    log = (out / "logs" / "rank0.log").read_text()
+    graph, at_init, after_step = (log.find(s) for s in ("stage graph:", "memory per rank (MiB) at initialize",
+                                                        "memory per rank (MiB) after step 1"))
+    assert 0 <= graph < at_init < after_step, log[-2000:]
+    assert len(re.findall(r"^  stage \d+ \(rank \d+\): ", log[at_init:after_step], re.M)) == STAGES
 
 
 @pytest.mark.dist

@@ -82,13 +82,18 @@ def test_chain_boundaries_kernel_prices_the_relayed_edges_the_engine_sends(case)
     assert [(bd.in_bytes, bd.out_bytes) for bd in model.chain_boundaries(masks)] == expected
 
 
-def test_viz_and_the_planner_share_the_edge_bytes_of_a_chain_plan():
+def test_viz_draws_the_bytes_a_chain_plan_relays_and_a_graph_plan_sends_once_per_reader():
     from gpp_deepspeed import viz
+    from gpp_deepspeed.errors import PartitionError
 
     db = synthetic_db(SKIP, out_bytes=OUT)
-    assert viz.stage_edge_bytes(skip_plan("chain"), db) == edge_bytes(db, skip_plan("chain").stage_of, relay=True)
+    # written out by hand: the chain relays l1 (100 B) through stages 1 and 2 to the residual add
+    assert viz.stage_edge_bytes(skip_plan("chain"), db) == {(0, 1): 100.0, (1, 2): 110.0, (2, 3): 120.0}
     assert viz.stage_edge_bytes(dataclasses.replace(skip_plan("chain"), pipeline="graph"), db) == \
-        edge_bytes(db, skip_plan("graph").stage_of, relay=False)
+        {(0, 1): 100.0, (0, 3): 100.0, (1, 2): 10.0, (2, 3): 20.0}
+    partial = dataclasses.replace(skip_plan("chain"), stages=skip_plan("chain").stages[:3])
+    with pytest.raises(PartitionError):
+        viz.stage_edge_bytes(partial, db)   # a plan that leaves out "res" is not drawn
 
 
 # -- messages as the engine sends them: fan-in, fan-out, resharding --------------------------------

@@ -16,6 +16,7 @@ from gpp_deepspeed.schedule import (SCHEDULES, Action, ActionKind, add_release, 
                                     format_schedule, get_schedule, gpipe, group_for_rendezvous, group_p2p, num_slots,
                                     one_f_one_b,
                                     order_transfers, simulate, validate_schedule, warmup_forwards)
+from gpp_deepspeed.schedule import build_program, validate_async, validate_program
 
 K = ActionKind
 SYNC_SCHEDULES = [name for name, spec in SCHEDULES.items() if not spec.asynchronous]
@@ -212,6 +213,8 @@ def test_build_schedule_on_random_stage_dags_passes_the_rendezvous_validator(sg,
                 assert kinds.count(K.RELEASE_IN) == kinds.count(K.RELEASE_OUT) == num_mb
                 assert kinds[-1] is (K.STEP if train else K.WAIT_SENDS)
                 assert num_slots(slots[s]) <= num_mb
+            # dynamic shapes: every activation's layout in an earlier action, still deadlock-free
+            validate_program(build_program(sg, num_mb, schedule=name, train=train, layouts=True), sg)
 
 
 @pytest.mark.parametrize("num_stages", range(1, 6))
@@ -570,3 +573,90 @@ def test_program_prints_every_stages_actions_and_buffer_slots():
     assert lines[1] == "stage 0: " + " ".join(map(str, program.actions[0]))
     assert lines[2] == "  slots: 0:0 1:1"   # GPipe holds both micro-batches at once
     assert program.num_buffers(0) == 2
+
+
+# ---------------------------------------------------------------------------------------------
+# Layouts (dynamic shapes): one group per action on the wire, stream order, whole-group completion
+
+# Stage 0 fans out to 1, 2 and 3, which also reads 1 and 2 (an inception block); a U-Net with two
+# skips; a chain.
+INCEPTION = dag(4, [(0, 1), (0, 2), (0, 3), (1, 3), (2, 3)])
+UNET = dag(5, [(0, 1), (1, 2), (2, 3), (3, 4), (0, 4), (1, 3)])
+
+
+def posted_as_the_old_transport_did(schedule):
+    """Each transfer action as the transport before layout actions posted it under
+    ``dynamic_shape``: one batch with every send (each activation's layout in front of it) and the
+    gradient receives, then, one by one after the batch, each activation receive's layout and the
+    activations. Under stream order each of those starts only once the batch has completed."""
+    out = {}
+    for s, actions in schedule.items():
+        out[s] = []
+        for a in actions:
+            if not a.kind.is_transfer:
+                out[s].append(a)
+                continue
+            batch = [x for op in a.transfers if op.kind is not K.RECV_F
+                     for x in ([Action(s, K.SEND_L, op.mb_idx, op.peer)] if op.kind is K.SEND_F else []) + [op]]
+            if batch:
+                out[s].append(batch[0] if len(batch) == 1 else Action.group(batch))
+            out[s] += [x for op in a.transfers if op.kind is K.RECV_F
+                       for x in (Action(s, K.RECV_L, op.mb_idx, op.peer), op)]
+    return out
+
+
+@pytest.mark.parametrize("sg,name", [(INCEPTION, "1f1b"), (INCEPTION, "zb2"), (UNET, "1f1b"), (UNET, "zb2"),
+                                     (StageGraph.chain(4), "zb2")])
+def test_validator_rejects_late_layout_receives_after_a_batch_the_deadlock_of_issue_18(sg, name):
+    program = build_program(sg, 4, schedule=name)
+    with pytest.raises(ScheduleError, match="deadlocks under rendezvous"):
+        simulate(posted_as_the_old_transport_did(program.actions), mode="rendezvous")
+    # The same batch with its layouts as actions of their own, grouped apart from the activations.
+    validate_program(build_program(sg, 4, schedule=name, layouts=True), sg)
+
+
+def test_the_issue_18_example_stage_3_batches_gradients_before_late_receives_that_stage_0_waits_for():
+    stuck = posted_as_the_old_transport_did(build_program(INCEPTION, 4, schedule="1f1b").actions)
+    with pytest.raises(ScheduleError) as err:
+        simulate(stuck, mode="rendezvous")
+    text = str(err.value)
+    assert "stage 0 at (0SEND_L1@1;0SEND_F1@1;0SEND_L1@2;0SEND_F1@2;0SEND_L1@3;0SEND_F1@3)P2P" in text
+    assert "0SEND_F1@3 waits for stage 3 to post its receive" in text
+
+
+@pytest.mark.parametrize("sg", [INCEPTION, UNET, StageGraph.chain(3), dag(4, [(0, 1), (0, 2), (1, 3), (2, 3)])])
+def test_layout_programs_of_every_schedule_pass_the_validator_and_send_each_layout_before_its_activations(sg):
+    for name, spec in SCHEDULES.items():
+        if spec.asynchronous:
+            validate_async(sg, sg.num_stages, schedule=name, layouts=True)
+            continue
+        for train in (True, False):
+            program = build_program(sg, 4, schedule=name, train=train, layouts=True)
+            validate_program(program, sg)
+            for s, actions in program.actions.items():
+                ops = [op for a in actions for op in a.transfers]
+                for i, op in enumerate(ops):
+                    if op.kind in (K.SEND_F, K.RECV_F):
+                        layout = K.SEND_L if op.kind is K.SEND_F else K.RECV_L
+                        assert ops[i - 1] == Action(s, layout, op.mb_idx, op.peer), (name, s, op)
+
+
+def test_validator_rejects_an_activation_receive_grouped_with_its_own_layout():
+    sg = StageGraph.chain(2)
+    sched = parse_schedule({0: "0F0 0SEND_L0@1 0SEND_F0@1 0WAIT_SENDS",
+                            1: "1RECV_L0@0 1RECV_F0@0 1F0 1WAIT_SENDS"})
+    validate_schedule(sched, sg, 1, train=False, layouts=True)
+    sched[1] = [Action.group(sched[1][:2]), *sched[1][2:]]
+    with pytest.raises(ScheduleError, match="needs 1RECV_L0@0 in an earlier action, not in the same one"):
+        validate_schedule(sched, sg, 1, train=False, layouts=True)
+    with pytest.raises(ScheduleError, match="in a program without layouts"):
+        validate_schedule(parse_schedule({0: "0F0 0SEND_L0@1 0SEND_F0@1", 1: "1RECV_L0@0 1RECV_F0@0 1F0"}),
+                          sg, 1, train=False)
+
+
+def test_validator_rejects_a_layout_received_where_activations_were_sent():
+    sched = parse_schedule({0: "0F0 0SEND_F0@1 0F1 0SEND_L1@1 0SEND_F1@1",
+                            1: "1RECV_L0@0 1RECV_F0@0 1F0 1RECV_L1@0 1RECV_F1@0 1F1"})
+    with pytest.raises(ScheduleError, match="message 0 on channel 0->1 .F. is activations of micro-batch 0 but "
+                                            "its receive expects a layout"):
+        simulate(sched, mode="rendezvous")

@@ -189,7 +189,10 @@ class AsyncPipeline:
                 raise GPPConfigError(f'schedule "{self.spec.name}": the number of micro-batches changed from '
                                      f"{self.micro_batches} to {micro_batches} while the pipeline is full; call "
                                      "engine.flush() first")
-            self.programs = AsyncProgram(self.stage_graph, micro_batches, schedule=self.spec.name)
+            # Layouts in every batch: batches share buffer slots across their boundaries, so the first
+            # cannot be lowered apart from the others (a static-shape pipeline pays one small header
+            # per activation message).
+            self.programs = AsyncProgram(self.stage_graph, micro_batches, schedule=self.spec.name, layouts=True)
             if self.validate:
                 self.report = self.programs.validate()
         self.micro_batches = micro_batches

@@ -34,6 +34,14 @@ builds the partitions the step reads (DeepSpeed's own unmanaged-accumulation pat
 grad, with autograd recording: torch then warns at the first backward that ``c10d::broadcast_`` has
 no autograd kernel. :func:`broadcast_tied_weights` is the same broadcast of the values alone.
 
+The rest of what the engine and module need from DeepSpeed's private side is one named function
+each, below the ``# -- named uses`` line: the loss scaling and batch fetch of ``PipelineEngine``,
+the flags, timers and epilogue of ``DeepSpeedEngine.backward`` that a backward run outside it must
+set or finish, ``PipelineModule``'s layer bounds and specs, and bf16's high-precision gradient.
+Overrides of DeepSpeed's private methods (subclassing, the way DeepSpeed itself extends its engine)
+are listed in :data:`OVERRIDDEN`. ``tests/test_deepspeed_seam.py`` fails when a DeepSpeed private name
+is used anywhere else in the package, and checks that every override still exists upstream.
+
 ``tests/test_placement.py`` pins the DeepSpeed version these were written against.
 """
 
@@ -48,17 +56,31 @@ import torch
 
 import deepspeed
 from deepspeed import comm as dist
+from deepspeed.runtime import engine as _ds_engine
 import deepspeed.runtime.pipe.module as _ds_pipe_module
 from deepspeed.runtime.pipe.engine import PipelineEngine as _PipelineEngine
 from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3 as _ZeroStage3
 
 __all__ = ["DEEPSPEED_VERSION", "pipeline_grid", "count_each_stage_once", "flat_optimizer_groups",
            "base_optimizer", "base_optimizer_state", "link_fragment_state", "broadcast_tied_weights",
-           "hand_grads_to_master", "stage_local_norm", "pipeline_assert_stage",
-           "reduce_micro_batch_gradients", "finish_gradient_accumulation", "optimizer_gradient_tensors",
-           "zero3_trace_checked_within", "zero3_stage_partitions"]
+           "hand_grads_to_master", "stage_local_norm", "OVERRIDDEN", "scale_loss_by_gas", "next_batch",
+           "tied_weight_grad", "engine_backward", "stop_started_backward_timers",
+           "start_stopped_backward_timers", "backward_epilogue", "backward_graph_tracker",
+           "hp_grads_deferred", "configure_python_gc", "set_layer_bounds", "local_layer_bounds", "layer_specs",
+           "precompute_checkpointable_values", "pipeline_assert_stage", "reduce_micro_batch_gradients",
+           "finish_gradient_accumulation", "optimizer_gradient_tensors", "zero3_trace_checked_within",
+           "zero3_stage_partitions"]
 
 DEEPSPEED_VERSION = "0.19.8"  # the version whose internals this module reaches into
+
+#: DeepSpeed private methods that ``GraphPipelineEngine`` / ``GraphPipelineModule`` override, DeepSpeed
+#: calling them (the ``_exec_*`` handlers of ``_INSTRUCTION_MAP`` aside): renamed upstream, the
+#: override would silently stop running, so the seam test checks each still exists.
+OVERRIDDEN = frozenset({
+    "_broadcast_model", "_build_data_iter", "_aggregate_total_loss", "_loss_stage_global_rank",
+    "_train_schedule", "_inference_schedule", "_reentrant_activation_checkpointing",
+    "_partition_layers", "_build", "_index_tied_modules",
+})
 
 
 @contextlib.contextmanager
@@ -279,3 +301,97 @@ def broadcast_tied_weights(tied_comms: dict) -> None:
 
 def installed_version() -> str:
     return deepspeed.__version__
+
+
+# -- named uses of DeepSpeed 0.19.8's private side by the engine and the module ---------------------
+
+
+def scale_loss_by_gas(engine, loss):
+    """``loss`` divided by the gradient accumulation steps, as DeepSpeed reports a batch's loss."""
+    return engine._scale_loss_by_gas(loss)
+
+
+def next_batch(engine):
+    """The next ``(inputs, labels)`` from the engine's data iterator (``PipelineEngine._next_batch``)."""
+    return engine._next_batch()
+
+
+def tied_weight_grad(engine, weight):
+    """The gradient of a tied weight that its stages sum: bf16's fp32 accumulation (``_hp_grad``)
+    under DeepSpeed's bf16 optimizer, else ``weight.grad``."""
+    return weight._hp_grad if engine.using_bf16_optimizer else weight.grad
+
+
+@contextlib.contextmanager
+def engine_backward(engine):
+    """While active, DeepSpeed's module hooks treat a backward as the engine's own
+    (``DeepSpeedEngine.backward`` sets ``_running_engine_backward`` around ``loss.backward()``)."""
+    engine._running_engine_backward = True
+    try:
+        yield
+    finally:
+        engine._running_engine_backward = False
+
+
+def _backward_timers(engine):
+    return [engine.timers(name) for name in (*engine.engine_timers.backward_inner_timers,
+                                             *engine.engine_timers.backward_timers)]
+
+
+def stop_started_backward_timers(engine) -> None:
+    """Stop the backward timers that DeepSpeed's output hooks started (``engine.backward``'s
+    epilogue stops them; a backward run outside it must, or the next start fails)."""
+    for timer in _backward_timers(engine):
+        if getattr(timer, "started_", False):
+            timer.stop()
+
+
+def start_stopped_backward_timers(engine) -> None:
+    """Restart the backward timers before :func:`backward_epilogue` stops them again."""
+    if not engine.wall_clock_breakdown():
+        return
+    for timer in _backward_timers(engine):
+        if not getattr(timer, "started_", True):
+            timer.start()
+
+
+def backward_epilogue(engine) -> None:
+    """What ``DeepSpeedEngine.backward`` runs once a backward's gradients exist (its all-reduce
+    at a boundary, bf16's gradient hand-over, the timers)."""
+    engine._backward_epilogue()
+
+
+def backward_graph_tracker():
+    """DeepSpeed's tracker of the autograd graphs whose loss the engine already scaled."""
+    return _ds_engine._ENGINE_BACKWARD_GRAPH_TRACKER
+
+
+def hp_grads_deferred(engine) -> bool:
+    """Whether DeepSpeed's bf16 optimizer waits for ``update_hp_grads`` to move a backward's
+    gradients into its fp32 accumulation (``immediate_grad_update`` off)."""
+    return engine.using_bf16_optimizer and not engine._config.bfloat16_config.immediate_grad_update
+
+
+def configure_python_gc(engine) -> None:
+    """DeepSpeed's garbage-collection settings, which ``deepspeed.initialize`` applies after building."""
+    engine._configure_python_gc()
+
+
+def set_layer_bounds(module, *, start: int, stop: int) -> None:
+    """Give ``PipelineModule`` the range of layer indices this rank's stage builds."""
+    module._set_bounds(start=start, stop=stop)
+
+
+def local_layer_bounds(module) -> tuple[int, int]:
+    """The ``[start, stop)`` layer indices ``PipelineModule`` built on this rank."""
+    return module._local_start, module._local_stop
+
+
+def layer_specs(module) -> list:
+    """Every layer spec of the ``PipelineModule``, of every stage."""
+    return module._layer_specs
+
+
+def precompute_checkpointable_values(module) -> None:
+    """Recompute ``PipelineModule``'s activation-checkpointing chunks after its interval changed."""
+    module._precompute_checkpointable_values()

@@ -46,6 +46,7 @@ from ..schedule import KINDS, Program, build_program, get_schedule, validate_pro
 from ..schedule.ir import Action, ActionKind as K
 from .flat import flatten, port_ranges, unflatten
 from . import asynchronous as _async
+from . import compat
 from .compat import count_each_stage_once
 from . import portable
 from .instructions import (BUFFER_KEYS, GraphPipeSchedule, RecvActivationFrom, RecvGradFrom, Release,
@@ -53,7 +54,7 @@ from .instructions import (BUFFER_KEYS, GraphPipeSchedule, RecvActivationFrom, R
 from .watchdog import start_watchdog
 from .memory import MemoryReport, memory_report
 from .module import GraphPipelineModule
-from .p2p import EdgeTransport, Incoming, Outgoing
+from .p2p import EdgeTransport, Incoming, Outgoing, header_capacity, pack, receive_buffers, unpack
 from .reshard import cut_rows, edge_peers, grad_scale, join_rows, warm_up_pairs
 from .split_engine import SplitBackwardMixin, check_split_backward_supported, use_split_backward_recompute
 from .zero import PartitionedGradientsMixin, check_zero_supported
@@ -65,7 +66,7 @@ _EXTRA_BUFFERS = tuple(k for keys in BUFFER_KEYS.values() for k in keys if k not
 _WAITING = frozenset(k for k, spec in KINDS.items() if spec.waits)
 # DeepSpeed's pipe timer of each transfer kind (wall_clock_breakdown).
 _TIMERS = {K.SEND_F: PIPE_SEND_OUTPUT_TIMER, K.RECV_F: PIPE_RECV_INPUT_TIMER, K.SEND_B: PIPE_SEND_GRAD_TIMER,
-           K.RECV_B: PIPE_RECV_GRAD_TIMER}
+           K.RECV_B: PIPE_RECV_GRAD_TIMER, K.SEND_L: PIPE_SEND_OUTPUT_TIMER, K.RECV_L: PIPE_RECV_INPUT_TIMER}
 
 
 def _wall_clock(timer: str, handler):
@@ -113,6 +114,7 @@ class GraphPipelineEngine(PartitionedGradientsMixin, SplitBackwardMixin, Pipelin
         self.module.frozen = self.stage_id in self.stage_graph.frozen
         self.transport = EdgeTransport(self.grid, self.device, stage=self.stage_id,
                                        timeout_s=self.gpp_config.p2p_timeout_s)
+        self._layouts_sent = False   # a program has sent every edge's layout (see program())
         self._out_index = {ref: i for i, ref in enumerate(self.spec.out_ports)}
         # This stage's edges by peer, in the order the schedule visits them (fixed for the run).
         self._in_edges = {e.src: e for e in self.stage_graph.edges if e.dst == self.stage_id}
@@ -260,7 +262,7 @@ class GraphPipelineEngine(PartitionedGradientsMixin, SplitBackwardMixin, Pipelin
             self.global_samples += self.train_batch_size()
         losses = torch.zeros(2, dtype=torch.float32, device=self.device)
         if self.is_last_stage():
-            loss = self._scale_loss_by_gas(self.total_loss).detach()
+            loss = compat.scale_loss_by_gas(self, self.total_loss).detach()
             agg = loss.clone()
             if self.is_data_parallel:
                 dist.all_reduce(agg, group=self.grid.get_data_parallel_group())
@@ -280,18 +282,24 @@ class GraphPipelineEngine(PartitionedGradientsMixin, SplitBackwardMixin, Pipelin
             self._reduce_tied_partitioned()
             return
         for weight, group in self.module.get_tied_weights_and_groups():
-            grad = weight._hp_grad if self.using_bf16_optimizer else weight.grad
+            grad = compat.tied_weight_grad(self, weight)
             if grad is not None:
                 grad.div_(self.dp_world_size)
                 dist.all_reduce(grad, group=group)
 
     # -- schedules ----------------------------------------------------------------------------------
 
-    def program(self, micro_batches: int, *, train: bool) -> Program:
-        """The program of one synchronous batch (or of evaluation), validated once per shape."""
-        key = (micro_batches, train)
+    def program(self, micro_batches: int, *, train: bool, layouts: bool | None = None) -> Program:
+        """The program of one synchronous batch (or of evaluation), validated once per shape.
+
+        ``layouts``: whether it sends every activation's layout before it; by default what the next
+        batch needs: always under ``dynamic_shape``, else until one batch has sent them (every
+        batch carries activations on every stage edge), the same decision on every rank."""
+        layouts = (self.dynamic_shape or not self._layouts_sent) if layouts is None else layouts
+        key = (micro_batches, train, layouts)
         if key not in self._programs:
-            program = build_program(self.stage_graph, micro_batches, schedule=self.schedule_spec.name, train=train)
+            program = build_program(self.stage_graph, micro_batches, schedule=self.schedule_spec.name, train=train,
+                                    layouts=layouts)
             if self.gpp_config.validate_schedule:
                 validate_program(program, self.stage_graph)
             if self.global_rank == 0:
@@ -304,6 +312,7 @@ class GraphPipelineEngine(PartitionedGradientsMixin, SplitBackwardMixin, Pipelin
             program = self._async.program(micro_batches, flush=flush)
         else:
             program = self.program(micro_batches, train=train)
+        self._layouts_sent |= program.layouts
         self.last_timeline = []
         return GraphPipeSchedule(program.actions[self.stage_id], micro_batches=micro_batches, stages=self.num_stages,
                                  stage_id=self.stage_id, slot_of=program.slots[self.stage_id],
@@ -360,7 +369,7 @@ class GraphPipelineEngine(PartitionedGradientsMixin, SplitBackwardMixin, Pipelin
         """This process's watchdog, watching the ranks this one exchanges data with."""
         if not self.gpp_config.watchdog:
             return None
-        topo = self.grid._topo
+        topo = self.module.topology()
 
         def describe(rank: int) -> str:
             coord = topo.get_coord(rank)
@@ -420,6 +429,7 @@ class GraphPipelineEngine(PartitionedGradientsMixin, SplitBackwardMixin, Pipelin
     def reset_activation_shape(self):
         super().reset_activation_shape()
         self.transport.reset_layouts()
+        self._layouts_sent = False
 
     # -- data -------------------------------------------------------------------------------------
 
@@ -435,7 +445,7 @@ class GraphPipelineEngine(PartitionedGradientsMixin, SplitBackwardMixin, Pipelin
         return dict(zip(names, values))
 
     def _exec_load_micro_batch(self, buffer_id):
-        batch = self._next_batch()
+        batch = compat.next_batch(self)
         if not isinstance(batch, (tuple, list)) or len(batch) != 2:
             raise GPPConfigError(f"data_iter must yield (inputs, labels) pairs, got {type(batch).__name__}"
                                  + (f" of {len(batch)} elements" if isinstance(batch, (tuple, list)) else ""))
@@ -516,19 +526,13 @@ class GraphPipelineEngine(PartitionedGradientsMixin, SplitBackwardMixin, Pipelin
             return
         if self.using_bf16_optimizer:
             self.optimizer.clear_lp_grads()
-        self._running_engine_backward = True
-        try:
+        with compat.engine_backward(self):
             torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
-        finally:
-            self._running_engine_backward = False
         # The module's output hooks ran DeepSpeed's backward prologue, which starts the backward
         # timers; engine.backward() would stop them in its epilogue, which we skip (its all-reduce
         # belongs to REDUCE_GRAD). Stop them here, or wall_clock_breakdown fails on the next one.
-        for name in (*self.engine_timers.backward_inner_timers, *self.engine_timers.backward_timers):
-            timer = self.timers(name)
-            if getattr(timer, "started_", False):
-                timer.stop()
-        if self.using_bf16_optimizer and not self._config.bfloat16_config.immediate_grad_update:
+        compat.stop_started_backward_timers(self)
+        if compat.hp_grads_deferred(self):
             self.optimizer.update_hp_grads(clear_lp_grads=False)
 
     def clip_fp32_gradients(self):
@@ -564,35 +568,55 @@ class GraphPipelineEngine(PartitionedGradientsMixin, SplitBackwardMixin, Pipelin
     # -- transfers --------------------------------------------------------------------------------
 
     def _exec_transfers(self, ops):
-        """Run one transfer action: every send and receive of ``ops`` posted at once."""
-        # With per-stage degrees a stage edge is one message per peer rank: each consumer rank gets
-        # exactly its rows from the producer ranks holding them (reshard.py); gradients go back the
-        # same way. With equal degrees that is one message to the same-index rank.
+        """Run one transfer action: every send and receive of ``ops``, layouts included, posted as
+        one batch (:meth:`EdgeTransport.exchange`); each receive is sized before it is posted."""
         sends, recvs, receivers = [], [], []
         for kind, buffer_id, peer in ops:
-            if kind is K.SEND_F:
-                flat, arity = self._flat_ports(buffer_id, self._out_edges[peer].tensors)
-                what = f"edge {self.stage_id} -> {peer}"
-                sends += [Outgoing(peer, (self.stage_id, peer), cut_rows(flat, to, what=what), arity, rank=to.rank)
-                          for to in self._out_peers[peer]]
-            elif kind is K.SEND_B:
-                grads, what = self._input_grads(buffer_id, peer), f"edge {peer} -> {self.stage_id}"
-                sends += [Outgoing(peer, (peer, self.stage_id), cut_rows(grads, to, what=what), rank=to.rank)
-                          for to in self._in_peers[peer]]
-            elif kind is K.RECV_F:
-                recvs += [Incoming(peer, (peer, self.stage_id), rank=frm.rank) for frm in self._in_peers[peer]]
-                receivers.append((self._store_activations, buffer_id, peer, None, len(self._in_peers[peer])))
-            else:
-                positions, outputs = self._grad_positions(buffer_id, peer)
-                what = f"edge {self.stage_id} -> {peer}"
-                for frm in self._out_peers[peer]:
-                    specs = tuple((tuple(t.shape), t.dtype) for t in cut_rows(outputs, frm, what=what))
-                    recvs.append(Incoming(peer, (self.stage_id, peer), specs, rank=frm.rank))
-                receivers.append((self._store_grads, buffer_id, peer, positions, len(self._out_peers[peer])))
-        got = iter(self.transport.exchange(sends, recvs, always_layout=self.dynamic_shape))
-        for store, buffer_id, peer, extra, count in receivers:
-            parts = [next(got) for _ in range(count)]
-            store(buffer_id, peer, parts[0][0], join_rows([tensors for _, tensors in parts]), extra)
+            if kind.spec.send:
+                sends += self._outgoing(kind, buffer_id, peer)
+                continue
+            ranks, specs, store, extra = self._incoming(kind, buffer_id, peer)
+            got = [Incoming(peer, rank, receive_buffers(spec, self.device)) for rank, spec in zip(ranks, specs)]
+            recvs += got
+            receivers.append((store, buffer_id, peer, extra, ranks, got, specs))
+        self.transport.exchange(sends, recvs)
+        for store, buffer_id, peer, extra, ranks, got, specs in receivers:
+            store(buffer_id, peer, extra, ranks, [unpack(m.buffers, spec) for m, spec in zip(got, specs)])
+
+    # With per-stage degrees a stage edge is one message per peer rank: each consumer rank gets
+    # exactly its rows from the producer ranks holding them (reshard.py); gradients go back the same
+    # way. With equal degrees that is one message to the same-index rank.
+
+    def _outgoing(self, kind, buffer_id, peer) -> list[Outgoing]:
+        """The messages of one send: activations, their layout headers, or input gradients."""
+        if kind is K.SEND_B:
+            grads, what = self._input_grads(buffer_id, peer), f"edge {peer} -> {self.stage_id}"
+            return [Outgoing(peer, to.rank, pack(cut_rows(grads, to, what=what))) for to in self._in_peers[peer]]
+        edge = self._out_edges[peer]
+        flat, arity = self._flat_ports(buffer_id, edge.tensors)
+        out = []
+        for to in self._out_peers[peer]:
+            part = cut_rows(flat, to, what=f"edge {self.stage_id} -> {peer}")
+            out.append(Outgoing(peer, to.rank, pack(part) if kind is K.SEND_F else [self.transport.header(
+                arity, part, edge=(self.stage_id, peer), num_ports=len(edge.tensors))]))
+        return out
+
+    def _incoming(self, kind, buffer_id, peer):
+        """One receive: the peer ranks, the (shape, dtype) specs of each one's message, sized before
+        it is posted, and where it goes (``store(buffer_id, peer, extra, ranks, tensors)``)."""
+        if kind is K.RECV_L:
+            ranks = [frm.rank for frm in self._in_peers[peer]]
+            spec = (((header_capacity(len(self._in_edges[peer].tensors)), ), torch.int64), )
+            return ranks, [spec] * len(ranks), self._store_layouts, None
+        if kind is K.RECV_F:
+            ranks = [frm.rank for frm in self._in_peers[peer]]
+            layouts = [self.transport.layout((peer, self.stage_id), rank) for rank in ranks]
+            return ranks, [layout.specs for layout in layouts], self._store_activations, layouts[0].arity
+        positions, outputs = self._grad_positions(buffer_id, peer)
+        what = f"edge {self.stage_id} -> {peer}"
+        specs = [tuple((tuple(t.shape), t.dtype) for t in cut_rows(outputs, frm, what=what))
+                 for frm in self._out_peers[peer]]
+        return [frm.rank for frm in self._out_peers[peer]], specs, self._store_grads, positions
 
     def _flat_ports(self, buffer_id, refs):
         outputs = self.pipe_buffers["outputs"][buffer_id]
@@ -613,14 +637,20 @@ class GraphPipelineEngine(PartitionedGradientsMixin, SplitBackwardMixin, Pipelin
                      if flat[i].is_floating_point()]
         return positions, [flat[i] for i in positions]
 
-    def _store_activations(self, buffer_id, peer, layout, tensors, _):
+    def _store_layouts(self, buffer_id, peer, _, ranks, parts):
+        for rank, (header, ) in zip(ranks, parts):
+            self.transport.keep_layout((peer, self.stage_id), rank, header)
+
+    def _store_activations(self, buffer_id, peer, arity, ranks, parts):
+        tensors = join_rows(parts)
         for t in tensors:
             t.requires_grad = t.is_floating_point() and torch.is_grad_enabled() and self._in_edges[peer].grad
         received = self.pipe_buffers["received"][buffer_id] or {}
-        received.update(zip(self._in_edges[peer].tensors, unflatten(tensors, layout.arity)))
+        received.update(zip(self._in_edges[peer].tensors, unflatten(tensors, arity)))
         self.pipe_buffers["received"][buffer_id] = received
 
-    def _store_grads(self, buffer_id, peer, _, got, positions):
+    def _store_grads(self, buffer_id, peer, positions, ranks, parts):
+        got = join_rows(parts)
         scale = grad_scale(self.placement, src=self.stage_id, dst=peer)
         if scale != 1:  # see reshard.py: each rank differentiates its stage degree times its share
             got = [g * scale for g in got]
@@ -630,7 +660,7 @@ class GraphPipelineEngine(PartitionedGradientsMixin, SplitBackwardMixin, Pipelin
         self.pipe_buffers["grads"][buffer_id] = grads
 
     def _exec_transfer_group(self, ops):
-        timers = [_TIMERS[kind] for kind in dict.fromkeys(kind for kind, _, _ in ops)]
+        timers = list(dict.fromkeys(_TIMERS[kind] for kind, _, _ in ops))   # a layout shares its data's timer
         if self.wall_clock_breakdown():  # a grouped transfer counts under each of its kinds' timers
             for name in timers:
                 self.timers(name).start()

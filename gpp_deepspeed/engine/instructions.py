@@ -112,8 +112,8 @@ def to_instruction(action: Action, slot_of: dict[int, int]) -> ds.PipeInstructio
     if action.kind in WEIGHT_INSTRUCTIONS:  # weight versions are named by micro-batch, not buffer
         cls = WEIGHT_INSTRUCTIONS[action.kind]
         return cls() if action.mb_idx is None else cls(action.mb_idx)
-    if action.kind is K.P2P:
-        return Transfers((op.kind, slot_of[op.mb_idx], op.peer) for op in action.ops)
+    if action.kind is K.P2P or action.kind.spec.layout:   # a layout alone is a group of one
+        return Transfers((op.kind, slot_of[op.mb_idx], op.peer) for op in action.parts)
     buffer_id = slot_of[action.mb_idx]
     if action.kind.is_release:
         return Release(buffer_id, action.kind)

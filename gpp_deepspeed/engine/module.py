@@ -33,6 +33,7 @@ from ..partitioning import (PARTITION_METHODS, GraphPipeSearch, ResolvedPartitio
                             resolve_partition)
 from ..spec import LayerEntry, call_layer, normalize_layers, port_leaves, resolve
 from ..checkpoint import layer_model_file, layer_model_files
+from . import compat
 from .compat import broadcast_tied_weights, pipeline_grid
 from .flat import flatten, unflatten
 from .memory import ActivationMeter, check_fits_memory, node_memory_bytes
@@ -128,12 +129,12 @@ class GraphPipelineModule(PipelineModule):
                              activation_checkpoint_func=activation_checkpoint_func,
                              checkpointable_layers=checkpointable_layers, dynamic_shape=dynamic_shape)
         self.stage_spec: StageSpec = partition.stages[self.stage_id]
-        self._local_entries = self._entries[self._local_start:self._local_stop]
+        self._local_entries = self._entries[slice(*compat.local_layer_bounds(self))]
         if activation_checkpoint_interval == 0 and self.stage_id in resolved.recompute:
             # The plan chose recomputation for this stage (PipeDream-2BW's planner): its layers
             # run as one checkpointed chunk here, and every other stage keeps its activations.
             self.activation_checkpoint_interval = len(self._local_entries)
-            self._precompute_checkpointable_values()
+            compat.precompute_checkpointable_values(self)
         # Set by the engine: the stage has nothing to differentiate and runs no backward.
         self.frozen = False
         # What autograd holds for this stage's backward passes (the memory report's activation peak).
@@ -152,7 +153,7 @@ class GraphPipelineModule(PipelineModule):
 
     def _partition_layers(self, method="graph"):
         self.parts = self.partition.bounds
-        self._set_bounds(start=self.parts[self.stage_id], stop=self.parts[self.stage_id + 1])
+        compat.set_layer_bounds(self, start=self.parts[self.stage_id], stop=self.parts[self.stage_id + 1])
 
     def _build(self):
         # The parent seeds layer i with seed_fn(base_seed + i) when seed_layers is set: route that
@@ -187,7 +188,7 @@ class GraphPipelineModule(PipelineModule):
         tied_comms = {}
         if self.num_stages == 1:
             return tied_comms
-        specs = self._layer_specs
+        specs = compat.layer_specs(self)
         for key in sorted({s.key for s in specs if isinstance(s, TiedLayerSpec)}):
             stages = sorted({self.stage_owner(i) for i, s in enumerate(specs)
                              if isinstance(s, TiedLayerSpec) and s.key == key})
@@ -251,7 +252,7 @@ class GraphPipelineModule(PipelineModule):
         for i in local_idxs:
             entry = self._local_entries[i]
             if self.seed_layers:
-                seed = self.base_seed * (micro_offset + 1) + i + self._local_start
+                seed = self.base_seed * (micro_offset + 1) + i + compat.local_layer_bounds(self)[0]
                 (self.seed_fn or torch.manual_seed)(seed)
             args = [resolve(env, TensorRef.parse(r)) for r in entry.inputs]
             env[TensorRef(entry.name)] = call_layer(entry, self.forward_funcs[i], args)
@@ -300,7 +301,7 @@ class GraphPipelineModule(PipelineModule):
         """Layer files are keyed by layer name (:mod:`gpp_deepspeed.checkpoint`), not by the
         partition-dependent index DeepSpeed uses, so checkpoints move between layouts."""
         return layer_model_file(ckpt_dir, self._local_entries[local_layer_idx].name,
-                                self._grid._topo.get_rank_repr(rank=self.global_rank))
+                                self.mpu().topology().get_rank_repr(rank=self.global_rank))
 
     def ckpt_layer_path_list(self, ckpt_dir, local_layer_idx):
         name = self._local_entries[local_layer_idx].name

@@ -10,14 +10,43 @@ matched in the order they are posted, so no tags are needed (NCCL ignores them);
 order makes that order the same at both ends (see :mod:`gpp_deepspeed.schedule.lowering`).
 
 An edge message is one buffer per dtype: the edge's tensors, flattened and concatenated in order
-(gradients likewise), so a fan-in stage pays one message per edge, not one per tensor. Before the
-first message of an edge (and before every message when ``dynamic_shape`` is set) the sender sends
-its layout:
+(gradients likewise), so a fan-in stage pays one message per edge, not one per tensor. The receiver
+of activations sizes its buffers from the edge's layout, which the program sends as a message of
+its own (``SEND_L``/``RECV_L``, :func:`~gpp_deepspeed.schedule.lowering.add_layouts`) before every
+activation message under ``dynamic_shape``, and before those of the first batch otherwise; later
+messages reuse the last layout of the edge. A layout is a fixed-size int64 header, so that its
+receive is posted without knowing anything of it:
 
-    [length]  then  [num_ports, (arity, (dtype_id, ndim, *shape) per tensor) per port]
+    [used, num_ports, (arity, (dtype_id, ndim, *shape) per tensor) per port, 0...]
 
-as int64 tensors; the receiver allocates buffers from it and keeps it. Those receives are posted
-right after the action's other transfers, so they never hold up its sends.
+``header_capacity(num_ports)`` int64s (``HEADER_INTS_PER_PORT`` per port of the edge); a layout
+that does not fit raises :class:`~gpp_deepspeed.errors.GPPError` naming the edge.
+
+Why this cannot deadlock under NCCL
+-----------------------------------
+Every transfer action of the program, one transfer or a grouped ``P2P``, is exactly one
+``batch_isend_irecv`` (one group, ``ncclGroupStart``/``End``), and no point-to-point op is ever
+posted any other way, so batched and single ops never meet (PyTorch's NCCL process group has run
+them on different communicators). A group's receives are sized before it is posted: gradients
+from this rank's own outputs, activations from a layout received in an earlier action
+(:func:`~gpp_deepspeed.schedule.validate.check_lists` checks it), layouts from the fixed header
+size. So what runs on the wire is the program's list of groups, one per action, in order; the
+validator's rendezvous mode simulates exactly that list with a send completing only when its
+receive is posted, a group completing as a whole, and a stage posting a group only after its
+previous action completed (NCCL's stream order), and rejects any program that can stop under
+those rules. Messages between a pair of ranks match in posting order, at both ends the same
+(``layout, activations, layout, activations`` on an activation channel): the simulator checks the
+n-th message of a channel has the same micro-batch and kind at both ends. A two-phase exchange
+(layouts in one group, activations in the next) is as safe as that argument and no safer: both
+groups are actions the validator runs, not a detail of the transport. Where the grouped program
+fails the validator, lowering falls back to one transfer per group in one global order of messages
+(:func:`~gpp_deepspeed.schedule.lowering.group_for_rendezvous`), which runs under these rules.
+
+Assumed, not proven here: that the ops of one group progress once every peer's matching group has
+been launched, whatever their order inside it. NCCL does not promise that for groups spanning many
+peers (it may split a large group into several launches); a group here holds one stage's transfers
+at one point of its program, to a few peers. ``tests/strict_p2p.py`` runs the engine under these
+rules on gloo.
 
 Communicators: NCCL creates the communicator of a pair of ranks on its first transfer, a blocking
 collective of the two; :meth:`EdgeTransport.warm_up` makes one exchange over every stage edge, in
@@ -26,6 +55,7 @@ one global order, when the engine is built, so that no communicator is created m
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -34,7 +64,8 @@ from deepspeed import comm as dist
 
 from ..errors import GPPError
 
-__all__ = ["Layout", "EdgeTransport", "Outgoing", "Incoming", "encode_layout", "decode_layout", "pack", "unpack"]
+__all__ = ["Layout", "EdgeTransport", "Outgoing", "Incoming", "encode_layout", "decode_layout", "encode_header",
+           "decode_header", "header_capacity", "HEADER_INTS_PER_PORT", "pack", "unpack", "receive_buffers"]
 
 ID_TO_DTYPE = [
     torch.float32, torch.float64, torch.complex64, torch.complex128, torch.float16, torch.bfloat16, torch.uint8,
@@ -86,6 +117,45 @@ def decode_layout(ints: list[int]) -> Layout:
     return Layout(tuple(arity), tuple(specs))
 
 
+HEADER_INTS_PER_PORT = 64
+"""Layout header room per port of an edge: a port of ``k`` tensors of ``ndim`` dims each takes
+``1 + k * (2 + ndim)`` int64s (64: e.g. a tuple of 10 four-dim tensors)."""
+
+
+def header_capacity(num_ports: int) -> int:
+    """Size in int64s of the layout header of an edge of ``num_ports`` ports.
+
+    >>> header_capacity(1)
+    66
+    """
+    return 2 + HEADER_INTS_PER_PORT * num_ports
+
+
+def encode_header(arity, tensors, *, capacity: int, edge: tuple[int, int]) -> list[int]:
+    """The fixed-size layout header of one message of ``edge``.
+
+    >>> encode_header([-1], [torch.zeros(2, 3)], capacity=8, edge=(0, 1))
+    [6, 1, -1, 0, 2, 2, 3, 0]
+    """
+    ints = encode_layout(arity, tensors)
+    if 1 + len(ints) > capacity:
+        dims = max((t.dim() for t in tensors), default=0)
+        raise GPPError(f"the layout of edge {edge[0]} -> {edge[1]} ({len(arity)} port(s), {len(tensors)} tensors of up "
+                       f"to {dims} dims) takes {1 + len(ints)} int64s, more than its fixed header of {capacity} "
+                       f"({HEADER_INTS_PER_PORT} per port); send fewer tensors on that edge (select the ones its "
+                       "consumers read with \"name:i\" references) or cut the graph elsewhere")
+    return [len(ints), *ints] + [0] * (capacity - 1 - len(ints))
+
+
+def decode_header(ints: list[int]) -> "Layout":
+    """Read a header of :func:`encode_header` back.
+
+    >>> decode_header([6, 1, -1, 0, 2, 2, 3, 0]).specs
+    (((2, 3), torch.float32),)
+    """
+    return decode_layout(ints[1:1 + ints[0]])
+
+
 def pack(tensors) -> list[torch.Tensor]:
     """One flat buffer per dtype, in order of first appearance: what goes over the wire.
 
@@ -125,7 +195,7 @@ def _numel(shape) -> int:
     return n
 
 
-def _buffers(specs, device) -> list[torch.Tensor]:
+def receive_buffers(specs, device) -> list[torch.Tensor]:
     """Empty receive buffers for the message whose tensors are ``specs``."""
     sizes: dict[torch.dtype, int] = {}
     for shape, dtype in specs:
@@ -135,51 +205,69 @@ def _buffers(specs, device) -> list[torch.Tensor]:
 
 @dataclass
 class Outgoing:
-    """One message to send: an edge's activations (``arity`` given: the layout may go first) or
-    the gradients of one (``arity`` None: the receiver knows their shapes)."""
+    """One message to send: to global rank ``rank`` of stage ``peer``, the ``buffers`` that
+    :func:`pack` made (or one layout header)."""
 
     peer: int
-    edge: tuple[int, int]
-    tensors: list
-    arity: list[int] | None = None
-    rank: int | None = None   # which rank of stage ``peer`` (per-stage degrees); default its first
+    rank: int
+    buffers: list[torch.Tensor]
 
 
 @dataclass
 class Incoming:
-    """One message to receive: ``specs`` when the receiver knows the shapes (gradients), else the
-    edge's layout is used, received first when not known yet."""
+    """One message to receive from global rank ``rank`` of stage ``peer`` into ``buffers``, sized
+    before the receive is posted (:func:`receive_buffers`, or one layout header)."""
 
     peer: int
-    edge: tuple[int, int]
-    specs: tuple | None = None
-    rank: int | None = None   # which rank of stage ``peer`` (per-stage degrees); default its first
+    rank: int
+    buffers: list[torch.Tensor]
 
 
 class EdgeTransport:
-    """Grouped transfers to other stages of this rank's pipeline: receives block, sends complete
-    in the background until :meth:`wait_sends`."""
+    """One ``batch_isend_irecv`` per transfer action: receives block, sends complete in the
+    background until :meth:`wait_sends`; layouts received by the program, kept per edge and peer
+    rank."""
 
     def __init__(self, grid, device, *, stage: int, timeout_s: float):
         self.grid = grid
         self.device = device
         self.stage = stage
         self.timeout = timedelta(seconds=timeout_s)
-        self._pending: list[tuple[object, torch.Tensor]] = []
+        self._pending: list[tuple[object, list[torch.Tensor]]] = []
         # Keyed by (edge, peer rank): with per-stage degrees an edge has several peer ranks.
-        self._layouts: dict[tuple[tuple[int, int], int], Layout] = {}
-        self._sent_layout: set[tuple[tuple[int, int], int]] = set()
-
-    def _rank(self, stage: int) -> int:
-        return self.grid.stage_to_global(stage_id=stage)
-
-    def _peer_rank(self, m) -> int:
-        return self._rank(m.peer) if m.rank is None else m.rank
+        self._arrived: dict[tuple[tuple[int, int], int], deque[Layout]] = {}   # received, not used yet
+        self._layouts: dict[tuple[tuple[int, int], int], Layout] = {}           # the last one used
 
     def reset_layouts(self) -> None:
-        """Forget exchanged layouts (call on every rank when activation shapes change)."""
+        """Forget received layouts (call on every rank when activation shapes change: the next
+        program sends them again)."""
+        self._arrived.clear()
         self._layouts.clear()
-        self._sent_layout.clear()
+
+    def header_buffer(self, num_ports: int) -> torch.Tensor:
+        """An empty layout header for an edge of ``num_ports`` ports."""
+        return torch.empty(header_capacity(num_ports), dtype=torch.int64, device=self.device)
+
+    def header(self, arity, tensors, *, edge: tuple[int, int], num_ports: int) -> torch.Tensor:
+        """The layout header of one message of ``edge``."""
+        return torch.tensor(encode_header(arity, tensors, capacity=header_capacity(num_ports), edge=edge),
+                            dtype=torch.int64, device=self.device)
+
+    def keep_layout(self, edge: tuple[int, int], rank: int, header: torch.Tensor) -> None:
+        """Keep a received layout header for the next activation receive of ``edge`` from ``rank``."""
+        self._arrived.setdefault((edge, rank), deque()).append(decode_header(header.tolist()))
+
+    def layout(self, edge: tuple[int, int], rank: int) -> Layout:
+        """The layout of the next activation message of ``edge`` from ``rank``: the one received
+        for it (layout programs), else the last one used (static shapes after the first batch)."""
+        key = (edge, rank)
+        if self._arrived.get(key):
+            self._layouts[key] = self._arrived[key].popleft()
+        if key not in self._layouts:
+            raise GPPError(f"stage {self.stage} has no layout for edge {edge[0]} -> {edge[1]} from global rank {rank}: "
+                           "a program without layouts ran before any with them (reset_activation_shape() must be "
+                           "called on every rank)")
+        return self._layouts[key]
 
     def _op(self, op, tensor: torch.Tensor, rank: int):
         return dist.P2POp(op, tensor, rank)
@@ -200,68 +288,29 @@ class EdgeTransport:
             for w in works:
                 self._wait(w, peer, rank)
 
-    def exchange(self, sends: list[Outgoing], recvs: list[Incoming], *, always_layout: bool):
-        """Post every send and receive of one transfer action together; wait for the receives.
-
-        Returns, per incoming message, its layout (None for gradients) and its tensors.
-        """
+    def exchange(self, sends: list[Outgoing], recvs: list[Incoming]) -> None:
+        """Post every send and receive of one transfer action as one ``batch_isend_irecv`` and wait
+        for the receives (their buffers are then filled); the sends complete in the background."""
         self._reap()
-        ops, keep = [], []
-        for m in sends:
-            rank = self._peer_rank(m)
-            if m.arity is not None and (always_layout or (m.edge, rank) not in self._sent_layout):
-                ints = encode_layout(m.arity, m.tensors)
-                keep += [torch.tensor([len(ints)], dtype=torch.int64, device=self.device),
-                         torch.tensor(ints, dtype=torch.int64, device=self.device)]
-                ops += [self._op(dist.isend, keep[-2], rank), self._op(dist.isend, keep[-1], rank)]
-                self._sent_layout.add((m.edge, rank))
-            for buf in pack(m.tensors):
-                keep.append(buf)
-                ops.append(self._op(dist.isend, buf, rank))
+        ops = [self._op(dist.isend, b, m.rank) for m in sends for b in m.buffers]
         num_sends = len(ops)
-        layouts: list = [None] * len(recvs)
-        bufs: list = [None] * len(recvs)
-        waits: list[tuple[object, int]] = []
-        late = []
-        for i, m in enumerate(recvs):
-            rank = self._peer_rank(m)
-            if m.specs is None and (always_layout or (m.edge, rank) not in self._layouts):
-                late.append(i)
-                continue
-            layouts[i] = self._layouts[(m.edge, rank)] if m.specs is None else None
-            bufs[i] = _buffers(m.specs if m.specs is not None else layouts[i].specs, self.device)
-            ops += [self._op(dist.irecv, b, rank) for b in bufs[i]]
-            waits += [(None, m.peer, rank)] * len(bufs[i])
-        works = dist.batch_isend_irecv(ops) if ops else []
+        ops += [self._op(dist.irecv, b, m.rank) for m in recvs for b in m.buffers]
+        if not ops:
+            return
+        works = dist.batch_isend_irecv(ops)
         if len(works) == len(ops):  # one request per operation (gloo)
-            self._pending += list(zip(works[:num_sends], keep))
-            waits = [(w, peer, rank) for w, (_, peer, rank) in zip(works[num_sends:], waits)]
+            self._pending += [(w, [op.tensor]) for w, op in zip(works[:num_sends], ops)]
+            owners = [(m.peer, m.rank) for m in recvs for _ in m.buffers]
+            waits = list(zip(works[num_sends:], owners))
         else:  # one request for the coalesced group (NCCL): it completes as a whole
             first = (recvs or sends)[0]
-            waits = [(w, first.peer, self._peer_rank(first)) for w in works]
-        for i in late:
-            m = recvs[i]
-            rank = self._peer_rank(m)
-            layouts[i] = self.recv_layout(m.edge, m.peer, rank=rank)
-            bufs[i] = _buffers(layouts[i].specs, self.device)
-            waits += [(dist.irecv(b, rank), m.peer, rank) for b in bufs[i]]
-        for work, peer, rank in waits:
+            if not recvs:
+                self._pending += [(w, [op.tensor for op in ops]) for w in works]
+            waits = [(w, (first.peer, first.rank)) for w in works] if recvs else []
+        for work, (peer, rank) in waits:
             self._wait(work, peer, rank)
-        return [(layout, unpack(b, layout.specs if layout is not None else m.specs))
-                for layout, b, m in zip(layouts, bufs, recvs)]
 
-    def recv_layout(self, edge: tuple[int, int], peer: int, *, rank: int | None = None) -> Layout:
-        """Receive and keep the layout of ``edge`` from stage ``peer``'s rank ``rank`` (blocking)."""
-        rank = self._rank(peer) if rank is None else rank
-        length = torch.empty(1, dtype=torch.int64, device=self.device)
-        self._wait(dist.irecv(length, rank), peer, rank)
-        ints = torch.empty(int(length.item()), dtype=torch.int64, device=self.device)
-        self._wait(dist.irecv(ints, rank), peer, rank)
-        self._layouts[(edge, rank)] = decode_layout(ints.tolist())
-        return self._layouts[(edge, rank)]
-
-    def _wait(self, work, peer: int, rank: int | None = None) -> None:
-        rank = self._rank(peer) if rank is None else rank
+    def _wait(self, work, peer: int, rank: int) -> None:
         try:
             work.wait(timeout=self.timeout)
         except RuntimeError as exc:

@@ -19,11 +19,11 @@ Neither handler frees a buffer: the schedule's releases do (``RELEASE_OUT`` afte
 outputs and their gradients are used; ``RELEASE_W`` after ``W``), and what ``W`` needs lives in
 the buffer ``weight_grad`` in between.
 
-Every DeepSpeed-private name the split backward touches is in this module (pinned to DeepSpeed
-0.19.8): ``_running_engine_backward``, ``_backward_epilogue``, ``engine_timers``, the timers'
-``started_``, ``torch_autocast_z0_gradscaler``, ``ZeROOptimizer.scale_if_loss``, bf16's
-``clear_lp_grads`` / ``update_hp_grads``, and the engine's backward-graph tracker that tells
-DeepSpeed's output hooks a loss was already scaled.
+What the split backward needs of DeepSpeed's private side (the flag that tells its hooks the
+engine runs a backward, the backward timers and epilogue, the backward-graph tracker that tells its
+output hooks a loss was already scaled) is one named function each in :mod:`.compat`; the rest is
+public: ``ZeROOptimizer.scale_if_loss``, ``torch_autocast_z0_gradscaler``, bf16's
+``clear_lp_grads`` / ``update_hp_grads``.
 
 Activation checkpointing: DeepSpeed's default checkpoint is reentrant, and a reentrant checkpoint
 refuses an autograd pass restricted to some inputs (``inputs=``), which is what ``I`` is; so does
@@ -40,16 +40,15 @@ true}``) or a checkpoint function of its own is refused at construction.
 
 from __future__ import annotations
 
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
-from deepspeed.runtime import engine as ds_engine
 from deepspeed.runtime.activation_checkpointing import checkpointing
 from deepspeed.runtime.pipe import schedule as ds
 from deepspeed.runtime.base_optimizer import ZeROOptimizer
 
 from ..errors import GPPConfigError
+from . import compat
 from .flat import flatten
 from .split_backward import backward_input
 
@@ -120,7 +119,7 @@ def use_split_backward_recompute(engine) -> None:
     module = engine.module
     if engine.schedule_spec.splits_backward and module.activation_checkpoint_interval > 0:
         module.activation_checkpoint_func = recompute
-        module._precompute_checkpointable_values()
+        compat.precompute_checkpointable_values(module)
 
 
 class SplitBackwardMixin:
@@ -134,14 +133,14 @@ class SplitBackwardMixin:
             self.pipe_buffers["weight_grad"][buffer_id] = _Fused(outputs, grads, loss)
             return
         params = [p for p in self.module.parameters() if p.requires_grad]
-        with self._engine_backward():
+        with compat.engine_backward(self):
             if self.is_last_stage():
                 work = self._loss_backward_input(loss, inputs, params)
             else:
                 flat, _ = flatten(outputs)
                 pairs = [(flat[i], g) for i, g in sorted((grads or {}).items()) if flat[i].requires_grad]
                 work = backward_input([t for t, _ in pairs], [g for _, g in pairs], inputs=inputs, params=params)
-        self._stop_started_backward_timers()
+        compat.stop_started_backward_timers(self)
         self.pipe_buffers["weight_grad"][buffer_id] = work
 
     def _exec_backward_weight_pass(self, buffer_id):
@@ -151,13 +150,13 @@ class SplitBackwardMixin:
             return
         if self.using_bf16_optimizer:
             self.optimizer.clear_lp_grads()
-        with self._engine_backward():
+        with compat.engine_backward(self):
             work.run()
         if self.is_last_stage():
             # The rest of DeepSpeedEngine.backward(loss): what runs once the gradients exist.
-            self._start_stopped_backward_timers()
-            self._backward_epilogue()
-        elif self.using_bf16_optimizer and not self._config.bfloat16_config.immediate_grad_update:
+            compat.start_stopped_backward_timers(self)
+            compat.backward_epilogue(self)
+        elif compat.hp_grads_deferred(self):
             self.optimizer.update_hp_grads(clear_lp_grads=False)
         self._reduce_micro_batch()  # ZeRO-2: this micro-batch's gradients into the partitions
 
@@ -169,15 +168,6 @@ class SplitBackwardMixin:
 
     # -- DeepSpeed 0.19.8 internals ----------------------------------------------------------------
 
-    @contextmanager
-    def _engine_backward(self):
-        """Tell DeepSpeed's hooks the engine runs this backward (as ``_exec_backward_pass`` does)."""
-        self._running_engine_backward = True
-        try:
-            yield
-        finally:
-            self._running_engine_backward = False
-
     def _loss_backward_input(self, loss, inputs, params):
         """``I`` on the output stage: the loss scaled as ``DeepSpeedEngine.backward`` scales it,
         with the graph registered as loss-scaled so the output hooks do not divide again."""
@@ -186,7 +176,7 @@ class SplitBackwardMixin:
             loss = self.optimizer.scale_if_loss(loss)
         elif self.torch_autocast_z0_gradscaler:
             loss = self.torch_autocast_z0_gradscaler.scale(loss)
-        tracker = ds_engine._ENGINE_BACKWARD_GRAPH_TRACKER
+        tracker = compat.backward_graph_tracker()
         state = tracker.new_state()
         hook = loss.register_hook(lambda grad: tracker.register_current_graph(grad, state))
         try:
@@ -194,25 +184,6 @@ class SplitBackwardMixin:
         finally:
             hook.remove()
             tracker.unregister(state)
-
-    def _backward_timer_names(self):
-        return (*self.engine_timers.backward_inner_timers, *self.engine_timers.backward_timers)
-
-    def _stop_started_backward_timers(self):
-        # DeepSpeed's output hooks started the backward timers; its epilogue, which would stop
-        # them, runs with W (output stage) or not at all (REDUCE_GRAD does the all-reduce).
-        for name in self._backward_timer_names():
-            timer = self.timers(name)
-            if getattr(timer, "started_", False):
-                timer.stop()
-
-    def _start_stopped_backward_timers(self):
-        if not self.wall_clock_breakdown():
-            return
-        for name in self._backward_timer_names():
-            timer = self.timers(name)
-            if not getattr(timer, "started_", True):
-                timer.start()
 
     _SPLIT_INSTRUCTIONS = {BackwardInputPass: _exec_backward_input_pass,
                            BackwardWeightPass: _exec_backward_weight_pass}

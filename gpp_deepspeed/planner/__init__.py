@@ -4,7 +4,8 @@ Everything here is pure Python (no torch): profiles and plans are JSON, so plann
 cluster runs on a laptop.
 """
 
-from .costs import CommFit, CostDB, Hardware, LayerCost, StageCost, StageCostModel, micro_batch_sizes
+from .costs import (ZERO_STAGES, CommFit, CostDB, Hardware, LayerCost, StageCost, StageCostModel, micro_batch_sizes,
+                    weight_state_bytes)
 from .inflight import in_flight, stage_in_flight
 from .plan import Plan, PlanStage, Prediction, SearchResult
 from .search import graphpipe_partition, graphpipe_search
@@ -12,6 +13,7 @@ from .simulate import predict, simulate_plan
 from .sp import Leaf, Parallel, Series, sp_decompose, sp_ize, sp_tree
 
 __all__ = ["CommFit", "CostDB", "Hardware", "LayerCost", "StageCost", "StageCostModel", "micro_batch_sizes",
+           "ZERO_STAGES", "weight_state_bytes",
            "in_flight", "stage_in_flight", "Plan", "PlanStage", "Prediction", "SearchResult",
            "graphpipe_partition", "graphpipe_search", "predict", "simulate_plan",
            "Leaf", "Parallel", "Series", "sp_decompose", "sp_ize", "sp_tree"]

@@ -17,6 +17,11 @@ time per sample (TPS)
 in flight
     Micro-batches whose forward ran on a stage and whose backward has not: their activations
     are stashed. Under synchronous 1F1B it is the stage's depth to the sink (Sec. 6).
+ZeRO stage
+    How a stage's data-parallel group of ``n`` ranks shares its weight state (Rajbhandari et
+    al., "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models", SC 2020): 0
+    replicates everything, 1 partitions the optimizer state over the ``n`` ranks, 2 the gradients
+    too, 3 the parameters too (:func:`weight_state_bytes`, :func:`zero_collectives`).
 
 Every planner (GraphPipe, PipeDream, Piper, DeepSpeed's partitions) prices stages with
 :class:`StageCostModel`, and every plan is timed by the same simulator, so comparisons differ
@@ -39,7 +44,10 @@ from ..graph.placement import reshard
 from ..graph.stages import derive_partition
 
 __all__ = ["CommFit", "LayerCost", "Hardware", "CostDB", "Boundary", "StageCost", "StageCostModel", "edge_bytes",
-           "plan_boundaries", "allreduce_time", "allreduce_coefficients", "micro_batch_sizes", "reshard_messages"]
+           "plan_boundaries", "allreduce_time", "allreduce_coefficients", "allgather_coefficients", "micro_batch_sizes",
+           "reshard_messages", "ZERO_STAGES", "weight_state_bytes", "zero_collectives", "check_zero_stage"]
+
+ZERO_STAGES = (0, 1, 2, 3)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -300,20 +308,24 @@ class StageCost:
 
     fwd_s: float          # forward compute plus receiving activations, per micro-batch
     bwd_s: float          # backward compute plus sending input gradients back, per micro-batch
-    allreduce_s: float    # gradient all-reduce inside the stage's group, once per mini-batch
-    weight_bytes: float   # parameters, gradients and optimizer state per device
+    allreduce_s: float    # the group's once-per-mini-batch collective (zero_collectives): the gradient
+                          # all-reduce; under ZeRO-2 the parameter all-gather; none under ZeRO-3
+    weight_bytes: float   # parameters, gradients and optimizer state per device (weight_state_bytes)
     stash_bytes: float    # activations stashed per in-flight micro-batch per device
     bwd_input_s: float = 0.0   # split backward: input gradients plus the gradient transfers (I)
     bwd_weight_s: float = 0.0  # split backward: weight gradients (W)
     working_bytes: float = 0.0  # recomputed stage: one micro-batch's activations during its backward
     param_bytes: float = 0.0    # one copy of the parameters (an asynchronous schedule stashes versions)
+    gathered_bytes: float = 0.0  # ZeRO-3: the largest layer's parameters, gathered whole while it computes
 
     def memory(self, in_flight: int, versions: int = 0) -> float:
         """Peak bytes per device with ``in_flight`` micro-batches and ``versions`` extra copies of
         the weights stashed (GraphPipe Sec. 3, Eq. 2; a recomputed stage stashes only its inputs
         and rebuilds one micro-batch's activations at a time, PipeDream-2BW Sec. 3.3; the stash
-        counts of each schedule: :func:`~gpp_deepspeed.planner.inflight.schedule_memory`)."""
-        return self.weight_bytes + in_flight * self.stash_bytes + self.working_bytes + versions * self.param_bytes
+        counts of each schedule: :func:`~gpp_deepspeed.planner.inflight.schedule_memory`; ZeRO-3
+        holds one layer's parameters gathered at a time on top of its partitions)."""
+        return (self.weight_bytes + in_flight * self.stash_bytes + self.working_bytes + versions * self.param_bytes
+                + self.gathered_bytes)
 
 
 @dataclass
@@ -336,14 +348,19 @@ class StageCostModel:
       are placed gets :meth:`boundary`'s estimate of the messages;
     * all-reduce: ring, ``2 (n-1)/n * param_bytes`` per device plus ``2 (n-1)`` latencies, once
       per mini-batch (:func:`allreduce_time`); its share per micro-batch is ``b / B`` of it.
+      Under ``zero_stage`` 2 and 3 the group's collectives move into the micro-batches
+      (:func:`zero_collectives`);
+    * weight state: :func:`weight_state_bytes` of the stage's parameters under ``zero_stage``.
     """
 
     db: CostDB
     mini_batch: int
     p2p_devices: int = 1
+    zero_stage: int = 0
     _cache: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self):
+        check_zero_stage(self.zero_stage)
         layers = self.db.layers
         index = {c.name: i for i, c in enumerate(layers)}
         self.num_layers = len(layers)
@@ -530,7 +547,7 @@ class StageCostModel:
         hw = self.db.hardware
         shard = b / n
         fwd = bwd = grad_in = grad_w = 0.0
-        params = stash = 0.0
+        params = stash = largest = 0.0
         rows = self._layer_rows(shard)
         for i in self._members(mask):
             f, bw, gi, gw, p, st = rows[i]
@@ -540,16 +557,22 @@ class StageCostModel:
             grad_w += gw
             params += p
             stash += st
+            largest = max(largest, p)
         bd = self.boundary(mask) if boundary is None else boundary
         # Activations arrive before the forward and leave after it; gradients mirror them
         # (with a split backward, around I: W talks to no one). Each message keeps the stage busy
         # (CommFit.busy); its time in flight overlaps other work and is the simulator's.
         comm = ((bd.in_messages + bd.out_messages) * self.link.busy_s
                 + (bd.in_bytes + bd.out_bytes) * shard * self.link.beta_s_per_byte)
-        fwd += comm
-        bwd += comm
-        grad_in += comm
-        allreduce = allreduce_time(hw.ring(n), n, params)
+        # The data-parallel group's collectives: once per mini-batch, and under ZeRO-2/3 per
+        # micro-batch (the parameter all-gather before F and before I, the gradient reduce-scatter
+        # after W; with an unsplit backward B does both of the latter).
+        allreduce, ag_fwd, ag_bwd, rs_bwd = (_affine(c, params) for c in zero_collectives(hw.ring(n), n,
+                                                                                          zero_stage=self.zero_stage))
+        fwd += comm + ag_fwd
+        bwd += comm + ag_bwd + rs_bwd
+        grad_in += comm + ag_bwd
+        grad_w += rs_bwd
         working = 0.0
         if recompute:
             again = sum(rows[i][0] for i in self._members(mask))
@@ -557,8 +580,11 @@ class StageCostModel:
             grad_in += again
             working, stash = stash, bd.in_bytes
         cost = StageCost(fwd_s=fwd, bwd_s=bwd, allreduce_s=allreduce,
-                         weight_bytes=params * (1 + hw.optimizer_factor), stash_bytes=stash * shard,
-                         bwd_input_s=grad_in, bwd_weight_s=grad_w, working_bytes=working * shard, param_bytes=params)
+                         weight_bytes=weight_state_bytes(params, optimizer_factor=hw.optimizer_factor, num_devices=n,
+                                                         zero_stage=self.zero_stage),
+                         stash_bytes=stash * shard, bwd_input_s=grad_in, bwd_weight_s=grad_w,
+                         working_bytes=working * shard, param_bytes=params,
+                         gathered_bytes=largest if self.zero_stage == 3 and n > 1 else 0.0)
         self._cache[key] = cost
         return cost
 
@@ -582,9 +608,11 @@ class StageCostModel:
 
     def inference_memory(self, mask: int, b: int, n: int) -> float:
         """Bytes per device of a forward-only stage: the parameters (no gradients, no optimizer
-        state) and one micro-batch's activations."""
+        state; partitioned under ZeRO-3, which gathers one layer at a time) and one micro-batch's
+        activations."""
         c = self.stage(mask, b, n)
-        return c.param_bytes + c.stash_bytes
+        params = weight_state_bytes(c.param_bytes, optimizer_factor=0.0, num_devices=n, zero_stage=self.zero_stage)
+        return params + c.gathered_bytes + c.stash_bytes
 
 
 def edge_bytes(db: CostDB, stage_of: dict[str, int], *, relay: bool) -> dict[tuple[int, int], float]:
@@ -642,6 +670,113 @@ def allreduce_time(link: CommFit, num_devices: int, nbytes: float) -> float:
         return 0.0
     latency, per_byte = allreduce_coefficients(link, num_devices)
     return latency + per_byte * nbytes
+
+
+def allgather_coefficients(link: CommFit, num_devices: int) -> tuple[float, float]:
+    """Latency seconds and seconds per byte of a ring all-gather of ``nbytes`` in all among
+    ``num_devices`` devices over ``link``, and of a ring reduce-scatter (the same steps, the other
+    way): ``n - 1`` steps, each moving ``1 / n`` of the bytes (Thakur, Rabenseifner and Gropp,
+    "Optimization of Collective Communication Operations in MPICH", IJHPCA 2005, Sec. 4). A ring
+    all-reduce is one of each (:func:`allreduce_coefficients`).
+
+    >>> allgather_coefficients(CommFit(alpha_s=1.0, beta_s_per_byte=1.0), 4)
+    (3.0, 0.75)
+    """
+    n = num_devices
+    if n < 2:
+        return 0.0, 0.0
+    return (n - 1) * link.alpha_s, (n - 1) / n * link.beta_s_per_byte
+
+
+def check_zero_stage(zero_stage: int) -> int:
+    """``zero_stage`` if it is one of :data:`ZERO_STAGES`; else a :class:`GPPConfigError`."""
+    if zero_stage not in ZERO_STAGES:
+        raise GPPConfigError(f"ZeRO stage must be one of {list(ZERO_STAGES)} (DeepSpeed's "
+                             f'"zero_optimization": {{"stage": ...}}), got {zero_stage!r}')
+    return zero_stage
+
+
+def weight_state_bytes(param_bytes, *, optimizer_factor: float, num_devices, zero_stage: int = 0):
+    """Bytes of parameters, gradients and optimizer state that one rank of a stage holds, the
+    stage's parameters being ``param_bytes`` in all and its data-parallel group ``num_devices``
+    ranks sharing them under ZeRO stage ``zero_stage``. The one memory formula every planner calls;
+    numpy arrays broadcast through it.
+
+    ZeRO (Rajbhandari et al., SC 2020, Sec. 5 and Fig. 1) with ``Psi`` parameters, mixed
+    precision (2-byte parameters and gradients, ``K = 12`` bytes of fp32 master weights and Adam
+    moments per parameter) and ``N_d`` ranks::
+
+        stage 0 (baseline)  (2 + 2 + K) Psi
+        stage 1 (P_os)      2 Psi + 2 Psi + K Psi / N_d
+        stage 2 (P_os+g)    2 Psi + (2 + K) Psi / N_d
+        stage 3 (P_os+g+p)  (2 + 2 + K) Psi / N_d
+
+    Here ``param_bytes`` is ``2 Psi`` (or ``4 Psi`` in fp32) and ``optimizer_factor`` ``f`` is the
+    gradient and optimizer bytes per parameter byte (:class:`Hardware`): the gradient is one
+    parameter's bytes (``2 Psi``) and the optimizer state the other ``f - 1`` (``K Psi = 6 * 2 Psi``
+    mixed, ``f = 7``; fp32 Adam's two moments ``2 * 4 Psi``, ``f = 3``). An optimizer without state
+    (``f <= 1``) keeps the gradient only.
+
+    The paper's worked example, 7.5B parameters on ``N_d = 64``: 120 GB, 31.4 GB, 16.6 GB, 1.9 GB.
+
+    >>> psi = 7.5e9
+    >>> [round(weight_state_bytes(2 * psi, optimizer_factor=7.0, num_devices=64, zero_stage=z) / 1e9, 1)
+    ...  for z in ZERO_STAGES]
+    [120.0, 31.4, 16.6, 1.9]
+    """
+    check_zero_stage(zero_stage)
+    if zero_stage == 0:
+        return param_bytes * (1 + optimizer_factor)
+    if zero_stage == 1:
+        grads = min(optimizer_factor, 1.0) * param_bytes
+        return param_bytes + grads + (param_bytes * optimizer_factor - grads) / num_devices
+    if zero_stage == 2:
+        return param_bytes + param_bytes * optimizer_factor / num_devices
+    return param_bytes * (1 + optimizer_factor) / num_devices
+
+
+_NO_COLLECTIVE = (0.0, 0.0)
+
+
+def zero_collectives(link: CommFit, num_devices: int, *, zero_stage: int = 0) -> tuple[tuple[float, float], ...]:
+    """The collectives of a stage's data-parallel group of ``num_devices`` ranks under ZeRO stage
+    ``zero_stage``, as (latency seconds, seconds per parameter byte) of four parts: once per
+    mini-batch, then per micro-batch with its forward, with its backward before the input
+    gradients (``I``) and with its backward after the weight gradients (``W``).
+
+    * stages 0 and 1: one ring all-reduce of the gradients per mini-batch (ZeRO-1's reduce-scatter
+      of the gradients and all-gather of the updated parameters move the same bytes, ZeRO Sec.
+      7.2.1);
+    * stage 2: a rank keeps only its partition of the gradients between micro-batches, so each
+      micro-batch's gradients are reduce-scattered as its backward makes them (ZeRO Sec. 5.2;
+      DeepSpeed's ``DeepSpeedEngine.allreduce_gradients``: "ZeRO stage >= 2 communicates during
+      non gradient accumulation boundaries as well", stage 1 only at the boundary), and the
+      updated parameters are all-gathered once per mini-batch;
+    * stage 3: the parameters are all-gathered before each micro-batch's forward and again before
+      its backward, and the gradients reduce-scattered after it (ZeRO Sec. 7.2.2: 1.5 times the
+      all-reduce's bytes for one micro-batch); nothing per mini-batch.
+
+    Each all-gather and reduce-scatter costs :func:`allgather_coefficients`, half an all-reduce.
+
+    >>> link = CommFit(alpha_s=1.0, beta_s_per_byte=1.0)
+    >>> for z in (1, 2, 3):
+    ...     print(zero_collectives(link, 4, zero_stage=z))
+    ((6.0, 1.5), (0.0, 0.0), (0.0, 0.0), (0.0, 0.0))
+    ((3.0, 0.75), (0.0, 0.0), (0.0, 0.0), (3.0, 0.75))
+    ((0.0, 0.0), (3.0, 0.75), (3.0, 0.75), (3.0, 0.75))
+    """
+    check_zero_stage(zero_stage)
+    if zero_stage <= 1:
+        return allreduce_coefficients(link, num_devices), _NO_COLLECTIVE, _NO_COLLECTIVE, _NO_COLLECTIVE
+    half = allgather_coefficients(link, num_devices)
+    if zero_stage == 2:
+        return half, _NO_COLLECTIVE, _NO_COLLECTIVE, half
+    return _NO_COLLECTIVE, half, half, half
+
+
+def _affine(coefficients: tuple[float, float], nbytes: float) -> float:
+    """Seconds of a collective of ``nbytes`` with these (latency, per byte); nothing without bytes."""
+    return 0.0 if nbytes <= 0 else coefficients[0] + coefficients[1] * nbytes
 
 
 def micro_batch_sizes(mini_batch: int, candidates: Sequence[int] | None = None) -> list[int]:

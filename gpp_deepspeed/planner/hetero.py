@@ -94,8 +94,9 @@ class Cluster:
         """``db`` as the devices of class ``name`` see it."""
         return _class_costs(db, self.by_name(name), self.link)
 
-    def stage_model(self, db: CostDB, name: str | None, mini_batch: int, p2p_devices: int) -> StageCostModel:
-        return StageCostModel(self.class_costs(db, name), mini_batch, p2p_devices=p2p_devices)
+    def stage_model(self, db: CostDB, name: str | None, mini_batch: int, p2p_devices: int, *,
+                    zero_stage: int = 0) -> StageCostModel:
+        return StageCostModel(self.class_costs(db, name), mini_batch, p2p_devices=p2p_devices, zero_stage=zero_stage)
 
     @classmethod
     def load(cls, path: str | Path) -> "Cluster":

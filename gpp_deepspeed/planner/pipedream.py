@@ -45,7 +45,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from ..schedule.asynchronous import WeightRule
-from .costs import NO_BOUNDARY, StageCostModel, allreduce_coefficients
+from .costs import StageCostModel, weight_state_bytes, zero_collectives
 
 __all__ = ["ChainCosts", "pipedream_bottleneck"]
 
@@ -58,7 +58,9 @@ class ChainCosts:
 
     The formulas are those of :meth:`StageCostModel.stage` with a chain boundary: compute is
     summed per layer, each stage receives and sends its two cut tensors forward and their
-    gradients backward, and a replicated stage pays its share ``b / B`` of a ring all-reduce.
+    gradients backward, and a replicated stage pays its share ``b / B`` of a ring all-reduce (under
+    ZeRO-2/3 its per-micro-batch collectives, :func:`~gpp_deepspeed.planner.costs.zero_collectives`);
+    its weight state is :func:`~gpp_deepspeed.planner.costs.weight_state_bytes`.
     """
 
     model: StageCostModel
@@ -93,11 +95,8 @@ class ChainCosts:
         key = (b, r)
         hit = self._compute.get(key)
         if hit is None:
-            per_layer = []
-            for i in self.positions:
-                c = self.model.stage(1 << i, b, r, boundary=NO_BOUNDARY)
-                per_layer.append(c.fwd_s + c.bwd_s)
-            hit = self._compute[key] = _prefix(per_layer)
+            times = self.model.layer_times(b / r)
+            hit = self._compute[key] = _prefix(sum(times[i]) for i in self.positions)
         return hit
 
     def stage_row(self, i: int, b: int, r: int, *, cap: float = _INF, stop: int | None = None):
@@ -117,25 +116,32 @@ class ChainCosts:
         busy, beta = self.model.link.busy_s, self.model.link.beta_s_per_byte
         shard = b / r
         share = b / self.model.mini_batch
-        ar_alpha, ar_beta = allreduce_coefficients(hw.ring(r), r)
+        zero = self.model.zero_stage
+        # The group's collectives (zero_collectives): once per mini-batch (b / B of it per
+        # micro-batch) and, under ZeRO-2/3, per micro-batch.
+        (ar_alpha, ar_beta), *per_mb = zero_collectives(hw.ring(r), r, zero_stage=zero)
+        mb_alpha, mb_beta = sum(c[0] for c in per_mb), sum(c[1] for c in per_mb)
         comm_in = 2 * self.model.link.busy(cut[i] * shard)
         lower = [_INF] * (n + 1)
         tps = [_INF] * (n + 1)
         weight = [0.0] * (i + 1) + [_INF] * (n - i)
         stash = [0.0] * (n + 1)
-        c0, p0, s0, wf = compute[i], params[i], stash_sum[i], 1 + hw.optimizer_factor
+        c0, p0, s0, f = compute[i], params[i], stash_sum[i], hw.optimizer_factor
+        largest = 0.0    # ZeRO-3 gathers one layer's parameters at a time (StageCost.gathered_bytes)
         for j in range(i + 1, (n if stop is None else stop) + 1):
-            w = (params[j] - p0) * wf
+            p = params[j] - p0
+            if zero == 3 and r > 1:
+                largest = max(largest, params[j] - params[j - 1])
+            w = weight_state_bytes(p, optimizer_factor=f, num_devices=r, zero_stage=zero) + largest
             st = (stash_sum[j] - s0) * shard
             work = compute[j] - c0
             if w + st > limit or work > cap * b:
                 break
-            p = params[j] - p0
             x = cut[j] * shard
             comm = comm_in + 2 * (busy + beta * x) if x > 0 else comm_in
-            allreduce = ar_alpha + ar_beta * p if p > 0 else 0.0
+            allreduce = (ar_alpha + ar_beta * p) * share + mb_alpha + mb_beta * p if p > 0 else 0.0
             lower[j] = work / b
-            tps[j] = (work + comm + allreduce * share) / b
+            tps[j] = (work + comm + allreduce) / b
             weight[j] = w
             stash[j] = st
         return lower, tps, weight, stash

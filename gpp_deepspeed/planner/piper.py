@@ -41,7 +41,7 @@ from typing import Sequence
 import numpy as np
 
 from ..errors import SearchLimitError
-from .costs import NO_BOUNDARY, StageCostModel, allreduce_coefficients
+from .costs import StageCostModel, weight_state_bytes, zero_collectives
 
 __all__ = ["enumerate_upsets", "piper_bottlenecks"]
 
@@ -89,6 +89,7 @@ class _Pairs:
     fed_bytes: np.ndarray    # [D] bytes per sample X reads from outside itself, each tensor once
     params: np.ndarray       # [D] parameter bytes
     stash: np.ndarray        # [D] stashed bytes per sample
+    layer_params: np.ndarray  # [n] parameter bytes of each layer
 
     @classmethod
     def build(cls, model: StageCostModel, upsets: list[int]) -> "_Pairs":
@@ -107,9 +108,11 @@ class _Pairs:
         feeds = ~member & (readers > 0)
         out_bytes = np.array([c.out_bytes for c in layers], dtype=np.float64)
         as_float = member.astype(np.float64)
+        param_bytes = np.array([c.param_bytes for c in layers], dtype=np.float64)
         return cls(upsets=upsets, words=words, member=member, fed_bytes=feeds @ out_bytes,
-                   params=as_float @ np.array([c.param_bytes for c in layers], dtype=np.float64),
-                   stash=as_float @ np.array([c.stash_bytes for c in layers], dtype=np.float64))
+                   params=as_float @ param_bytes,
+                   stash=as_float @ np.array([c.stash_bytes for c in layers], dtype=np.float64),
+                   layer_params=param_bytes)
 
     def below(self, u: int) -> np.ndarray:
         """Indices of the upsets strictly inside upset ``u`` (they precede it: sorted by size)."""
@@ -154,23 +157,20 @@ class _Combos:
             picked = [i for i, b in enumerate(mbs) if b % d == 0]
             contiguous = picked == list(range(picked[0], picked[-1] + 1))
             rows.append(slice(picked[0], picked[-1] + 1) if contiguous else np.array(picked))
-            latency, per_byte = allreduce_coefficients(hw.ring(d), d)
+            (latency, per_byte), *per_mb = zero_collectives(hw.ring(d), d, zero_stage=model.zero_stage)
+            mb_latency, mb_per_byte = sum(c[0] for c in per_mb), sum(c[1] for c in per_mb)
             for i in picked:
                 b = mbs[i]
                 ds.append(d)
                 shards.append(b / d)
                 # The all-reduce is paid once per mini-batch B: b / B of it per micro-batch, 1 / B
-                # per sample.
-                coef.append((1 / b, 1 / d, latency / model.mini_batch, per_byte / model.mini_batch))
-                per_layer.append([_compute_s(model, l, b, d) / b for l in range(model.num_layers)])
+                # per sample; ZeRO-2/3's collectives once per micro-batch, 1 / b per sample.
+                coef.append((1 / b, 1 / d, latency / model.mini_batch + mb_latency / b,
+                             per_byte / model.mini_batch + mb_per_byte / b))
+                per_layer.append([sum(model.layer_times(b / d)[l]) / b for l in range(model.num_layers)])
         compute = np.array(per_layer, dtype=np.float64) @ pairs.member.T.astype(np.float64)
         return cls(mbs, num_devices, degrees, rows, np.array(ds, dtype=np.float64)[:, None],
                    np.array(shards)[:, None], np.array(coef), compute, (np.empty(compute.size), np.empty(compute.size)))
-
-
-def _compute_s(model: StageCostModel, layer: int, b: int, d: int) -> float:
-    c = model.stage(1 << layer, b, d, boundary=NO_BOUNDARY)
-    return c.fwd_s + c.bwd_s
 
 
 def _price(model: StageCostModel, pairs: _Pairs, combos: _Combos, u: int, sub: np.ndarray):
@@ -190,7 +190,12 @@ def _price(model: StageCostModel, pairs: _Pairs, combos: _Combos, u: int, sub: n
     np.subtract(combos.compute[:, u][:, None], tps, out=tps)
     tps += np.matmul(combos.coef, features, out=extra)
     # Fits with y in flight when weight + y * stash <= memory (StageCostModel.memory); y <= N.
-    weight = params * (1 + hw.optimizer_factor)
+    weight = weight_state_bytes(params, optimizer_factor=hw.optimizer_factor, num_devices=combos.d,
+                                zero_stage=model.zero_stage)    # [K, k]
+    if model.zero_stage == 3:
+        # One layer's parameters gathered at a time (StageCost.gathered_bytes): the stage's largest.
+        largest = np.where(pairs.member[u] & ~pairs.member[sub], pairs.layer_params, 0.0).max(axis=1, initial=0.0)
+        weight = weight + np.where(combos.d > 1, largest, 0.0)
     stash = pairs.stash[u] - pairs.stash[sub]
     if np.all(weight + combos.num_devices * combos.shard.max() * stash <= hw.memory_bytes):
         return tps, None

@@ -21,6 +21,7 @@ from pathlib import Path
 from ..errors import GPPConfigError
 from ..graph.ir import LayerGraph
 from ..graph.stages import Partition, derive_partition
+from .costs import check_zero_stage
 
 __all__ = ["PlanStage", "Prediction", "Plan", "SearchResult"]
 
@@ -62,6 +63,8 @@ class Plan:
     DeepSpeed's ``PipelineEngine`` and PipeDream run the baselines' plans). ``schedule`` names the
     training schedule the plan was priced with (``"1f1b"``, ``"zb1"``, ``"zb2"``, ...); an engine
     loading the plan runs it unless its config's ``graph_pipeline.schedule`` names another.
+    ``zero_stage`` is the ZeRO stage the plan's memory and collectives were priced with (0 to 3,
+    DeepSpeed's ``zero_optimization.stage``; a file written before the field existed loads as 0).
 
     >>> p = Plan(model="m", method="manual", source="hand", micro_batch=2, mini_batch=8,
     ...          stages=(PlanStage(layers=("a",)), PlanStage(layers=("b", "c"))))
@@ -79,6 +82,7 @@ class Plan:
     stages: tuple[PlanStage, ...]
     pipeline: str = "graph"
     schedule: str = "1f1b"
+    zero_stage: int = 0
     stage_edges: tuple[tuple[int, int], ...] = ()
     predicted: Prediction | None = None
     notes: dict = field(default_factory=dict)
@@ -112,6 +116,7 @@ class Plan:
             raise GPPConfigError(f'plan "pipeline" must be "graph" or "chain", got {self.pipeline!r}')
         if self.micro_batch < 1 or self.mini_batch % self.micro_batch:
             raise GPPConfigError(f"plan micro-batch {self.micro_batch} must divide mini-batch {self.mini_batch}")
+        check_zero_stage(self.zero_stage)
 
     def partition(self, graph: LayerGraph) -> Partition:
         """The runtime's view of this plan: stage ports and the stage graph."""
@@ -148,7 +153,8 @@ class Plan:
 
     def describe(self) -> str:
         lines = [f"{self.method} plan for {self.model}: {self.num_stages} stages on {self.num_devices} devices, "
-                 f"micro-batch {self.micro_batch} of mini-batch {self.mini_batch}, schedule {self.schedule}"]
+                 f"micro-batch {self.micro_batch} of mini-batch {self.mini_batch}, schedule {self.schedule}"
+                 + (f", ZeRO stage {self.zero_stage}" if self.zero_stage else "")]
         for i, s in enumerate(self.stages):
             shown = list(s.layers) if len(s.layers) <= 6 else [*s.layers[:3], "...", *s.layers[-2:]]
             lines.append(f"  stage {i} x{s.devices}" + (f" {s.device_class}" if s.device_class else "")

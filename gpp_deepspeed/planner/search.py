@@ -22,8 +22,10 @@ from typing import Callable, Sequence
 import networkx as nx
 
 from ..errors import GPPConfigError, InfeasiblePlanError
+from ..schedule.registry import is_async
 from ._dp import FeasibilityDP, flatten, work_fn
-from .costs import NO_BOUNDARY, CommFit, CostDB, Hardware, LayerCost, StageCostModel, micro_batch_sizes
+from .costs import (NO_BOUNDARY, CommFit, CostDB, Hardware, LayerCost, StageCostModel, check_zero_stage,
+                    micro_batch_sizes)
 from .inflight import deepest_pipeline, needs_pipeline_depth, schedule_memory, stage_in_flight
 from .plan import Plan, PlanStage, SearchResult
 from .simulate import predict
@@ -165,7 +167,8 @@ def _slowest_layer(cm: StageCostModel, b: int, stage_devices: Sequence[int]) -> 
 
 def graphpipe_search(db: CostDB, *, num_devices: int, mini_batch: int, micro_batches: Sequence[int] | None = None,
                      space: str = "full", schedules: Sequence[str] = ("1f1b",), rel_tol: float = _REL_TOL,
-                     recompute: bool = False, progress: Callable[[str], None] | None = None) -> SearchResult:
+                     recompute: bool = False, zero_stages: Sequence[int] = (0,),
+                     progress: Callable[[str], None] | None = None) -> SearchResult:
     """GraphPipe's plan for ``db`` on ``num_devices`` devices: the best predicted throughput over
     the micro-batch sweep of the least-bottleneck stage graphs, under each of ``schedules``.
 
@@ -180,47 +183,71 @@ def graphpipe_search(db: CostDB, *, num_devices: int, mini_batch: int, micro_bat
     ``"runtime"`` space gives every stage the same degree. ``recompute=True`` lets a stage that
     would not fit recompute its activations in the backward (PipeDream-2BW's per-stage choice);
     the plan marks those stages.
+
+    ``zero_stages`` are the ZeRO stages to search under, one for the whole plan (DeepSpeed's
+    ``zero_optimization.stage``): each prices every stage's weight state
+    (:func:`~gpp_deepspeed.planner.costs.weight_state_bytes`) and its group's collectives
+    (:func:`~gpp_deepspeed.planner.costs.zero_collectives`). Searched lowest first, a higher
+    stage's plan is kept only when it is faster than every lower stage's: a higher stage holds
+    less memory but communicates as much or more, so it wins only where memory binds (it admits
+    a stage graph, micro-batch or degree the lower one cannot fit). ``(0, 1, 2, 3)`` is ``gpp plan
+    --zero auto``. Stages 2 and 3 are not searched under an asynchronous schedule.
     """
     if space not in SPACES:
         raise GPPConfigError(f'search space must be one of {SPACES}, got "{space}"')
     schedules = tuple(n.lower() for n in schedules) or ("1f1b",)
     for name in schedules:
         schedule_memory(name, depth=1, pipeline_depth=1, num_microbatches=1)   # an unknown name fails here
+    zero_stages = sorted({check_zero_stage(z) for z in zero_stages}) or [0]
+    for name in schedules:
+        if is_async(name) and zero_stages[0] >= 2:
+            raise GPPConfigError(f'schedule "{name}" stashes whole weight versions: plan it with ZeRO stage 0 or 1, '
+                                 f"not {zero_stages}")
     start = time.perf_counter()
-    sweep = _Sweep(db, num_devices=num_devices, mini_batch=mini_batch, space=space, rel_tol=rel_tol,
-                   recompute=recompute, progress=progress)
-    bests = [sweep.run(name, micro_batch_sizes(mini_batch, micro_batches)) for name in schedules]
-    elapsed = time.perf_counter() - start - sweep.predict_s
+    sweeps = [_Sweep(db, num_devices=num_devices, mini_batch=mini_batch, space=space, rel_tol=rel_tol,
+                     recompute=recompute, progress=progress, zero_stage=z) for z in zero_stages]
+    sizes = micro_batch_sizes(mini_batch, micro_batches)
+    bests = []
+    for name in schedules:
+        best = None
+        for sweep in sweeps:   # lowest ZeRO stage first: a higher one must be strictly faster to replace it
+            if sweep.zero_stage < 2 or not is_async(name):
+                best = sweep.run(name, sizes, best)
+        bests.append(best)
+    states = sum(sweep.states for sweep in sweeps)
+    elapsed = time.perf_counter() - start - sum(sweep.predict_s for sweep in sweeps)
     found = [p for p in bests if p is not None]
     if not found:
         gib = db.hardware.memory_bytes / 2**30
-        return SearchResult(method="graphpipe", plan=None, search_time_s=elapsed, states=sweep.states,
-                            status=f"no plan fits {gib:.1f} GiB per device on {num_devices} devices at any micro-batch",
-                            alternatives=tuple(bests))
+        under = "" if zero_stages == [0] else f" under ZeRO stage {', '.join(map(str, zero_stages))}"
+        return SearchResult(method="graphpipe", plan=None, search_time_s=elapsed, states=states,
+                            status=f"no plan fits {gib:.1f} GiB per device on {num_devices} devices at any "
+                                   f"micro-batch{under}", alternatives=tuple(bests))
     best = max(found, key=lambda p: p.predicted.samples_per_s)
-    return SearchResult(method="graphpipe", plan=best, search_time_s=elapsed, states=sweep.states,
+    return SearchResult(method="graphpipe", plan=best, search_time_s=elapsed, states=states,
                         alternatives=tuple(bests))
 
 
 class _Sweep:
-    """:func:`graphpipe_search`'s sweep for one cost database: per schedule, micro-batch and
-    data-parallel option, the least-bottleneck stage graphs, each simulated."""
+    """:func:`graphpipe_search`'s sweep for one cost database and ZeRO stage: per schedule,
+    micro-batch and data-parallel option, the least-bottleneck stage graphs, each simulated."""
 
     def __init__(self, db: CostDB, *, num_devices: int, mini_batch: int, space: str, rel_tol: float,
-                 recompute: bool, progress: Callable[[str], None] | None):
+                 recompute: bool, progress: Callable[[str], None] | None, zero_stage: int = 0):
         self.db, self.num_devices, self.mini_batch = db, num_devices, mini_batch
         self.space, self.rel_tol, self.recompute, self.progress = space, rel_tol, recompute, progress
+        self.zero_stage = zero_stage
         self.tree, self.added = sp_tree(db.graph)
-        self.cm = StageCostModel(db, mini_batch, p2p_devices=num_devices)
+        self.cm = StageCostModel(db, mini_batch, p2p_devices=num_devices, zero_stage=zero_stage)
         self.states = 0
         self.predict_s = 0.0
         self._priced: dict[int, dict] = {}   # per micro-batch: stage prices shared by every bisection
 
-    def run(self, schedule: str, sizes: Sequence[int]) -> Plan | None:
-        """The fastest plan that fits under ``schedule``, or None."""
+    def run(self, schedule: str, sizes: Sequence[int], best: Plan | None = None) -> Plan | None:
+        """The fastest plan that fits under ``schedule``, or None; ``best`` (another sweep's plan)
+        is kept unless a plan here is strictly faster, and prunes what cannot be."""
         cm, mini_batch, num_devices = self.cm, self.mini_batch, self.num_devices
-        best: Plan | None = None
-        best_time = math.inf
+        best_time = math.inf if best is None else best.predicted.iteration_time_s
         hints: dict = {}
         for b in sorted(sizes, reverse=True):
             # The DP minimises the bottleneck (the paper's objective, Eq. 1), which ignores pipeline
@@ -252,7 +279,8 @@ class _Sweep:
                 if d is None:
                     full_tps = least
                 if self.progress is not None:
-                    what = f"micro-batch {b}" + (f", degree {d}" if d else "") + f", {schedule}"
+                    what = (f"micro-batch {b}" + (f", degree {d}" if d else "") + f", {schedule}"
+                            + (f", ZeRO stage {self.zero_stage}" if self.zero_stage else ""))
                     self.progress(f"graphpipe: {what}: " + ("no feasible plan that can beat the best so far"
                                   if not found else ", ".join(f"{len(st)} stages, bottleneck {tps:.4g} s/sample"
                                                                for tps, st in found)))
@@ -277,7 +305,7 @@ class _Sweep:
 
     def _plan(self, stages: list[tuple[int, int]], b: int, tps: float, schedule: str) -> Plan:
         return _plan(self.db, self.cm, stages, b, self.mini_batch, tps, self.added, self.space, self.recompute,
-                     schedule)
+                     schedule, self.zero_stage)
 
 
 def schedule_bottleneck_search(cm: StageCostModel, tree, *, schedule: str, num_devices: int, micro_batch: int,
@@ -335,7 +363,7 @@ def _depths(cm: StageCostModel, stages: list[tuple[int, int]]) -> list[int]:
 
 
 def _plan(db: CostDB, cm: StageCostModel, stages: list[tuple[int, int]], b: int, mini_batch: int, tps: float,
-          added: tuple, space: str, recompute: bool = False, schedule: str = "1f1b") -> Plan:
+          added: tuple, space: str, recompute: bool = False, schedule: str = "1f1b", zero_stage: int = 0) -> Plan:
     """Stages as a :class:`Plan` for ``schedule``, numbered in a topological order of the stage graph."""
     stage_of = {}
     for s, (mask, _) in enumerate(stages):
@@ -363,7 +391,7 @@ def _plan(db: CostDB, cm: StageCostModel, stages: list[tuple[int, int]], b: int,
     notes = {"bottleneck_tps_s": tps, "space": space,
              "sp_added_edges": [list(e) for e in added]}
     return Plan(model=db.model, method="graphpipe", source=db.source, micro_batch=b, mini_batch=mini_batch,
-                stages=plan_stages, notes=notes, schedule=schedule)
+                stages=plan_stages, notes=notes, schedule=schedule, zero_stage=zero_stage)
 
 
 def _divisors(n: int) -> list[int]:

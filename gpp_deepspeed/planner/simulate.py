@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from ..errors import PartitionError
+from ..errors import GPPConfigError, PartitionError
 from ..graph.stages import StageGraph
 from ..schedule.asynchronous import steady_batch_idx
 from ..schedule.ir import Action, ActionKind as K, Schedule
@@ -27,10 +27,10 @@ from ..schedule.program import AsyncProgram, build_program
 from ..schedule.registry import is_async
 from ..schedule.validate import Timeline, simulate
 from ..schedule.zero_bubble import peak_in_flight
-from .costs import CommFit, CostDB, StageCost, StageCostModel
+from .costs import ZERO_STAGES, CommFit, CostDB, StageCost, StageCostModel
 from .plan import Plan, Prediction
 
-__all__ = ["SimulatedPlan", "simulate_plan", "predict", "choose_schedule"]
+__all__ = ["SimulatedPlan", "simulate_plan", "predict", "choose_schedule", "choose_zero_stage"]
 
 
 @dataclass(frozen=True)
@@ -65,7 +65,11 @@ def simulate_plan(plan: Plan, db: CostDB, *, schedule: str | None = None, cluste
         missing, extra = sorted(names - set(planned)), sorted(set(planned) - names)
         raise PartitionError(f"plan for {plan.model} does not cover the cost database's layers exactly: "
                              f"missing {missing[:5]}, unknown {extra[:5]}")
-    model = StageCostModel(db, plan.mini_batch, p2p_devices=plan.num_devices)
+    if train and plan.zero_stage >= 2 and is_async(schedule):
+        raise GPPConfigError(f'schedule "{schedule}" stashes whole weight versions, which ZeRO stage '
+                             f"{plan.zero_stage} would have to gather and partition again for every micro-batch: "
+                             "plan an asynchronous schedule with ZeRO stage 0 or 1, or a synchronous one")
+    model = StageCostModel(db, plan.mini_batch, p2p_devices=plan.num_devices, zero_stage=plan.zero_stage)
     masks = [model.mask_of(s.layers) for s in plan.stages]
     stage_graph = plan.partition(db.graph).stage_graph
     if plan.pipeline == "chain":
@@ -75,7 +79,8 @@ def simulate_plan(plan: Plan, db: CostDB, *, schedule: str | None = None, cluste
     # resharding included (a chain relays skip tensors instead).
     bounds = model.stage_boundaries(masks, [s.devices for s in plan.stages], relay=plan.pipeline == "chain")
     b = plan.micro_batch
-    models = [model if cluster is None else cluster.stage_model(db, s.device_class, plan.mini_batch, plan.num_devices)
+    models = [model if cluster is None else cluster.stage_model(db, s.device_class, plan.mini_batch, plan.num_devices,
+                                                                zero_stage=plan.zero_stage)
               for s in plan.stages]
     costs = tuple(stage_costs) if stage_costs is not None else tuple(
         mdl.stage(m, b, s.devices, boundary=bd, recompute=s.recompute)
@@ -175,3 +180,32 @@ def choose_schedule(plan: Plan, db: CostDB, *, schedules: tuple[str, ...] = ("1f
     close = [p for p in fitting if p.predicted.iteration_time_s <= fastest * (1 + 1e-9)]
     return min(close, key=lambda p: p.predicted.peak_mem_bytes)
 
+
+
+def choose_zero_stage(plan: Plan, db: CostDB, *, zero_stages: tuple[int, ...] = ZERO_STAGES) -> Plan:
+    """The plan under the lowest ZeRO stage of ``zero_stages`` that is as fast as any whose memory
+    fits, predicted (the lowest one if none fits). For one stage graph a higher ZeRO stage holds
+    less memory per rank but never takes less time (:func:`~gpp_deepspeed.planner.costs.zero_collectives`),
+    so this is the lowest stage that fits unless a higher one is faster (it never is here, where
+    the stage graph is fixed). Stages 2 and 3 are skipped under an asynchronous schedule.
+
+    >>> from gpp_deepspeed.planner.costs import CommFit, CostDB, Hardware, LayerCost
+    >>> from gpp_deepspeed.planner.plan import PlanStage
+    >>> link = CommFit(alpha_s=0.0, beta_s_per_byte=1e-9)
+    >>> layers = tuple(LayerCost(name=f"l{i}", inputs=(f"l{i - 1}" if i else "x",), micro_batches=(1,),
+    ...                          fwd_s=(1.0,), bwd_s=(2.0,), param_bytes=100, out_bytes=4, stash_bytes=4)
+    ...                for i in range(2))
+    >>> db = CostDB(model="m", source="hand", input_names=("x",), output="l1", layers=layers,
+    ...             hardware=Hardware(name="h", memory_bytes=300, devices_per_node=8, intra=link, inter=link))
+    >>> plan = Plan(model="m", method="manual", source="hand", micro_batch=4, mini_batch=8,
+    ...             stages=(PlanStage(layers=("l0",), devices=4), PlanStage(layers=("l1",), devices=4)))
+    >>> [choose_zero_stage(plan, db, zero_stages=(z,)).predicted.peak_mem_bytes for z in ZERO_STAGES]
+    [408.0, 258.0, 183.0, 208.0]
+    >>> choose_zero_stage(plan, db).zero_stage
+    1
+    """
+    allowed = [z for z in zero_stages if z < 2 or not is_async(plan.schedule)] or [min(zero_stages)]
+    priced = [predict(replace(plan, zero_stage=z), db) for z in sorted(allowed)]
+    fitting = [p for p in priced if p.predicted.fits_memory] or priced[:1]
+    fastest = min(p.predicted.iteration_time_s for p in fitting)
+    return next(p for p in fitting if p.predicted.iteration_time_s <= fastest * (1 + 1e-9))

@@ -36,7 +36,7 @@ from typing import Sequence
 
 from ..errors import GPPConfigError
 from ..graph.placement import reshard
-from .costs import CommFit, CostDB, StageCostModel, allreduce_time, edge_bytes
+from .costs import CommFit, CostDB, StageCostModel, allreduce_time, edge_bytes, zero_collectives
 from .plan import Plan
 from .simulate import simulate_plan
 
@@ -131,28 +131,35 @@ def _edge_times(topo: Topology, placement: Sequence[Sequence[int]], micro_batch:
     return [max(b) for b in busy], slowest
 
 
-def _ring_allreduce(topo: Topology, ring: Sequence[int], param_bytes: float) -> float:
-    """Ring all-reduce in the placement's order (:func:`~gpp_deepspeed.planner.costs.allreduce_time`),
-    every step as slow as the ring's slowest link."""
+def _ring_collectives(topo: Topology, ring: Sequence[int], param_bytes: float, zero_stage: int) -> list[float]:
+    """The group's collectives in the placement's ring order, every step as slow as the ring's
+    slowest link: seconds once per mini-batch, then per micro-batch with F, before I and after W
+    (:func:`~gpp_deepspeed.planner.costs.zero_collectives`; ZeRO-0/1: the ring all-reduce,
+    :func:`~gpp_deepspeed.planner.costs.allreduce_time`)."""
     n = len(ring)
     if n < 2:
-        return 0.0
+        return [0.0] * 4
     slowest = max((topo.links[ring[i]][ring[(i + 1) % n]] for i in range(n)), key=lambda link: link.time(param_bytes / n))
-    return allreduce_time(slowest, n, param_bytes)
+    if zero_stage <= 1:
+        return [allreduce_time(slowest, n, param_bytes), 0.0, 0.0, 0.0]
+    return [0.0 if param_bytes <= 0 else latency + per_byte * param_bytes
+            for latency, per_byte in zero_collectives(slowest, n, zero_stage=zero_stage)]
 
 
 def placement_time(plan: Plan, db: CostDB, topo: Topology, placement: Sequence[Sequence[int]]) -> float:
     """Iteration time of ``plan`` with stage ``s`` on devices ``placement[s]``."""
     free = CommFit(alpha_s=0.0, beta_s_per_byte=0.0)
-    compute_db = replace(db, hardware=replace(db.hardware, intra=free, inter=free))
-    cm = StageCostModel(compute_db, plan.mini_batch, p2p_devices=plan.num_devices)
+    compute_db = replace(db, hardware=replace(db.hardware, intra=free, inter=free, collective=None))
+    cm = StageCostModel(compute_db, plan.mini_batch, p2p_devices=plan.num_devices, zero_stage=plan.zero_stage)
     edges = edge_bytes(db, plan.stage_of, relay=plan.pipeline == "chain")
     comm, slowest = _edge_times(topo, placement, plan.micro_batch, edges)
     costs = []
     for s, stage in enumerate(plan.stages):
         c = cm.stage(cm.mask_of(stage.layers), plan.micro_batch, stage.devices, recompute=stage.recompute)
-        costs.append(replace(c, fwd_s=c.fwd_s + comm[s], bwd_s=c.bwd_s + comm[s], bwd_input_s=c.bwd_input_s + comm[s],
-                             allreduce_s=_ring_allreduce(topo, placement[s], c.param_bytes)))
+        step, ag_fwd, ag_bwd, rs_bwd = _ring_collectives(topo, placement[s], c.param_bytes, plan.zero_stage)
+        costs.append(replace(c, fwd_s=c.fwd_s + comm[s] + ag_fwd, bwd_s=c.bwd_s + comm[s] + ag_bwd + rs_bwd,
+                             bwd_input_s=c.bwd_input_s + comm[s] + ag_bwd, bwd_weight_s=c.bwd_weight_s + rs_bwd,
+                             allreduce_s=step))
     return simulate_plan(plan, db, stage_costs=costs, link=slowest).prediction.iteration_time_s
 
 

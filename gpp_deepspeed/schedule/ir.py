@@ -15,6 +15,7 @@ Representative forms::
 
     0LOAD0  0F0  0SEND_F0@2  2RECV_F0@0  2F0  2B0  2SEND_B0@0  0RECV_B0@2  0B0
     (1SEND_F1@2;1RECV_B0@2)P2P  0RELEASE_OUT0  0RELEASE_IN0
+    1SEND_L1@2  1SEND_F1@2  2RECV_L1@1  2RECV_F1@1   (layouts first: dynamic shapes, a first batch)
     2I0  2SEND_B0@0  2W0          (split backward, as torch writes it: input gradient, then weight gradient)
     0WAIT_SENDS  0REDUCE_TIED  0REDUCE_GRAD  0STEP
     0STASH4  0B4  0RETIRE4  0REDUCE_GRAD  0UPDATE   (weight versions of the asynchronous schedules)
@@ -50,6 +51,8 @@ class ActionKind(str, Enum):
     RECV_F = "RECV_F"            # receive the activations of a micro-batch from ``peer``
     SEND_B = "SEND_B"            # send the gradients of received activations back to ``peer``
     RECV_B = "RECV_B"            # receive the gradients of sent activations from ``peer``
+    SEND_L = "SEND_L"            # send the layout (shapes, dtypes) of the next SEND_F of a micro-batch to ``peer``
+    RECV_L = "RECV_L"            # receive that layout, before the receive of the activations it sizes
     P2P = "P2P"                  # transfers posted together and completed together (``ops``)
     RELEASE_OUT = "RELEASE_OUT"  # free a micro-batch's outputs, output gradients, labels and loss
     RELEASE_IN = "RELEASE_IN"    # free a micro-batch's loaded and received tensors (after their last use)
@@ -120,6 +123,9 @@ class KindSpec:
     RESTORE and RETIRE)."""
     message: str = ""
     send: bool = False
+    layout: bool = False
+    """A layout message: the fixed-size header that sizes the receive of the activations that follow
+    it on the same channel (``dynamic_shape``, and the first batch of static shapes)."""
     waits: bool = False
     reads: frozenset[Buffer] = frozenset()
     writes: frozenset[Buffer] = frozenset()
@@ -150,6 +156,9 @@ KINDS: dict[ActionKind, KindSpec] = {
     ActionKind.SEND_B: _kind(mb=True, message="B", send=True, reads=(_B.RECEIVED, )),
     # A gradient's receive reads the outputs it belongs to (their shapes) and adds into GRADS.
     ActionKind.RECV_B: _kind(mb=True, message="B", waits=True, reads=(_B.OUTPUTS, ), writes=(_B.GRADS, )),
+    # A layout travels the activations' channel, just before them; it is read off the outputs.
+    ActionKind.SEND_L: _kind(mb=True, message="F", send=True, layout=True, reads=(_B.OUTPUTS, )),
+    ActionKind.RECV_L: _kind(mb=True, message="F", waits=True, layout=True),
     ActionKind.P2P: _kind(waits=True),   # uses what its ops use
     ActionKind.RELEASE_OUT: _kind(mb=True, frees=(_B.OUTPUTS, _B.LABELS, _B.LOSS, _B.GRADS)),
     ActionKind.RELEASE_IN: _kind(mb=True, frees=(_B.LOADED, _B.RECEIVED, _B.INPUTS)),
@@ -287,9 +296,9 @@ class Action:
         stage, kind = int(stage), ActionKind(kind)
         if peer:
             peer = int(peer)
-        elif kind in (ActionKind.SEND_F, ActionKind.RECV_B):
+        elif kind in (ActionKind.SEND_F, ActionKind.SEND_L, ActionKind.RECV_B):
             peer = stage + 1
-        elif kind in (ActionKind.RECV_F, ActionKind.SEND_B):
+        elif kind in (ActionKind.RECV_F, ActionKind.RECV_L, ActionKind.SEND_B):
             peer = stage - 1
         else:
             peer = None

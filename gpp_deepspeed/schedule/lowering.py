@@ -13,6 +13,10 @@ every schedule (synchronous, split backward, asynchronous):
     The transfers of every stage edge around the compute that produces and consumes them.
 ``defer_sends`` (an asynchronous schedule's segment only)
     A gradient whose receiver runs its backward in a later ``train_batch`` is sent there.
+``add_layouts`` (``dynamic_shape``, and the first batch of static shapes)
+    Before each activation transfer, the transfer of its layout: a fixed-size header that sizes
+    the receive of the activations; :func:`group_p2p` puts a transfer and its layout in different
+    groups, so the header has arrived before the activations' receive is posted.
 ``group_for_rendezvous``, by ``order_transfers`` and ``group_p2p``
     Every run of transfers between two compute actions becomes one grouped ``P2P`` action, posted
     at once and completed together (``batch_isend_irecv``): the receives a compute action needs are
@@ -50,7 +54,8 @@ from ..errors import ScheduleError
 from ..graph.stages import StageGraph
 from .ir import RELEASES, Action, ActionKind as K, Schedule, Segment
 
-__all__ = ["lower", "drop_frozen_backward", "add_load", "add_send_recv", "defer_sends", "group_for_rendezvous",
+__all__ = ["lower", "drop_frozen_backward", "add_load", "add_send_recv", "defer_sends", "add_layouts",
+           "group_for_rendezvous",
            "order_transfers", "group_p2p", "add_release", "add_epilogue", "assign_buffers", "BufferSlots",
            "num_slots"]
 
@@ -60,7 +65,7 @@ BufferSlots = dict[int, dict[int, int]]
 
 def lower(compute: Schedule, stage_graph: StageGraph, *, train: bool,
           duration: Callable[[Action], float] | None = None, segment: Segment | None = None,
-          ahead: Sequence[Schedule] = (), step: bool | None = None) -> Schedule:
+          ahead: Sequence[Schedule] = (), step: bool | None = None, layouts: bool = False) -> Schedule:
     """Apply every lowering pass (see the module docstring) to a compute order.
 
     ``duration``: the compute times the schedule was made for, which order the transfers when they
@@ -69,7 +74,8 @@ def lower(compute: Schedule, stage_graph: StageGraph, *, train: bool,
     buffers are released after its last use in the whole program, which may lie batches later.
     ``step``: whether the lists end with the synchronous step (default: a synchronous batch in
     training does; an asynchronous segment's updates are inside it, save 2BW's once-per-batch one,
-    :func:`~gpp_deepspeed.schedule.asynchronous.steps_at_end`).
+    :func:`~gpp_deepspeed.schedule.asynchronous.steps_at_end`). ``layouts``: send every
+    activation's layout before it (:func:`add_layouts`).
 
     >>> from gpp_deepspeed.schedule import one_f_one_b
     >>> lower(one_f_one_b(StageGraph.chain(2), 1), StageGraph.chain(2), train=True)[1][:7]
@@ -78,15 +84,18 @@ def lower(compute: Schedule, stage_graph: StageGraph, *, train: bool,
     segments = [segment]
     for _ in ahead:
         segments.append(segments[-1].next())
-    window = [_lower_transfers(c, stage_graph, duration, seg) for c, seg in zip([compute, *ahead], segments)]
+    window = [_lower_transfers(c, stage_graph, duration, seg, layouts) for c, seg in zip([compute, *ahead], segments)]
     return add_epilogue(add_release(window[0], ahead=window[1:]),
                         train=train and segment is None if step is None else step)
 
 
-def _lower_transfers(compute: Schedule, stage_graph: StageGraph, duration, segment: Segment | None) -> Schedule:
+def _lower_transfers(compute: Schedule, stage_graph: StageGraph, duration, segment: Segment | None,
+                     layouts: bool) -> Schedule:
     lowered = add_send_recv(add_load(drop_frozen_backward(compute, stage_graph), stage_graph), stage_graph)
     if segment is not None:
         lowered = defer_sends(lowered, stage_graph, segment)
+    if layouts:
+        lowered = add_layouts(lowered)
     return group_for_rendezvous(lowered, duration=duration)
 
 
@@ -197,11 +206,37 @@ def defer_sends(schedule: Schedule, stage_graph: StageGraph, segment: Segment) -
     return out
 
 
+def add_layouts(schedule: Schedule) -> Schedule:
+    """Put the transfer of each activation message's layout just before it: ``SEND_L`` before
+    ``SEND_F``, ``RECV_L`` before ``RECV_F``. A layout is a message of the activations' channel,
+    so every channel carries layout, activations, layout, activations... at both of its ends.
+
+    >>> add_layouts({1: [Action.parse(t) for t in "1RECV_F0@0 1F0 1SEND_F0@2".split()]})[1]
+    [1RECV_L0@0, 1RECV_F0@0, 1F0, 1SEND_L0@2, 1SEND_F0@2]
+    """
+    out: Schedule = {}
+    for s, actions in schedule.items():
+        out[s] = []
+        for a in actions:
+            if a.kind in _LAYOUT_OF:
+                out[s].append(Action(s, _LAYOUT_OF[a.kind], a.mb_idx, a.peer))
+            out[s].append(a)
+    return out
+
+
+_LAYOUT_OF = {K.SEND_F: K.SEND_L, K.RECV_F: K.RECV_L}
+
+
 def group_p2p(schedule: Schedule) -> Schedule:
     """Merge every run of two or more transfers between compute actions into one ``P2P`` action.
 
     A ``LOAD`` or a release inside a run moves after the group (a load only has to precede its
-    forward, a release follow the last use).
+    forward, a release follow the last use). An activation transfer whose layout is in the run
+    starts a new group: its receive is sized from the layout, which must have arrived (one group
+    completes as a whole), and both ends split alike.
+
+    >>> group_p2p({2: [Action.parse(t) for t in "2RECV_L0@0 2RECV_L0@1 2RECV_F0@0 2RECV_F0@1 2F0".split()]})[2]
+    [(2RECV_L0@0;2RECV_L0@1)P2P, (2RECV_F0@0;2RECV_F0@1)P2P, 2F0]
 
     >>> from gpp_deepspeed.schedule.ir import Action
     >>> acts = [Action.parse(t) for t in "2B0 2SEND_B0@0 2LOAD1 2RECV_F1@0 2RECV_F1@1 2F1".split()]
@@ -225,6 +260,8 @@ def _group_stage(actions: list[Action]) -> list[Action]:
 
     for a in actions:
         if a.kind.has_peer:
+            if a.kind in _LAYOUT_OF and Action(a.stage_idx, _LAYOUT_OF[a.kind], a.mb_idx, a.peer) in run:
+                flush()
             run.append(a)
         elif run and (a.kind is K.LOAD or a.kind.is_release):
             after.append(a)

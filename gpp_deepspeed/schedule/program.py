@@ -64,6 +64,9 @@ class Program:
     actions: Schedule
     slots: BufferSlots
     segment: Segment | None = None
+    layouts: bool = False
+    """Every activation transfer is preceded by the transfer of its layout
+    (:func:`~gpp_deepspeed.schedule.lowering.add_layouts`): ``dynamic_shape``, or a first batch."""
 
     @property
     def num_stages(self) -> int:
@@ -87,7 +90,8 @@ class Program:
             what = f"flush after {self.segment.batch_idx} batches"
         else:
             what = f"batch {self.segment.batch_idx}"
-        lines = [f'program "{self.schedule}": {self.num_stages} stages, {self.num_microbatches} {mb}, {what}']
+        lines = [f'program "{self.schedule}": {self.num_stages} stages, {self.num_microbatches} {mb}, {what}'
+                 + (", with layouts" if self.layouts else "")]
         for s in sorted(self.actions):
             lines.append(f"stage {s}: " + " ".join(str(a) for a in self.actions[s]))
             lines.append("  slots: " + " ".join(f"{j}:{k}" for j, k in sorted(self.slots[s].items())))
@@ -95,19 +99,20 @@ class Program:
 
 
 def build_program(stage_graph: StageGraph, num_microbatches: int, *, schedule: str = "1f1b", train: bool = True,
-                  duration: Callable[[Action], float] | None = None) -> Program:
+                  duration: Callable[[Action], float] | None = None, layouts: bool = False) -> Program:
     """The program of one batch of a synchronous schedule (or of any schedule in evaluation,
     which runs forwards only). ``duration``: the compute times the transfers are ordered for,
-    when they must be reordered (:func:`~gpp_deepspeed.schedule.lowering.group_for_rendezvous`)."""
+    when they must be reordered (:func:`~gpp_deepspeed.schedule.lowering.group_for_rendezvous`).
+    ``layouts``: every activation's layout is sent before it (``dynamic_shape``, a first batch)."""
     if num_microbatches < 1:
         raise GPPConfigError(f"need at least one micro-batch, got {num_microbatches}")
     spec = get_schedule(schedule)
     if train and spec.asynchronous:
         raise GPPConfigError(f'schedule "{spec.name}" is asynchronous: its batches are AsyncProgram(...).batch(k)')
     compute = spec.generator(stage_graph, num_microbatches) if train else forward_only(stage_graph, num_microbatches)
-    actions = lower(compute, stage_graph, train=train, duration=duration)
+    actions = lower(compute, stage_graph, train=train, duration=duration, layouts=layouts)
     return Program(schedule=spec.name, num_microbatches=num_microbatches, train=train, actions=actions,
-                   slots=assign_buffers(actions))
+                   slots=assign_buffers(actions), layouts=layouts)
 
 
 def build_schedule(stage_graph: StageGraph, num_microbatches: int, *, name: str = "1f1b",
@@ -119,7 +124,8 @@ def build_schedule(stage_graph: StageGraph, num_microbatches: int, *, name: str 
 def validate_program(program: Program, stage_graph: StageGraph, *, mode: str = "rendezvous") -> Timeline:
     """Check a synchronous program (structure, releases, buffer slots:
     :func:`~gpp_deepspeed.schedule.validate.check_lists`) and simulate it in ``mode``."""
-    check_lists(program.actions, stage_graph, program.num_microbatches, train=program.train, slots=program.slots)
+    check_lists(program.actions, stage_graph, program.num_microbatches, train=program.train, slots=program.slots,
+                layouts=program.layouts)
     return simulate(program.actions, mode=mode)
 
 
@@ -150,12 +156,13 @@ class AsyncProgram:
     ({0: 2, 1: 1}, [{4: 0, 5: 1}, {5: 1, 6: 0}])
     """
 
-    def __init__(self, stage_graph: StageGraph, num_microbatches: int, *, schedule: str):
+    def __init__(self, stage_graph: StageGraph, num_microbatches: int, *, schedule: str, layouts: bool = False):
         spec = get_schedule(schedule)
         if not spec.asynchronous:
             raise GPPConfigError(f'"{spec.name}" is not an asynchronous schedule')
         check_async_microbatches(stage_graph, num_microbatches, spec.weights, name=spec.name)
         self.spec, self.stage_graph, self.num_microbatches = spec, stage_graph, num_microbatches
+        self.layouts = layouts   # every batch and flush sends each activation's layout before it
         self._steady = steady_batch_idx(stage_graph, num_microbatches)
         self._lowered: dict[tuple[int, bool], Schedule] = {}
         self._batches: list[Program] = []
@@ -234,7 +241,7 @@ class AsyncProgram:
                 live += (a.kind is K.FORWARD) - (a.kind is K.BACKWARD)
                 peak = max(peak, live)
             in_flight[s] = peak
-        check_lists(data, self.stage_graph, n * self.num_microbatches, train=True, slots=slots)
+        check_lists(data, self.stage_graph, n * self.num_microbatches, train=True, slots=slots, layouts=self.layouts)
         return AsyncReport(versions, in_flight)
 
     # -- making the batches --------------------------------------------------------------------------
@@ -248,7 +255,8 @@ class AsyncProgram:
             ahead = [] if flush else [self._compute(Segment(k, self.num_microbatches))
                                       for k in range(key[0] + 1, key[0] + self._steady + 1)]
             self._lowered[key] = lower(self._compute(segment), self.stage_graph, train=True, segment=segment,
-                                       ahead=ahead, step=steps_at_end(segment, self.spec.weights))
+                                       ahead=ahead, step=steps_at_end(segment, self.spec.weights),
+                                       layouts=self.layouts)
         delta = (batch_idx - key[0]) * self.num_microbatches
         return {s: shift(actions, delta) for s, actions in self._lowered[key].items()}
 
@@ -257,7 +265,7 @@ class AsyncProgram:
 
     def _program(self, actions: Schedule, segment: Segment, slots: BufferSlots) -> Program:
         return Program(schedule=self.spec.name, num_microbatches=self.num_microbatches, train=True, actions=actions,
-                       slots=slots, segment=segment)
+                       slots=slots, segment=segment, layouts=self.layouts)
 
     def _unroll(self) -> None:
         """Make batches until the slots every stage holds at a boundary repeat (shifted): sets
@@ -307,6 +315,6 @@ def _one_slot_each(s: int, segments: list[Program]) -> dict[int, int]:
 
 
 def validate_async(stage_graph: StageGraph, num_microbatches: int, *, schedule: str,
-                   num_batches: int | None = None) -> AsyncReport:
+                   num_batches: int | None = None, layouts: bool = False) -> AsyncReport:
     """Check an asynchronous schedule (:meth:`AsyncProgram.validate`)."""
-    return AsyncProgram(stage_graph, num_microbatches, schedule=schedule).validate(num_batches)
+    return AsyncProgram(stage_graph, num_microbatches, schedule=schedule, layouts=layouts).validate(num_batches)

@@ -8,7 +8,17 @@ The simulator executes every stage's action list under one of two communication 
     ``WAIT_SENDS`` blocks until every send of the stage has been received;
 ``rendezvous`` (NCCL, large messages)
     a send completes only when its matching receive is posted, so both ends block; a grouped
-    ``P2P`` action posts all its transfers at once and completes when each has.
+    ``P2P`` action posts all its transfers at once and completes as a whole, when each has. A
+    stage's actions run one after the other, so a group is posted only once the stage's previous
+    group completed: NCCL's stream order, under which a group launched after another starts only
+    when that one has finished. The model holds because the engine posts every transfer action,
+    single or grouped, layouts included, as exactly one ``batch_isend_irecv`` and never a single
+    ``isend``/``irecv`` (:mod:`gpp_deepspeed.engine.p2p`): what the validator sees as one group is
+    one group on the wire.
+
+A layout (``SEND_L``/``RECV_L``, :func:`~gpp_deepspeed.schedule.lowering.add_layouts`) is a message
+of the activations' channel, just before the activations it sizes; the n-th message of a channel
+must be of the same kind (layout or data) and micro-batch at both ends.
 
 If no stage can move and some have actions left, the schedule deadlocks, and the error says
 where. :func:`check_lists` checks the structure (including buffer slots and release points, read
@@ -69,7 +79,7 @@ class _Channels:
     def post(self, op: Action, time: float) -> tuple[tuple, int]:
         ch = op.channel
         side = self.posted.setdefault(ch, [[], []])[0 if op.kind.spec.send else 1]
-        side.append((op.mb_idx, time))
+        side.append(((op.mb_idx, op.kind.spec.layout), time))
         return ch, len(side) - 1
 
     def match_time(self, ch: tuple, n: int) -> float | None:
@@ -77,10 +87,15 @@ class _Channels:
         sends, recvs = self.posted.get(ch, [[], []])
         if n >= len(sends) or n >= len(recvs):
             return None
-        (sent_mb, sent_at), (recv_mb, recv_at) = sends[n], recvs[n]
+        ((sent_mb, sent_layout), sent_at), ((recv_mb, recv_layout), recv_at) = sends[n], recvs[n]
         if sent_mb != recv_mb:
             raise ScheduleError(f"message {n} on channel {ch[0]}->{ch[1]} ({ch[2]}) carries micro-batch {sent_mb} "
                                 f"but its receive expects micro-batch {recv_mb}")
+        if sent_layout != recv_layout:
+            what = {True: "a layout", False: "activations"}
+            raise ScheduleError(f"message {n} on channel {ch[0]}->{ch[1]} ({ch[2]}) is {what[sent_layout]} of "
+                                f"micro-batch {sent_mb} but its receive expects {what[recv_layout]}: both ends "
+                                "must send and receive a layout just before the activations it sizes")
         # A message moves once both ends are posted (NCCL; gloo's TCP pair answers a send posted
         # before its receive with a "receive ready" notice, and only then sends the data: the
         # late receive's extra exchange).
@@ -174,15 +189,17 @@ def _deadlock_message(stuck, pc, posted, channels: _Channels, mode: str) -> str:
 
 def validate_schedule(schedule: Schedule, stage_graph: StageGraph, num_microbatches: int, *, train: bool,
                       num_buffers: dict[int, int] | None = None, slots: dict[int, dict[int, int]] | None = None,
-                      mode: str = "rendezvous") -> Timeline:
+                      mode: str = "rendezvous", layouts: bool = False) -> Timeline:
     """Check a schedule's structure (:func:`check_lists`) and run it through :func:`simulate`
     (rendezvous mode by default). Returns the simulated timeline."""
-    check_lists(schedule, stage_graph, num_microbatches, train=train, num_buffers=num_buffers, slots=slots)
+    check_lists(schedule, stage_graph, num_microbatches, train=train, num_buffers=num_buffers, slots=slots,
+                layouts=layouts)
     return simulate(schedule, mode=mode)
 
 
 def check_lists(schedule: Schedule, stage_graph: StageGraph, num_microbatches: int, *, train: bool,
-                num_buffers: dict[int, int] | None = None, slots: dict[int, dict[int, int]] | None = None) -> None:
+                num_buffers: dict[int, int] | None = None, slots: dict[int, dict[int, int]] | None = None,
+                layouts: bool = False) -> None:
     """Check every stage's list of a whole program (a synchronous batch, or an asynchronous
     program's batches and flush put end to end, its weight actions aside).
 
@@ -193,6 +210,8 @@ def check_lists(schedule: Schedule, stage_graph: StageGraph, num_microbatches: i
     and after every use of what they free; and no two micro-batches that share a buffer slot are
     live at once. Slots are ``slots[stage][mb]`` (what
     :func:`~gpp_deepspeed.schedule.lowering.assign_buffers` returns) or ``mb % num_buffers[stage]``.
+    With ``layouts``, every activation transfer has its layout transfer in an earlier action of
+    the stage (a receive is sized from it before it is posted); without, there is none.
     """
     if sorted(schedule) != list(range(stage_graph.num_stages)):
         raise ScheduleError(f"schedule has stages {sorted(schedule)}, expected 0..{stage_graph.num_stages - 1}")
@@ -201,6 +220,7 @@ def check_lists(schedule: Schedule, stage_graph: StageGraph, num_microbatches: i
         if slot_of is None and num_buffers and s in num_buffers:
             slot_of = {j: j % num_buffers[s] for j in range(num_microbatches)}
         _check_stage(s, actions, stage_graph, num_microbatches, train)
+        _check_layouts(s, actions, layouts)
         _check_releases(s, actions)
         if slot_of is not None:
             _check_buffers(s, actions, slot_of)
@@ -221,9 +241,9 @@ def _check_stage(s: int, actions: list[Action], graph: StageGraph, num_mb: int, 
     for i, a in _flat(actions):
         if a.stage_idx != s:
             raise ScheduleError(f"stage {s} slot {i} holds {a}, an action of stage {a.stage_idx}")
-        if a.kind in (K.SEND_F, K.RECV_B) and a.peer not in succs:
+        if a.kind in (K.SEND_F, K.SEND_L, K.RECV_B) and a.peer not in succs:
             raise ScheduleError(f"stage {s} slot {i}: {a} but stage {a.peer} is not a successor of stage {s}")
-        if a.kind in (K.RECV_F, K.SEND_B) and a.peer not in preds:
+        if a.kind in (K.RECV_F, K.RECV_L, K.SEND_B) and a.peer not in preds:
             raise ScheduleError(f"stage {s} slot {i}: {a} but stage {a.peer} is not a predecessor of stage {s}")
         if a.kind is K.RECV_B and a.peer not in grad_succs or a.kind is K.SEND_B and a.peer not in grad_preds:
             raise ScheduleError(f"stage {s} slot {i}: {a} but the edge between stages {s} and {a.peer} carries no "
@@ -264,6 +284,26 @@ def _check_stage(s: int, actions: list[Action], graph: StageGraph, num_mb: int, 
     extra = sorted({a.mb_idx for _, a in _flat(actions) if a.mb_idx is not None and not 0 <= a.mb_idx < num_mb})
     if extra:
         raise ScheduleError(f"stage {s} refers to micro-batches {extra} outside 0..{num_mb - 1}")
+
+
+_LAYOUT_OF = {K.SEND_F: K.SEND_L, K.RECV_F: K.RECV_L}
+
+
+def _check_layouts(s: int, actions: list[Action], layouts: bool) -> None:
+    """With ``layouts``, each ``SEND_F``/``RECV_F`` has its ``SEND_L``/``RECV_L`` (same micro-batch
+    and peer) in an earlier action: a receive's buffers are sized from its layout, which must have
+    arrived before the receive is posted, and one group completes as a whole. Without, no layouts."""
+    where: dict[tuple, int] = {}
+    for i, a in _flat(actions):
+        if a.kind.spec.layout:
+            if not layouts:
+                raise ScheduleError(f"stage {s} slot {i}: {a} in a program without layouts")
+            where[(a.kind, a.mb_idx, a.peer)] = i
+        elif layouts and a.kind in _LAYOUT_OF:
+            at = where.get((_LAYOUT_OF[a.kind], a.mb_idx, a.peer))
+            if at is None or at >= i:
+                raise ScheduleError(f"stage {s} slot {i}: {a} needs {Action(s, _LAYOUT_OF[a.kind], a.mb_idx, a.peer)} "
+                                    "in an earlier action" + ("" if at is None else f", not in the same one (slot {at})"))
 
 
 def _check_backward_kinds(s: int, j: int, where: dict[tuple, int]) -> None:

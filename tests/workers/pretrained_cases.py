@@ -8,11 +8,13 @@ Run by ``tests/test_large_models.py`` through ``tests/dist.py``:
 
 ``init`` writes ``OUT_DIR/init.rank<r>.pt`` (this stage's initial weights by module name, and its
 parameter bytes). ``roundtrip`` records every tensor this rank read from IN_DIR (by wrapping
-``safetensors.safe_open``), trains ``STEPS`` batches, saves the pipeline as a directory and writes
-``OUT_DIR/roundtrip.rank<r>.pt`` (losses, tensors read, eval logits on the output stage). ``bad``
-writes ``OUT_DIR/bad.rank<r>.json``: ``{case: [exception type, message]}``.
+``safetensors.safe_open``), trains ``STEPS`` batches, gathers the memory report, saves the pipeline
+as a directory and writes ``OUT_DIR/roundtrip.rank<r>.pt`` (losses, tensors read, every rank's
+memory report beside this rank's own count of its tensors, eval logits on the output stage).
+``bad`` writes ``OUT_DIR/bad.rank<r>.json``: ``{case: [exception type, message]}``.
 """
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -81,9 +83,14 @@ def run_roundtrip(src: Path, out: Path, rank: int) -> None:
     safetensors.safe_open = real_open
     engine = engine_of(module, rank)
     losses = [engine.train_batch(data_iter=iter(batches(step))).item() for step in range(STEPS)]
+    report = engine.memory_report()   # collective: every rank's StageMemory
+    tensors = {id(t): t for t in (*module.parameters(), *module.buffers())}
+    counted = {"tensors": sum(t.numel() * t.element_size() for t in tensors.values()),
+               "trainable": sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)}
     saved = save_pretrained(engine, out / "saved", captured, max_shard_bytes=8 * 1024)
     logits = engine.eval_batch(data_iter=iter(eval_batch()), return_logits=True)
-    torch.save({"stage": engine.stage_id, "losses": losses, "read": read, "files": saved["files"],
+    torch.save({"stage": engine.stage_id, "rank": rank, "losses": losses, "read": read, "files": saved["files"],
+                "memory": [dataclasses.asdict(m) for m in report.ranks], "counted": counted,
                 "layers": list(module.local_layer_names()),
                 "logits": logits[1] if isinstance(logits, tuple) else None}, out / f"roundtrip.rank{rank}.pt")
 

@@ -6,6 +6,7 @@ parameters (named as in GraphModel).
 """
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from gpp_deepspeed import GraphPipelineModule
 from gpp_deepspeed.partitioning import parse_partition_method, resolve_partition
 from gpp_deepspeed.spec import layer_graph
 from models import MODELS, ReplicaOrderedDataset, make_batches
+import strict_p2p
 
 
 def ds_config(case, dp):
@@ -178,6 +180,7 @@ def run_case(case, out, rank, world_size):
         result["loss_scale"] = float(engine.optimizer.loss_scale)
     if hasattr(engine, "weight_version_memory"):
         result["weight_versions"] = engine.weight_version_memory()
+    result["strict_p2p"] = strict_p2p.stats()
     torch.save(result, out / f"{case['id']}.rank{rank}.pt")
 
 
@@ -196,6 +199,8 @@ def main():
         allow_fp16_on_this_cpu()
     out = Path(sys.argv[2])
     deepspeed.init_distributed(dist_backend="gloo")
+    if os.environ.get("GPP_STRICT_P2P") == "1":   # tests/strict_p2p.py: stops wherever NCCL could
+        strict_p2p.install()
     rank, world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
     for case in cases:
         run_case(case, out, rank, world_size)
