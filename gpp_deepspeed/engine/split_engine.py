@@ -158,7 +158,7 @@ class SplitBackwardMixin:
             compat.backward_epilogue(self)
         elif compat.hp_grads_deferred(self):
             self.optimizer.update_hp_grads(clear_lp_grads=False)
-        self._reduce_micro_batch()  # ZeRO-2: this micro-batch's gradients into the partitions
+        self._reduce_micro_batch()  # ZeRO-2/3: this micro-batch's gradients into the partitions
 
     def _reentrant_activation_checkpointing(self):
         """Whether loaded inputs must require grad for the checkpoint function: only for a
