@@ -56,7 +56,8 @@ from .memory import MemoryReport, memory_report
 from .module import GraphPipelineModule
 from .p2p import EdgeTransport, Incoming, Outgoing, header_capacity, pack, receive_buffers, unpack
 from .reshard import cut_rows, edge_peers, grad_scale, join_rows, warm_up_pairs
-from .split_engine import SplitBackwardMixin, check_split_backward_supported, use_split_backward_recompute
+from .split_engine import (SplitBackwardMixin, check_split_backward_supported, output_gradient_pairs,
+                           use_split_backward_recompute)
 from .zero import PartitionedGradientsMixin, check_zero_supported
 
 __all__ = ["GraphPipelineEngine"]
@@ -519,21 +520,10 @@ class GraphPipelineEngine(PartitionedGradientsMixin, SplitBackwardMixin, Pipelin
 
     def _backward_from_grads(self, outputs, grads):
         """One autograd pass from every output that received a gradient (summed over readers)."""
-        flat, _ = flatten(outputs)
-        grads = grads or {}
-        pairs = [(flat[i], g) for i, g in sorted(grads.items()) if flat[i].requires_grad]
-        if not pairs:
-            return
-        if self.using_bf16_optimizer:
-            self.optimizer.clear_lp_grads()
-        with compat.engine_backward(self):
-            torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
-        # The module's output hooks ran DeepSpeed's backward prologue, which starts the backward
-        # timers; engine.backward() would stop them in its epilogue, which we skip (its all-reduce
-        # belongs to REDUCE_GRAD). Stop them here, or wall_clock_breakdown fails on the next one.
-        compat.stop_started_backward_timers(self)
-        if compat.hp_grads_deferred(self):
-            self.optimizer.update_hp_grads(clear_lp_grads=False)
+        pairs = output_gradient_pairs(outputs, grads)
+        if pairs:
+            self._parameter_gradient_pass(
+                lambda: torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs]))
 
     def clip_fp32_gradients(self):
         """Clip by the global gradient norm over every stage of the pipeline.

@@ -113,6 +113,13 @@ def check_split_backward_supported(spec, module, pipeline_config: dict | None = 
             'schedule "1f1b"')
 
 
+def output_gradient_pairs(outputs, grads) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(output, gradient) for every output of a stage that received a gradient (``grads`` maps a
+    flat output index to its gradient, summed over readers) and takes part in autograd."""
+    flat, _ = flatten(outputs)
+    return [(flat[i], g) for i, g in sorted((grads or {}).items()) if flat[i].requires_grad]
+
+
 def use_split_backward_recompute(engine) -> None:
     """Make a stage that recomputes under a split schedule use :func:`recompute` (once the
     parent constructor has set the module's interval and function from the config)."""
@@ -137,8 +144,7 @@ class SplitBackwardMixin:
             if self.is_last_stage():
                 work = self._loss_backward_input(loss, inputs, params)
             else:
-                flat, _ = flatten(outputs)
-                pairs = [(flat[i], g) for i, g in sorted((grads or {}).items()) if flat[i].requires_grad]
+                pairs = output_gradient_pairs(outputs, grads)
                 work = backward_input([t for t, _ in pairs], [g for _, g in pairs], inputs=inputs, params=params)
         compat.stop_started_backward_timers(self)
         self.pipe_buffers["weight_grad"][buffer_id] = work
@@ -148,17 +154,31 @@ class SplitBackwardMixin:
         if isinstance(work, _Fused):
             self._full_backward(buffer_id, work.outputs, work.grads, work.loss)
             return
-        if self.using_bf16_optimizer:
-            self.optimizer.clear_lp_grads()
-        with compat.engine_backward(self):
-            work.run()
         if self.is_last_stage():
+            if self.using_bf16_optimizer:
+                self.optimizer.clear_lp_grads()
+            with compat.engine_backward(self):
+                work.run()
             # The rest of DeepSpeedEngine.backward(loss): what runs once the gradients exist.
             compat.start_stopped_backward_timers(self)
             compat.backward_epilogue(self)
-        elif compat.hp_grads_deferred(self):
-            self.optimizer.update_hp_grads(clear_lp_grads=False)
+        else:
+            self._parameter_gradient_pass(work.run)
         self._reduce_micro_batch()  # ZeRO-2/3: this micro-batch's gradients into the partitions
+
+    def _parameter_gradient_pass(self, run) -> None:
+        """Run ``run``, an autograd pass writing parameter gradients on a stage other than the output
+        stage, as ``DeepSpeedEngine.backward`` brackets one: bf16's low-precision gradients cleared
+        before and handed to its fp32 accumulation after, the backward timers that DeepSpeed's output
+        hooks started stopped (its epilogue, which would stop them, is skipped: the all-reduce belongs
+        to ``REDUCE_GRAD``)."""
+        if self.using_bf16_optimizer:
+            self.optimizer.clear_lp_grads()
+        with compat.engine_backward(self):
+            run()
+        compat.stop_started_backward_timers(self)
+        if compat.hp_grads_deferred(self):
+            self.optimizer.update_hp_grads(clear_lp_grads=False)
 
     def _reentrant_activation_checkpointing(self):
         """Whether loaded inputs must require grad for the checkpoint function: only for a
