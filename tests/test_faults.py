@@ -61,6 +61,7 @@ def test_every_rank_exits_soon_naming_the_dead_or_frozen_rank(tmp_path, victim, 
     check_survivors_were_slow_step_safe(result.outputs, survivors)
     for r in survivors:
         assert result.returncodes[r] != 0, result.report()
+        print(f"fault exit ({how} global rank {victim}, test launcher): rank {r} out {result.ended_at[r] - failed_at:.1f} s after")
         assert result.ended_at[r] - failed_at < LIMIT_S, f"rank {r} took {result.ended_at[r] - failed_at:.0f} s"
         # the watchdog's message, or (SIGKILL) a neighbour's closed-connection error relayed by it
         assert f"global rank {victim}" in result.outputs[r] and f"stage {victim}" in result.outputs[r], \
@@ -142,6 +143,7 @@ def check_launch(outputs, out_dir, victim):
     stops = {int(r): float(t) for t, r in re.findall(r"\[gpp_deepspeed watchdog t=([\d.]+)\] global rank (\d) ", text)}
     assert sorted(stops) == [r for r in range(4) if r != victim], text[-4000:]
     for r, t in stops.items():
+        print(f"fault exit (stop global rank {victim}): rank {r} stopped by its watchdog {t - failed_at:.1f} s after")
         assert t + 1.5 - failed_at < LIMIT_S, f"rank {r} stopped {t - failed_at:.0f} s after the freeze"
     assert named(victim) in text, text[-4000:]
 
