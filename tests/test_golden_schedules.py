@@ -2,9 +2,11 @@
 as text (``tests/golden/schedules/<graph>.txt``), so that a change in any schedule, lowering pass
 or buffer assignment shows up as a diff (pure, no torch).
 
-A synchronous schedule prints its one training batch; an asynchronous one prints its batches up to
-the first steady one and the flush after the batch that follows; every graph also prints its
-evaluation program (forwards only, the same for every schedule).
+A synchronous schedule prints its training batch twice: as a steady batch runs it, and with the
+layout actions (``SEND_L``/``RECV_L``) that a first batch, or every batch under ``dynamic_shape``,
+runs. An asynchronous one prints its batches up to the first steady one and the flush after the batch
+that follows, with layouts (as the engine runs them). Every graph also prints its evaluation program
+(forwards only, the same for every schedule).
 
 Regenerate after an intended change, and review the diff::
 
@@ -51,8 +53,9 @@ def golden_text(name: str) -> str:
     for schedule, spec in SCHEDULES.items():
         if not spec.asynchronous:
             parts.append(str(build_program(graph, MICRO_BATCHES, schedule=schedule)))
+            parts.append(str(build_program(graph, MICRO_BATCHES, schedule=schedule, layouts=True)))
             continue
-        pipeline = AsyncProgram(graph, MICRO_BATCHES, schedule=schedule)
+        pipeline = AsyncProgram(graph, MICRO_BATCHES, schedule=schedule, layouts=True)
         steady = steady_batch_idx(graph, MICRO_BATCHES)
         parts += [str(pipeline.batch(k)) for k in range(steady + 1)]
         parts.append(str(pipeline.flush(steady + 1)))
