@@ -428,13 +428,12 @@ def write_section(results):
             "Goals (issue 22): measured / calibrated at most 1.05, measured GPP/SPP within 10% of predicted.\n",
             "Reading it: *measured / nominal* is what the machine adds to the schedule. The replay columns split it: "
             "the emulated layers' own overhead (sleep overshoot, the linear layer, autograd) first, then the "
-            "all-reduce and the optimizer step, then one message latency per transfer. At 8 ranks the calibrated "
-            "simulation is within a few percent of every run. At 16 ranks the same costs are larger (16 processes "
-            "share 2 cores, with other users' work beside them: a message's latency doubles, the layers' overhead "
-            "grows), and charging a message's full latency as busy time at both ends over-prices a stage that "
-            "receives many at once (the fan-in DAG: 8 messages received in one grouped exchange cost less than 8 "
-            "ping-pong latencies, and sends complete in the background), so the calibrated simulation is "
-            "pessimistic there.\n"]
+            "all-reduce and the optimizer step, then the messages. A message is priced as the engine incurs it: "
+            "busy time at each end and a latency in flight once both ends are posted (the last column prices it "
+            "the way the model did before, its whole latency busy at both ends, which over-priced a stage that "
+            "receives many at once). At 8 ranks the calibrated simulation is within a few percent of every run; "
+            "at 16 ranks, 16 processes share 2 cores and the emulated layers' overhead grows with the number of "
+            "micro-batches and ranks per stage.\n"]
     for world, res in sorted(results.items(), key=lambda kv: -int(kv[0])):
         c = res["calibration"]
         link = c["link"]
