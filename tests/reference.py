@@ -55,3 +55,14 @@ def train_reference(case: dict, *, dp: int, steps=None) -> Reference:
                 evals.append(loss_fn(out, y).item())
             last_logits.append(out)  # eval_batch(return_logits=True) returns the last micro-batch's
     return Reference(losses, sum(evals) / len(evals), model.state_dict(), last_logits)
+
+
+def assert_stage_parameters_match(ranks: list[dict], ref: Reference) -> None:
+    """Every rank's parameters equal the single-device model's (rtol 1e-5), and the ranks together
+    hold every one of them."""
+    seen = set()
+    for r, res in enumerate(ranks):
+        for name, value in res["state"].items():
+            torch.testing.assert_close(value, ref.state[name], rtol=1e-5, atol=1e-6, msg=f"rank {r}: {name}")
+            seen.add(name)
+    assert seen == set(ref.state), "every parameter lives on the stages that own it"

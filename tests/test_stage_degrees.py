@@ -13,7 +13,7 @@ import torch
 
 from gpp_deepspeed.graph.placement import shard_rows
 from models import MODELS as MODEL_CASES, make_batches
-from reference import train_reference
+from reference import assert_stage_parameters_match, train_reference
 
 pytestmark = pytest.mark.dist
 
@@ -74,12 +74,7 @@ def test_per_stage_degrees_train_like_the_single_device_model(run_cases, world, 
         torch.testing.assert_close(res["logits"], ref.last_logits[res["dp"]][lo:hi], rtol=1e-5, atol=1e-6)
         seen_rows.add((res["dp"], lo, hi))
     assert len(seen_rows) == replicas * output_degree, "every output rank returns the logits of its own rows"
-    seen = set()
-    for r, res in enumerate(ranks):
-        for name, value in res["state"].items():
-            torch.testing.assert_close(value, ref.state[name], rtol=1e-5, atol=1e-6, msg=f"rank {r}: {name}")
-            seen.add(name)
-    assert seen == set(ref.state), "every parameter lives on the stages that own it"
+    assert_stage_parameters_match(ranks, ref)
 
 
 @pytest.mark.parametrize("c", CKPT, ids=[c["id"] for c in CKPT])

@@ -13,7 +13,7 @@ fp32 model as the other bf16 cases do.
 import pytest
 import torch
 
-from reference import train_reference
+from reference import assert_stage_parameters_match, train_reference
 
 pytestmark = pytest.mark.dist
 
@@ -87,12 +87,7 @@ def test_zero_per_stage_group_trains_like_the_single_device_model(run_cases, c):
         assert res["optimizer"] == OPTIMIZERS[c["zero"]], f"rank {r}"
         assert res["losses"] == pytest.approx(ref.losses, rel=1e-5), f"rank {r} (stage {res['stage']})"
         assert res["eval"] == pytest.approx(ref.eval_loss, rel=1e-5), f"rank {r} (stage {res['stage']})"
-    seen = set()
-    for r, res in enumerate(ranks):
-        for name, value in res["state"].items():
-            torch.testing.assert_close(value, ref.state[name], rtol=1e-5, atol=1e-6, msg=f"rank {r}: {name}")
-            seen.add(name)
-    assert seen == set(ref.state), "every parameter lives on the stages that own it"
+    assert_stage_parameters_match(ranks, ref)
 
 
 @pytest.mark.parametrize("c", BF16, ids=[c["id"] for c in BF16])
