@@ -350,6 +350,8 @@ def main():
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--world", type=int, default=16)
     parser.add_argument("--models", default=None, help="comma-separated subset of the models (and 'hetero')")
+    parser.add_argument("--machine", default=None, help="a label for a machine other than the usual 2-core one "
+                        "(e.g. '16 cores'): its results are kept beside, not over, the usual ones")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--costs", help=argparse.SUPPRESS)
     parser.add_argument("--cluster", help=argparse.SUPPRESS)
@@ -401,16 +403,23 @@ def main():
                    "calibrated_s": calibrated.predicted.iteration_time_s,
                    "calibrated_blocking_s": blocking.predicted.iteration_time_s, "replay_s": breakdown}
             rows.append(row)
+            save(args.world if args.machine is None else f"{args.world}, {args.machine}", calib, rows)   # after every run: a run cut short keeps what it measured
             print(f"{name:20s} {kind:10s} {plan.method:14s} measured {row['measured_s']:.3f} s  nominal "
                   f"{row['simulated_s']:.3f} s  calibrated {row['calibrated_s']:.3f} s  ratio "
                   f"{row['measured_s'] / row['calibrated_s']:.3f}  replay {json.dumps(breakdown)}", flush=True)
+
+
+def save(world: int | str, calib: dict, rows: list[dict]) -> None:
+    """Merge ``rows`` into ``results/planned_runs.json`` under ``world`` (the world size, with the
+    machine's label if it is not the usual one; a model and plan kind measured again replace the
+    old row) and rewrite the section of ``docs/benchmarks.md``."""
     out = ROOT / "benchmarks" / "results" / "planned_runs.json"
     old = json.loads(out.read_text()) if out.exists() else {}
     if isinstance(old, list):   # the format before calibration and worlds
         old = {}
-    old[str(args.world)] = {"calibration": calib,
-                            "rows": [r for r in old.get(str(args.world), {}).get("rows", [])
-                                     if (r["model"], r["kind"]) not in {(x["model"], x["kind"]) for x in rows}] + rows}
+    old[str(world)] = {"calibration": calib,
+                       "rows": [r for r in old.get(str(world), {}).get("rows", [])
+                                if (r["model"], r["kind"]) not in {(x["model"], x["kind"]) for x in rows}] + rows}
     out.write_text(json.dumps(old, indent=1))
     write_section(old)
 
@@ -433,8 +442,11 @@ def write_section(results):
             "the way the model did before, its whole latency busy at both ends, which over-priced a stage that "
             "receives many at once). At 8 ranks the calibrated simulation is within a few percent of every run; "
             "at 16 ranks, 16 processes share 2 cores and the emulated layers' overhead grows with the number of "
-            "micro-batches and ranks per stage.\n"]
-    for world, res in sorted(results.items(), key=lambda kv: -int(kv[0])):
+            "micro-batches and ranks per stage. The same 16-rank runs on a machine with 16 cores (`--machine "
+            "'16 cores'`: the lent GPU machine's CPUs, its own transport calibration) land within 5% of every "
+            "calibrated step: what the 2-core runs add beyond that is the 2 cores.\n"]
+    for world, res in sorted(results.items(), key=lambda kv: (-int(kv[0].split(",")[0]), kv[0])):
+        ranks, _, machine = world.partition(", ")
         c = res["calibration"]
         link = c["link"]
         busy = link.get("overhead_s")
@@ -443,13 +455,13 @@ def write_section(results):
                    f"{link.get('late_receive_s', 0.0) * 1e3:.3f} ms more when its receive is posted last (the model "
                    f"before: {c['blocking_link']['alpha_s'] * 1e3:.3f} ms busy at both ends)" if busy is not None else
                    f"a message {link['alpha_s'] * 1e3:.3f} ms busy at both ends")
-        text.append(f"### {world} ranks\n\nCalibration: {message}, an all-reduce ring step "
+        text.append(f"### {ranks} ranks" + (f" on {machine}" if machine else "") + f"\n\nCalibration: {message}, an all-reduce ring step "
                     f"{c['collective']['alpha_s'] * 1e3:.3f} ms, the emulated layer's overhead "
                     f"{c['layer_overhead_s'][0] * 1e3:.3f} ms forward / {c['layer_overhead_s'][1] * 1e3:.3f} ms "
                     f"backward, once per step {c['step_s'] * 1e3:.1f} ms" + (
                         f" (the STEP action {c['step_action_s'] * 1e3:.1f} ms, outside every action "
                         f"{c['outside_actions_s'] * 1e3:.1f} ms)" if "step_action_s" in c else "") +
-                    f"; an empty {world}-stage pipeline (layers that do not sleep) ran "
+                    f"; an empty {ranks}-stage pipeline (layers that do not sleep) ran "
                     f"{c['empty_step_s'] * 1e3:.1f} ms per step" + (
                         f", calibrated {c['empty_calibrated_s'] * 1e3:.1f} ms" if "empty_calibrated_s" in c else "")
                     + ".\n")
