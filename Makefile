@@ -38,6 +38,7 @@ bench: setup
 	$(PY) benchmarks/async_convergence.py
 	$(PY) benchmarks/transport_costs.py
 	$(PY) benchmarks/planned_runs.py
+	$(PY) benchmarks/device_profiles.py --compare benchmarks/results/device_profiles   # the GPU run: --out DIR there
 	$(PY) benchmarks/large_models.py
 	$(PY) benchmarks/zero_memory.py
 
