@@ -40,7 +40,6 @@ from typing import Iterable, Mapping, Sequence
 
 from ..errors import GPPConfigError
 from ..graph.ir import LayerGraph, build_layer_graph
-from ..graph.placement import reshard
 from ..graph.stages import derive_partition
 
 __all__ = ["CommFit", "LayerCost", "Hardware", "CostDB", "Boundary", "StageCost", "StageCostModel", "edge_bytes",
@@ -351,13 +350,21 @@ class StageCostModel:
       Under ``zero_stage`` 2 and 3 the group's collectives move into the micro-batches
       (:func:`zero_collectives`);
     * weight state: :func:`weight_state_bytes` of the stage's parameters under ``zero_stage``.
+
+    ``layer_degrees`` (per layer, the data-parallel degree of the stage that holds it in a known
+    plan, :meth:`with_degrees`) prices a stage's messages with its neighbours' degrees: an edge to
+    or from a stage of another degree costs the narrower side one message per peer rank that
+    holds its rows (:func:`reshard_messages`), as the engine reshards. Without it a stage's
+    neighbours are taken to run on its own degree, which is exact when every stage has one degree.
     """
 
     db: CostDB
     mini_batch: int
     p2p_devices: int = 1
     zero_stage: int = 0
+    layer_degrees: tuple[int, ...] | None = None
     _cache: dict = field(default_factory=dict, repr=False)
+    _shared: dict = field(default_factory=dict, repr=False)   # what does not depend on layer_degrees
 
     def __post_init__(self):
         check_zero_stage(self.zero_stage)
@@ -411,24 +418,42 @@ class StageCostModel:
     def layer_times(self, shard: float) -> list[tuple[float, float]]:
         """Every layer's forward and backward seconds on a shard of ``shard`` samples (cached)."""
         key = ("times", shard)
-        hit = self._cache.get(key)
+        hit = self._shared.get(key)
         if hit is None:
-            hit = self._cache[key] = [c.times(shard) for c in self.db.layers]
+            hit = self._shared[key] = [c.times(shard) for c in self.db.layers]
         return hit
 
     def _layer_rows(self, shard: float) -> list[tuple]:
         """Per layer on a shard: forward, backward, its two split halves, parameter and stash
         bytes (cached: the searches price many stages at few shard sizes)."""
         key = ("rows", shard)
-        hit = self._cache.get(key)
+        hit = self._shared.get(key)
         if hit is None:
-            hit = self._cache[key] = [(*t, *c.split_backward_times(shard), c.param_bytes, c.stash_bytes)
+            hit = self._shared[key] = [(*t, *c.split_backward_times(shard), c.param_bytes, c.stash_bytes)
                                       for t, c in zip(self.layer_times(shard), self.db.layers)]
         return hit
 
-    def boundary(self, mask: int) -> Boundary:
-        """The :class:`Boundary` of layer set ``mask`` as one stage of a stage DAG, before its
-        neighbours are placed.
+    def with_degrees(self, stages: Sequence[tuple[int, int]]) -> "StageCostModel":
+        """This model with the neighbours' degrees of a plan's ``stages`` (layer masks and degrees):
+        every stage is then priced with the resharding its edges to them cost."""
+        degrees = [1] * self.num_layers
+        for mask, n in stages:
+            for i in self._members(mask):
+                degrees[i] = n
+        return StageCostModel(self.db, self.mini_batch, p2p_devices=self.p2p_devices, zero_stage=self.zero_stage,
+                              layer_degrees=tuple(degrees), _shared=self._shared)
+
+    def plan_bottleneck(self, stages: Sequence[tuple[int, int]], b: int) -> float:
+        """The exact bottleneck time per sample of a plan's ``stages`` (layer masks and degrees) at
+        micro-batch ``b``: every stage priced with its own messages, resharding included
+        (:meth:`stage_boundaries`), as the simulator prices them."""
+        masks, degrees = [m for m, _ in stages], [n for _, n in stages]
+        return max(self.time_per_sample(m, b, n, boundary=bd)
+                   for m, n, bd in zip(masks, degrees, self.stage_boundaries(masks, degrees)))
+
+    def boundary(self, mask: int, n: int | None = None) -> Boundary:
+        """The :class:`Boundary` of layer set ``mask`` as one stage of a stage DAG on ``n`` ranks,
+        before its neighbours are placed.
 
         Bytes received are exact: each outside producer's output once. How many stages send them
         and how many read the stage's outputs depend on how the neighbours are cut, which a search
@@ -437,10 +462,29 @@ class StageCostModel:
         outside producer that no other outside producer follows, one to each outside reader that no
         other precedes, and each output sent once to each of its own such readers. That is exact
         for a stage inside a chain, a fork into branches that are stages of their own and a merge
-        of them; :func:`plan_boundaries` prices a plan's stages exactly.
+        of them; :func:`plan_boundaries` prices a plan's stages exactly. With ``layer_degrees`` and
+        ``n``, each such message is the messages of an edge between the two degrees
+        (:func:`reshard_messages`).
         """
-        key = ("bnd", mask)
+        degrees = self.layer_degrees if n is not None else None
+        key = ("bnd", mask, n if degrees is not None else None)
         hit = self._cache.get(key)
+        if hit is not None:
+            return hit
+        in_b, out_b, senders, receivers = self._neighbours(mask)
+        if degrees is None:
+            in_m, out_m = len(senders), len(receivers)
+        else:
+            in_m = sum(reshard_messages(degrees[j], n)[1] for j in senders)
+            out_m = sum(reshard_messages(n, degrees[j])[0] for j in receivers)
+        hit = self._cache[key] = Boundary(in_b, out_b, in_m if in_b > 0 else 0, out_m if out_b > 0 else 0)
+        return hit
+
+    def _neighbours(self, mask: int) -> tuple[float, float, list[int], list[int]]:
+        """:meth:`boundary`'s bytes in and out of layer set ``mask``, and the outside layers it
+        counts one message from (senders) and to (receivers)."""
+        key = ("nbr", mask)
+        hit = self._shared.get(key)
         if hit is not None:
             return hit
         layers = self.db.layers
@@ -451,16 +495,16 @@ class StageCostModel:
             outside = self.consumers[i] & ~mask
             if outside:
                 readers |= outside
-                out_b += layers[i].out_bytes * self._first(outside, self.ancestors)
+                out_b += layers[i].out_bytes * len(self._first(outside, self.ancestors))
         in_b = float(sum(layers[j].out_bytes for j in self._members(producers)))
-        hit = self._cache[key] = Boundary(in_b, out_b, self._first(producers, self.descendants) if in_b > 0 else 0,
-                                          self._first(readers, self.ancestors) if out_b > 0 else 0)
+        hit = self._shared[key] = (in_b, out_b, self._first(producers, self.descendants),
+                                  self._first(readers, self.ancestors))
         return hit
 
-    def _first(self, group: int, before: list[int]) -> int:
+    def _first(self, group: int, before: list[int]) -> list[int]:
         """Members of ``group`` with no other member in ``before[member]`` (no other member precedes
         it, for ``before = ancestors``; none follows it, for ``descendants``)."""
-        return sum(1 for i in self._members(group) if not before[i] & group)
+        return [i for i in self._members(group) if not before[i] & group]
 
     def chain_boundaries(self, masks: Sequence[int]) -> list[Boundary]:
         """Bytes per sample into and out of each stage of a *chain* pipeline.
@@ -558,7 +602,7 @@ class StageCostModel:
             params += p
             stash += st
             largest = max(largest, p)
-        bd = self.boundary(mask) if boundary is None else boundary
+        bd = self.boundary(mask, n) if boundary is None else boundary
         # Activations arrive before the forward and leave after it; gradients mirror them
         # (with a split backward, around I: W talks to no one). Each message keeps the stage busy
         # (CommFit.busy); its time in flight overlaps other work and is the simulator's.
@@ -799,9 +843,12 @@ def reshard_messages(num_src: int, num_dst: int) -> tuple[int, int]:
     >>> reshard_messages(2, 3), reshard_messages(1, 4), reshard_messages(2, 2)
     ((2, 2), (4, 1), (1, 1))
     """
-    transfers = reshard(math.lcm(num_src, num_dst), num_src=num_src, num_dst=num_dst)
-    sends = max(sum(1 for t in transfers if t.src_idx == i) for i in range(num_src))
-    recvs = max(sum(1 for t in transfers if t.dst_idx == j) for j in range(num_dst))
+    # Over lcm rows, producer i holds the block [i p, (i + 1) p) and consumer j [j q, (j + 1) q):
+    # a block meets every block of the other side that it overlaps, one message each.
+    rows = math.lcm(num_src, num_dst)
+    p, q = rows // num_src, rows // num_dst
+    sends = max(((i + 1) * p - 1) // q - i * p // q + 1 for i in range(num_src))
+    recvs = max(((j + 1) * q - 1) // p - j * q // p + 1 for j in range(num_dst))
     return sends, recvs
 
 

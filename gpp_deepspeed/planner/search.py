@@ -14,6 +14,7 @@ The DP itself, its tables and the stages it may form are in :mod:`._dp`.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import time
@@ -36,6 +37,7 @@ __all__ = ["graphpipe_search", "graphpipe_partition", "proxy_costs", "SPACES", "
 
 SPACES = ("full", "runtime")
 _REL_TOL = 1e-3
+_RESHARD_ROUNDS = 2   # searches again per found plan whose resharding the DP under-priced
 
 
 def bottleneck_search(cm: StageCostModel, tree, *, num_devices: int, micro_batch: int,
@@ -249,6 +251,7 @@ class _Sweep:
         cm, mini_batch, num_devices = self.cm, self.mini_batch, self.num_devices
         best_time = math.inf if best is None else best.predicted.iteration_time_s
         hints: dict = {}
+        full_space: list = []   # per micro-batch, the full space's stage devices and plans (to reprice)
         for b in sorted(sizes, reverse=True):
             # The DP minimises the bottleneck (the paper's objective, Eq. 1), which ignores pipeline
             # fill and drain; with few micro-batches a shallower plan on one uniform data-parallel
@@ -284,13 +287,33 @@ class _Sweep:
                     self.progress(f"graphpipe: {what}: " + ("no feasible plan that can beat the best so far"
                                   if not found else ", ".join(f"{len(st)} stages, bottleneck {tps:.4g} s/sample"
                                                                for tps, st in found)))
-                for tps, stages in found:
-                    t0 = time.perf_counter()
-                    plan = predict(self._plan(stages, b, tps, schedule), self.db, schedule=schedule)
-                    self.predict_s += time.perf_counter() - t0
-                    if plan.predicted.fits_memory and plan.predicted.iteration_time_s < best_time:
-                        best, best_time = plan, plan.predicted.iteration_time_s
+                best, best_time, fastest = self._keep_fastest(found, b, schedule, best, best_time)
+                if d is None and fastest < math.inf:
+                    full_space.append((fastest, b, stage_devices, found))
+        # Last, the full space's plans at the micro-batch whose plan simulated fastest are searched
+        # again where the DP under-priced their resharding (one micro-batch only: repricing costs a
+        # search, and CANDLE-Uno on 1,024 devices has twenty).
+        for _, b, stage_devices, found in sorted(full_space, key=lambda x: x[0])[:1]:
+            more = self._repriced(schedule, b, stage_devices, found, best_time)
+            if self.progress is not None and more:
+                self.progress(f"graphpipe: micro-batch {b}, {schedule}, repriced for resharding: "
+                              + ", ".join(f"{len(st)} stages, bottleneck {tps:.4g} s/sample" for tps, st, _ in more))
+            best, best_time, _ = self._keep_fastest(more, b, schedule, best, best_time)
         return best
+
+    def _keep_fastest(self, found: list, b: int, schedule: str, best: Plan | None, best_time: float):
+        """``best`` and its iteration time, or a plan of ``found`` the simulator finds faster that
+        fits; and the fastest fitting iteration time among ``found``."""
+        fastest = math.inf
+        for tps, stages, *repriced in found:
+            t0 = time.perf_counter()
+            plan = predict(self._plan(stages, b, tps, schedule, bool(repriced)), self.db, schedule=schedule)
+            self.predict_s += time.perf_counter() - t0
+            if plan.predicted.fits_memory:
+                fastest = min(fastest, plan.predicted.iteration_time_s)
+                if plan.predicted.iteration_time_s < best_time:
+                    best, best_time = plan, plan.predicted.iteration_time_s
+        return best, best_time, fastest
 
     def _least_bottleneck(self, schedule: str, b: int, stage_devices: list[int], floor: float,
                           best_time: float, hint: float | None) -> list[tuple[float, list[tuple[int, int]]]]:
@@ -303,9 +326,46 @@ class _Sweep:
         self.states += visited
         return found
 
-    def _plan(self, stages: list[tuple[int, int]], b: int, tps: float, schedule: str) -> Plan:
-        return _plan(self.db, self.cm, stages, b, self.mini_batch, tps, self.added, self.space, self.recompute,
+    def _repriced(self, schedule: str, b: int, stage_devices: list[int], found: list, best_time: float) -> list:
+        """More candidates where the DP under-priced a found plan's resharding.
+
+        The DP prices a stage before its neighbours are placed, as if they ran on its own degree;
+        the engine sends an edge between stages of different degrees as one message per peer rank
+        that holds a rank's rows (``costs.reshard_messages``), which the plan's exact bottleneck
+        (``StageCostModel.plan_bottleneck``) and the simulator price. Where that is above the
+        DP's bottleneck by more than the tolerance, the search runs again with every stage priced
+        against its neighbours' degrees in that plan (``StageCostModel.with_degrees``), and again
+        against the new plan's, up to ``_RESHARD_ROUNDS`` times: ``(tps, stages, True)`` per plan
+        found, for the simulator to rank beside the others."""
+        more = []
+        if self.recompute:   # a recomputed stage's time depends on its in-flight count: no exact bottleneck
+            return more
+        for tps, stages in found:
+            floor = tps * (1 - self.rel_tol)
+            for _ in range(_RESHARD_ROUNDS):
+                exact = self.cm.plan_bottleneck(stages, b)
+                if exact <= tps * (1 + self.rel_tol):
+                    break
+                # Repriced, a stage costs at least what the DP priced it (every edge at least one
+                # message), so the DP's optimum is a floor; the found plan, priced against its own
+                # degrees, meets its exact bottleneck, where the bracketing starts.
+                again, visited = schedule_bottleneck_search(
+                    self.cm.with_degrees(stages), self.tree, schedule=schedule, num_devices=self.num_devices,
+                    micro_batch=b, stage_devices=stage_devices, rel_tol=self.rel_tol, floor=floor,
+                    limit=best_time / self.mini_batch, recompute=self.recompute, hint=exact)
+                self.states += visited
+                if not again:
+                    break
+                tps, stages = min(again, key=lambda found_: self.cm.plan_bottleneck(found_[1], b))
+                more.append((tps, stages, True))
+        return more
+
+    def _plan(self, stages: list[tuple[int, int]], b: int, tps: float, schedule: str, repriced: bool = False) -> Plan:
+        plan = _plan(self.db, self.cm, stages, b, self.mini_batch, tps, self.added, self.space, self.recompute,
                      schedule, self.zero_stage)
+        if repriced:
+            plan = dataclasses.replace(plan, notes={**plan.notes, "repriced_for_resharding": True})
+        return plan
 
 
 def schedule_bottleneck_search(cm: StageCostModel, tree, *, schedule: str, num_devices: int, micro_batch: int,
