@@ -85,11 +85,10 @@ def _searched_bottleneck(db, num_devices: int, b: int, mini_batch: int) -> float
 
 
 # Random DAGs (series-parallel, stage degrees 1, 2, 4, messages as dear as a layer) on which the DP
-# alone misses the exact optimum by its under-priced resharding, and searching again against the
-# found plan's degrees reaches it. On 300 such seeds the DP missed on 38 and the repricing reached
-# the optimum on 21 of them: where the optimum needs other degrees than the found plan's
-# neighbours have, pricing against those neighbours does not lead there.
-@pytest.mark.parametrize("seed", [121, 128, 150, 197, 256])
+# alone misses the exact optimum by its under-priced resharding. On 300 such seeds it missed on 38;
+# searching again against the found plan's degrees and polishing the result reached the optimum on
+# 33 of them (the polish alone finds the split of a wide stage feeding a narrow one, as in 55-113).
+@pytest.mark.parametrize("seed", [55, 70, 86, 113, 121, 128, 150, 197, 256])
 def test_searching_again_against_the_found_plans_degrees_reaches_the_brute_force_optimum(seed, monkeypatch):
     db, num_devices = _case(seed)
     tree, added = sp_tree(db.graph)
@@ -98,7 +97,7 @@ def test_searching_again_against_the_found_plans_degrees_reaches_the_brute_force
     truth = _exact_brute_force(db, num_devices=num_devices, b=b, stage_devices=(1, 2, 4),
                                allowed=_sp_candidates(tree), mini_batch=mini_batch)
     assert _searched_bottleneck(db, num_devices, b, mini_batch) == pytest.approx(truth, rel=2e-3)
-    monkeypatch.setattr(search, "_RESHARD_ROUNDS", 0)
+    monkeypatch.setattr(search._Sweep, "_repriced", lambda *args, **kwargs: [])
     assert _searched_bottleneck(db, num_devices, b, mini_batch) > truth * 1.01
 
 

@@ -25,6 +25,7 @@ import networkx as nx
 from ..errors import GPPConfigError, InfeasiblePlanError
 from ..schedule.registry import is_async
 from ._dp import FeasibilityDP, flatten, work_fn
+from ._polish import polish
 from .costs import (NO_BOUNDARY, CommFit, CostDB, Hardware, LayerCost, StageCostModel, check_zero_stage,
                     micro_batch_sizes)
 from .inflight import deepest_pipeline, needs_pipeline_depth, schedule_memory, stage_in_flight
@@ -335,29 +336,37 @@ class _Sweep:
         (``StageCostModel.plan_bottleneck``) and the simulator price. Where that is above the
         DP's bottleneck by more than the tolerance, the search runs again with every stage priced
         against its neighbours' degrees in that plan (``StageCostModel.with_degrees``), and again
-        against the new plan's, up to ``_RESHARD_ROUNDS`` times: ``(tps, stages, True)`` per plan
-        found, for the simulator to rank beside the others."""
+        against the new plan's, up to ``_RESHARD_ROUNDS`` times; the best of these plans is then
+        polished by small changes priced exactly (:func:`._polish.polish`). ``(tps, stages, True)``
+        per plan, for the simulator to rank beside the others."""
         more = []
         if self.recompute:   # a recomputed stage's time depends on its in-flight count: no exact bottleneck
             return more
+        exact = functools.partial(self.cm.plan_bottleneck, b=b)
         for tps, stages in found:
-            floor = tps * (1 - self.rel_tol)
+            if exact(stages) <= tps * (1 + self.rel_tol):
+                continue
+            # Repriced, a stage costs at least what the DP priced it (every edge at least one
+            # message), so the DP's optimum is a floor; a found plan, priced against its own
+            # degrees, meets its exact bottleneck, where the bracketing starts.
+            floor, tried = tps * (1 - self.rel_tol), [stages]
             for _ in range(_RESHARD_ROUNDS):
-                exact = self.cm.plan_bottleneck(stages, b)
-                if exact <= tps * (1 + self.rel_tol):
-                    break
-                # Repriced, a stage costs at least what the DP priced it (every edge at least one
-                # message), so the DP's optimum is a floor; the found plan, priced against its own
-                # degrees, meets its exact bottleneck, where the bracketing starts.
                 again, visited = schedule_bottleneck_search(
                     self.cm.with_degrees(stages), self.tree, schedule=schedule, num_devices=self.num_devices,
                     micro_batch=b, stage_devices=stage_devices, rel_tol=self.rel_tol, floor=floor,
-                    limit=best_time / self.mini_batch, recompute=self.recompute, hint=exact)
+                    limit=best_time / self.mini_batch, recompute=self.recompute, hint=exact(stages))
                 self.states += visited
                 if not again:
                     break
-                tps, stages = min(again, key=lambda found_: self.cm.plan_bottleneck(found_[1], b))
+                tps, stages = min(again, key=lambda found_: exact(found_[1]))
                 more.append((tps, stages, True))
+                tried.append(stages)
+                if exact(stages) <= tps * (1 + self.rel_tol):
+                    break
+            start = min(tried, key=exact)
+            polished = polish(self.cm, start, b, stage_devices, lambda st: _fits(self.cm, st, b, schedule, self.recompute))
+            if sorted(polished) != sorted(start):
+                more.append((exact(polished), polished, True))
         return more
 
     def _plan(self, stages: list[tuple[int, int]], b: int, tps: float, schedule: str, repriced: bool = False) -> Plan:
