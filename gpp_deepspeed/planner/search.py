@@ -252,7 +252,7 @@ class _Sweep:
         cm, mini_batch, num_devices = self.cm, self.mini_batch, self.num_devices
         best_time = math.inf if best is None else best.predicted.iteration_time_s
         hints: dict = {}
-        full_space: list = []   # per micro-batch, the full space's stage devices and plans (to reprice)
+        full_space: list = []   # per micro-batch: its fastest simulated plan, stage devices and plans
         for b in sorted(sizes, reverse=True):
             # The DP minimises the bottleneck (the paper's objective, Eq. 1), which ignores pipeline
             # fill and drain; with few micro-batches a shallower plan on one uniform data-parallel
@@ -292,8 +292,8 @@ class _Sweep:
                 if d is None and fastest < math.inf:
                     full_space.append((fastest, b, stage_devices, found))
         # Last, the full space's plans at the micro-batch whose plan simulated fastest are searched
-        # again where the DP under-priced their resharding (one micro-batch only: repricing costs a
-        # search, and CANDLE-Uno on 1,024 devices has twenty).
+        # again where the DP under-priced their resharding (one micro-batch only: each repricing is
+        # a search of its own, and a large mini-batch has fifteen sizes or more).
         for _, b, stage_devices, found in sorted(full_space, key=lambda x: x[0])[:1]:
             more = self._repriced(schedule, b, stage_devices, found, best_time)
             if self.progress is not None and more:
