@@ -6,7 +6,8 @@ aggregation and checkpoints are DeepSpeed's. What changes:
 
 * "first stage" means "reads graph inputs from the batch" (there may be several), and "last
   stage" means the output stage, which reads labels and computes the loss;
-* transfers go along stage edges between any two stages (:mod:`.p2p`), several tensors per edge;
+* transfers go along stage edges between any two stages (:mod:`.transfers` on :mod:`.p2p`), several
+  tensors per edge;
 * every buffer keeps its own loss and output gradients, because stages run out of lock-step;
 * every batch runs a :class:`~gpp_deepspeed.schedule.Program`, this stage's action list of it,
   validated (deadlock under NCCL's rendezvous semantics, buffer reuse, release points) before it
@@ -43,8 +44,8 @@ from ..config import GraphPipelineConfig, with_plan_schedule
 from ..errors import GPPConfigError
 from ..graph.stages import mark_gradient_flow
 from ..schedule import KINDS, Program, build_program, get_schedule, validate_program
-from ..schedule.ir import Action, ActionKind as K
-from .flat import flatten, port_ranges, unflatten
+from ..schedule.ir import Action
+from .flat import flatten
 from . import asynchronous as _async
 from . import compat
 from .compat import count_each_stage_once
@@ -54,10 +55,11 @@ from .instructions import (BUFFER_KEYS, GraphPipeSchedule, RecvActivationFrom, R
 from .watchdog import start_watchdog
 from .memory import MemoryReport, memory_report
 from .module import GraphPipelineModule
-from .p2p import EdgeTransport, Incoming, Outgoing, header_capacity, pack, receive_buffers, unpack
-from .reshard import cut_rows, edge_peers, grad_scale, join_rows, warm_up_pairs
+from .p2p import EdgeTransport
+from .reshard import edge_peers, warm_up_pairs
 from .split_engine import (SplitBackwardMixin, check_split_backward_supported, output_gradient_pairs,
                            use_split_backward_recompute)
+from .transfers import TransferMixin
 from .zero import PartitionedGradientsMixin, check_zero_supported
 
 __all__ = ["GraphPipelineEngine"]
@@ -65,9 +67,6 @@ __all__ = ["GraphPipelineEngine"]
 _DEEPSPEED_BUFFERS = ("inputs", "labels", "outputs", "output_tensors")  # PipelineEngine's own pipe_buffers
 _EXTRA_BUFFERS = tuple(k for keys in BUFFER_KEYS.values() for k in keys if k not in _DEEPSPEED_BUFFERS)
 _WAITING = frozenset(k for k, spec in KINDS.items() if spec.waits)
-# DeepSpeed's pipe timer of each transfer kind (wall_clock_breakdown).
-_TIMERS = {K.SEND_F: PIPE_SEND_OUTPUT_TIMER, K.RECV_F: PIPE_RECV_INPUT_TIMER, K.SEND_B: PIPE_SEND_GRAD_TIMER,
-           K.RECV_B: PIPE_RECV_GRAD_TIMER, K.SEND_L: PIPE_SEND_OUTPUT_TIMER, K.RECV_L: PIPE_RECV_INPUT_TIMER}
 
 
 def _wall_clock(timer: str, handler):
@@ -86,7 +85,7 @@ def _wall_clock(timer: str, handler):
     return timed
 
 
-class GraphPipelineEngine(PartitionedGradientsMixin, SplitBackwardMixin, PipelineEngine):
+class GraphPipelineEngine(TransferMixin, PartitionedGradientsMixin, SplitBackwardMixin, PipelineEngine):
     """Trains a :class:`GraphPipelineModule`; built by :func:`gpp_deepspeed.initialize`."""
 
     def __init__(self, *args, gpp_config: GraphPipelineConfig | None = None, **kwargs):
@@ -555,127 +554,6 @@ class GraphPipelineEngine(PartitionedGradientsMixin, SplitBackwardMixin, Pipelin
             for key in BUFFER_KEYS[buffer]:
                 self.pipe_buffers[key][buffer_id] = None
 
-    # -- transfers --------------------------------------------------------------------------------
-
-    def _exec_transfers(self, ops):
-        """Run one transfer action: every send and receive of ``ops``, layouts included, posted as
-        one batch (:meth:`EdgeTransport.exchange`); each receive is sized before it is posted."""
-        sends, recvs, receivers = [], [], []
-        for kind, buffer_id, peer in ops:
-            if kind.spec.send:
-                sends += self._outgoing(kind, buffer_id, peer)
-                continue
-            ranks, specs, store, extra = self._incoming(kind, buffer_id, peer)
-            got = [Incoming(peer, rank, receive_buffers(spec, self.device)) for rank, spec in zip(ranks, specs)]
-            recvs += got
-            receivers.append((store, buffer_id, peer, extra, ranks, got, specs))
-        self.transport.exchange(sends, recvs)
-        for store, buffer_id, peer, extra, ranks, got, specs in receivers:
-            store(buffer_id, peer, extra, ranks, [unpack(m.buffers, spec) for m, spec in zip(got, specs)])
-
-    # With per-stage degrees a stage edge is one message per peer rank: each consumer rank gets
-    # exactly its rows from the producer ranks holding them (reshard.py); gradients go back the same
-    # way. With equal degrees that is one message to the same-index rank.
-
-    def _outgoing(self, kind, buffer_id, peer) -> list[Outgoing]:
-        """The messages of one send: activations, their layout headers, or input gradients."""
-        if kind is K.SEND_B:
-            grads, what = self._input_grads(buffer_id, peer), f"edge {peer} -> {self.stage_id}"
-            return [Outgoing(peer, to.rank, pack(cut_rows(grads, to, what=what))) for to in self._in_peers[peer]]
-        edge = self._out_edges[peer]
-        flat, arity = self._flat_ports(buffer_id, edge.tensors)
-        out = []
-        for to in self._out_peers[peer]:
-            part = cut_rows(flat, to, what=f"edge {self.stage_id} -> {peer}")
-            out.append(Outgoing(peer, to.rank, pack(part) if kind is K.SEND_F else [self.transport.header(
-                arity, part, edge=(self.stage_id, peer), num_ports=len(edge.tensors))]))
-        return out
-
-    def _incoming(self, kind, buffer_id, peer):
-        """One receive: the peer ranks, the (shape, dtype) specs of each one's message, sized before
-        it is posted, and where it goes (``store(buffer_id, peer, extra, ranks, tensors)``)."""
-        if kind is K.RECV_L:
-            ranks = [frm.rank for frm in self._in_peers[peer]]
-            spec = (((header_capacity(len(self._in_edges[peer].tensors)), ), torch.int64), )
-            return ranks, [spec] * len(ranks), self._store_layouts, None
-        if kind is K.RECV_F:
-            ranks = [frm.rank for frm in self._in_peers[peer]]
-            layouts = [self.transport.layout((peer, self.stage_id), rank) for rank in ranks]
-            return ranks, [layout.specs for layout in layouts], self._store_activations, layouts[0].arity
-        positions, outputs = self._grad_positions(buffer_id, peer)
-        what = f"edge {self.stage_id} -> {peer}"
-        specs = [tuple((tuple(t.shape), t.dtype) for t in cut_rows(outputs, frm, what=what))
-                 for frm in self._out_peers[peer]]
-        return [frm.rank for frm in self._out_peers[peer]], specs, self._store_grads, positions
-
-    def _flat_ports(self, buffer_id, refs):
-        outputs = self.pipe_buffers["outputs"][buffer_id]
-        return flatten([outputs[self._out_index[ref]] for ref in refs])
-
-    def _input_grads(self, buffer_id, peer):
-        received = self.pipe_buffers["received"][buffer_id]
-        flat, _ = flatten([received[ref] for ref in self._in_edges[peer].tensors])
-        # A tensor this stage did not use still gets a (zero) gradient: the producer waits for one.
-        return [t.grad if t.grad is not None else torch.zeros_like(t) for t in flat if t.is_floating_point()]
-
-    def _grad_positions(self, buffer_id, peer):
-        """Flat output positions of the edge to ``peer``'s floating-point tensors, in the order
-        their gradients come, and those output tensors (the gradients' shapes)."""
-        flat, arity = flatten(self.pipe_buffers["outputs"][buffer_id])
-        ranges = port_ranges(arity)
-        positions = [i for ref in self._out_edges[peer].tensors for i in ranges[self._out_index[ref]]
-                     if flat[i].is_floating_point()]
-        return positions, [flat[i] for i in positions]
-
-    def _store_layouts(self, buffer_id, peer, _, ranks, parts):
-        for rank, (header, ) in zip(ranks, parts):
-            self.transport.keep_layout((peer, self.stage_id), rank, header)
-
-    def _store_activations(self, buffer_id, peer, arity, ranks, parts):
-        tensors = join_rows(parts)
-        for t in tensors:
-            t.requires_grad = t.is_floating_point() and torch.is_grad_enabled() and self._in_edges[peer].grad
-        received = self.pipe_buffers["received"][buffer_id] or {}
-        received.update(zip(self._in_edges[peer].tensors, unflatten(tensors, arity)))
-        self.pipe_buffers["received"][buffer_id] = received
-
-    def _store_grads(self, buffer_id, peer, positions, ranks, parts):
-        got = join_rows(parts)
-        scale = grad_scale(self.placement, src=self.stage_id, dst=peer)
-        if scale != 1:  # see reshard.py: each rank differentiates its stage degree times its share
-            got = [g * scale for g in got]
-        grads: dict[int, torch.Tensor] = self.pipe_buffers["grads"][buffer_id] or {}
-        for pos, g in zip(positions, got):
-            grads[pos] = g if pos not in grads else grads[pos] + g
-        self.pipe_buffers["grads"][buffer_id] = grads
-
-    def _exec_transfer_group(self, ops):
-        timers = list(dict.fromkeys(_TIMERS[kind] for kind, _, _ in ops))   # a layout shares its data's timer
-        if self.wall_clock_breakdown():  # a grouped transfer counts under each of its kinds' timers
-            for name in timers:
-                self.timers(name).start()
-        try:
-            self._exec_transfers(ops)
-        finally:
-            if self.wall_clock_breakdown():
-                for name in timers:
-                    self.timers(name).stop()
-
-    def _exec_send_activations_to(self, buffer_id, peer):
-        self._exec_transfers([(K.SEND_F, buffer_id, peer)])
-
-    def _exec_recv_activations_from(self, buffer_id, peer):
-        self._exec_transfers([(K.RECV_F, buffer_id, peer)])
-
-    def _exec_send_grads_to(self, buffer_id, peer):
-        self._exec_transfers([(K.SEND_B, buffer_id, peer)])
-
-    def _exec_recv_grads_from(self, buffer_id, peer):
-        self._exec_transfers([(K.RECV_B, buffer_id, peer)])
-
-    def _exec_wait_sends(self):
-        self.transport.wait_sends()
-
     _INSTRUCTION_MAP = {
         **PipelineEngine._INSTRUCTION_MAP,
         ds.LoadMicroBatch: _exec_load_micro_batch,
@@ -683,13 +561,13 @@ class GraphPipelineEngine(PartitionedGradientsMixin, SplitBackwardMixin, Pipelin
         ds.ReduceGrads: PartitionedGradientsMixin._exec_reduce_grads,
         ds.ForwardPass: _exec_forward_pass,
         ds.BackwardPass: _exec_backward_pass,
-        SendActivationTo: _wall_clock(PIPE_SEND_OUTPUT_TIMER, _exec_send_activations_to),
-        RecvActivationFrom: _wall_clock(PIPE_RECV_INPUT_TIMER, _exec_recv_activations_from),
-        SendGradTo: _wall_clock(PIPE_SEND_GRAD_TIMER, _exec_send_grads_to),
-        RecvGradFrom: _wall_clock(PIPE_RECV_GRAD_TIMER, _exec_recv_grads_from),
-        Transfers: _exec_transfer_group,
+        SendActivationTo: _wall_clock(PIPE_SEND_OUTPUT_TIMER, TransferMixin._exec_send_activations_to),
+        RecvActivationFrom: _wall_clock(PIPE_RECV_INPUT_TIMER, TransferMixin._exec_recv_activations_from),
+        SendGradTo: _wall_clock(PIPE_SEND_GRAD_TIMER, TransferMixin._exec_send_grads_to),
+        RecvGradFrom: _wall_clock(PIPE_RECV_GRAD_TIMER, TransferMixin._exec_recv_grads_from),
+        Transfers: TransferMixin._exec_transfer_group,
         Release: _exec_release,
-        WaitSends: _exec_wait_sends,
+        WaitSends: TransferMixin._exec_wait_sends,
         **SplitBackwardMixin._SPLIT_INSTRUCTIONS,
         _async.StashWeights: _async.exec_stash,
         _async.PredictWeights: _async.exec_predict,
