@@ -20,7 +20,6 @@ from __future__ import annotations
 
 from typing import Mapping, Sequence
 
-from ..errors import GPPConfigError
 from ..schedule.registry import get_schedule
 
 __all__ = ["in_flight", "stage_in_flight", "schedule_memory", "needs_pipeline_depth", "deepest_pipeline"]
@@ -68,38 +67,19 @@ def schedule_memory(schedule: str, *, depth: int, pipeline_depth: int, num_micro
     longest path to the output, itself included) stashes at its peak under ``schedule``, in a
     stage graph whose longest path has ``pipeline_depth`` stages, with uniform micro-batches.
 
-    * ``1f1b``: ``min(depth, M)`` (GraphPipe Sec. 6); ``gpipe``: all ``M``;
-    * ``zb1``: ``min(D, M)`` on every stage: a stage defers ``D - depth`` weight gradients and a
-      micro-batch stays until its ``W`` (ZB-H1's bound, arXiv 2401.10241 Sec. 3.1);
-    * ``zb2``: ``min(2 D - 1, M)`` on every stage (ZB-H2's bound, which the greedy schedule reaches
-      on every stage once ``M`` allows);
-    * the asynchronous schedules: ``depth`` micro-batches, and the weight copies of their rule
-      (:meth:`~gpp_deepspeed.schedule.WeightRule.stashed_versions`): ``depth`` for ``pipedream``
-      and ``pipeoptim`` (one per micro-batch in flight: PipeDream's weight stashing, PipeOptim's
-      predictions), two for ``2bw`` (PipeDream-2BW Sec. 3.1), one for ``pipeoptim-inplace``.
-      Without a flush the pipeline stays full whatever ``M``.
-
-    The schedule generators themselves are the reference: tests count their peaks on random stage
-    graphs (:func:`~gpp_deepspeed.schedule.zero_bubble.peak_in_flight`).
+    Both counts are the schedule's own, registered with it
+    (:class:`~gpp_deepspeed.schedule.ScheduleSpec`): ``stash`` gives the micro-batches (``1f1b``:
+    ``min(depth, M)``, GraphPipe Sec. 6; ``gpipe``: ``M``; ``zb1``: ``min(D, M)`` on every stage;
+    ``zb2``: ``min(2 D - 1, M)``; the asynchronous ones: ``depth`` whatever ``M``), and an
+    asynchronous schedule's weight rule the copies
+    (:meth:`~gpp_deepspeed.schedule.WeightRule.stashed_versions`).
 
     >>> [schedule_memory(s, depth=1, pipeline_depth=3, num_microbatches=8) for s in ("1f1b", "zb1", "zb2", "2bw")]
     [(1, 0), (3, 0), (5, 0), (1, 2)]
     """
-    name = schedule.lower()
-    m = num_microbatches
-    if name == "1f1b":
-        return min(depth, m), 0
-    if name == "gpipe":
-        return m, 0
-    if name == "zb1":
-        return min(pipeline_depth, m), 0
-    if name == "zb2":
-        return min(2 * pipeline_depth - 1, m), 0
-    spec = get_schedule(name)
-    if spec.asynchronous:
-        return depth, spec.weights.stashed_versions(depth)
-    raise GPPConfigError(f'no in-flight rule for schedule "{schedule}"; valid: 1f1b, gpipe, zb1, zb2 and the '
-                         "asynchronous ones")
+    spec = get_schedule(schedule)
+    versions = spec.weights.stashed_versions(depth) if spec.asynchronous else 0
+    return spec.stash(depth, pipeline_depth, num_microbatches), versions
 
 
 def needs_pipeline_depth(schedule: str) -> bool:
@@ -108,15 +88,15 @@ def needs_pipeline_depth(schedule: str) -> bool:
     >>> needs_pipeline_depth("zb1"), needs_pipeline_depth("1f1b")
     (True, False)
     """
-    return schedule.lower() in ("zb1", "zb2")
+    return get_schedule(schedule).stash_reads_pipeline_depth
 
 
 def deepest_pipeline(schedule: str, num_microbatches: int) -> int | None:
     """The deepest stage graph ``schedule`` runs with ``num_microbatches`` per batch, or None for
-    no limit: PipeDream-2BW keeps two weight versions only while ``M >= D - 1`` (its ``m >= d``,
-    :func:`~gpp_deepspeed.schedule.asynchronous.check_async_microbatches`).
+    no limit (:meth:`~gpp_deepspeed.schedule.WeightRule.deepest_pipeline`: PipeDream-2BW's).
 
     >>> deepest_pipeline("2bw", 3), deepest_pipeline("1f1b", 3)
     (4, None)
     """
-    return num_microbatches + 1 if schedule.lower() == "2bw" else None
+    weights = get_schedule(schedule).weights
+    return None if weights is None else weights.deepest_pipeline(num_microbatches)

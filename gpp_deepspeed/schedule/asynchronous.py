@@ -92,6 +92,16 @@ class WeightRule(str, Enum):
         """
         return {WeightRule.DOUBLE_BUFFER: 2, WeightRule.PREDICT_INPLACE: 1}.get(self, depth)
 
+    def deepest_pipeline(self, num_microbatches: int) -> int | None:
+        """The deepest stage graph this rule runs with ``num_microbatches`` per batch, or None for
+        no limit: 2BW keeps two weight versions only while ``M >= depth - 1`` (the paper's
+        ``m >= d``; :func:`check_async_microbatches` refuses deeper ones).
+
+        >>> WeightRule.DOUBLE_BUFFER.deepest_pipeline(3), WeightRule.STASH.deepest_pipeline(3)
+        (4, None)
+        """
+        return num_microbatches + 1 if self is WeightRule.DOUBLE_BUFFER else None
+
     @property
     def predicts(self) -> bool:
         """The forward runs on the optimizer's prediction of the weights (PipeOptim)."""

@@ -37,10 +37,18 @@ class ScheduleSpec:
     name: str
     summary: str
     """One line: what it is, after whom (the paper)."""
+    stash: Callable[[int, int, int], int]
+    """Micro-batches of activations a stage stashes at its peak, ``stash(depth, pipeline_depth,
+    M)``: ``depth`` is the stage's (stages on its longest path to the output, itself included),
+    ``pipeline_depth`` the stage graph's longest path, ``M`` the micro-batches per batch, all of one
+    size. What the planner prices a stage's memory with; tests count the generators' own peaks
+    against it (:func:`~gpp_deepspeed.schedule.zero_bubble.peak_in_flight`)."""
     generator: Callable[[StageGraph, int], Schedule] | None = None
     weights: WeightRule | None = None
     splits_backward: bool = False
     """The backward runs as ``I`` (input gradients) and ``W`` (weight gradients)."""
+    stash_reads_pipeline_depth: bool = False
+    """``stash`` depends on the stage graph's longest path, not only on the stage's own depth."""
 
     @property
     def asynchronous(self) -> bool:
@@ -48,22 +56,52 @@ class ScheduleSpec:
         return self.weights is not None
 
 
+def _own_depth(depth: int, pipeline_depth: int, m: int) -> int:
+    """1F1B: a stage keeps one micro-batch per stage on its longest path to the output, at most
+    ``M`` (GraphPipe Sec. 6)."""
+    return min(depth, m)
+
+
+def _every_micro_batch(depth: int, pipeline_depth: int, m: int) -> int:
+    """GPipe: every forward runs before the first backward."""
+    return m
+
+
+def _zb_h1(depth: int, pipeline_depth: int, m: int) -> int:
+    """ZB-H1: a stage defers ``D - depth`` weight gradients and a micro-batch stays until its
+    ``W``: ``D`` on every stage (arXiv 2401.10241 Sec. 3.1)."""
+    return min(pipeline_depth, m)
+
+
+def _zb_h2(depth: int, pipeline_depth: int, m: int) -> int:
+    """ZB-H2's bound, ``2 D - 1`` on every stage, which the greedy schedule reaches once ``M``
+    allows (arXiv 2401.10241 Sec. 3)."""
+    return min(2 * pipeline_depth - 1, m)
+
+
+def _pipeline_full(depth: int, pipeline_depth: int, m: int) -> int:
+    """The asynchronous schedules: as 1F1B's, whatever ``M``, since without a flush the pipeline
+    stays full."""
+    return depth
+
+
 SCHEDULES: dict[str, ScheduleSpec] = {spec.name: spec for spec in (
-    ScheduleSpec(name="1f1b", generator=one_f_one_b,
+    ScheduleSpec(name="1f1b", generator=one_f_one_b, stash=_own_depth,
                  summary="branch-aware 1F1B (GraphPipe arXiv 2406.17145 Sec. 6; PipeDream-Flush on a chain)"),
-    ScheduleSpec(name="gpipe", generator=gpipe, summary="all forwards, then all backwards (GPipe, NeurIPS'19)"),
-    ScheduleSpec(name="zb1", generator=zb1, splits_backward=True,
+    ScheduleSpec(name="gpipe", generator=gpipe, stash=_every_micro_batch,
+                 summary="all forwards, then all backwards (GPipe, NeurIPS'19)"),
+    ScheduleSpec(name="zb1", generator=zb1, splits_backward=True, stash=_zb_h1, stash_reads_pipeline_depth=True,
                  summary="zero-bubble ZB-H1 on a DAG (Qi et al., arXiv 2401.10241 Sec. 3.1)"),
-    ScheduleSpec(name="zb2", generator=zb2, splits_backward=True,
+    ScheduleSpec(name="zb2", generator=zb2, splits_backward=True, stash=_zb_h2, stash_reads_pipeline_depth=True,
                  summary="ZB-H2-like greedy schedule (Qi et al., arXiv 2401.10241 Sec. 3)"),
-    ScheduleSpec(name="pipedream", weights=WeightRule.STASH,
+    ScheduleSpec(name="pipedream", weights=WeightRule.STASH, stash=_pipeline_full,
                  summary="asynchronous 1F1B with weight stashing (PipeDream, SOSP'19 Sec. 3.3)"),
-    ScheduleSpec(name="2bw", weights=WeightRule.DOUBLE_BUFFER,
+    ScheduleSpec(name="2bw", weights=WeightRule.DOUBLE_BUFFER, stash=_pipeline_full,
                  summary="asynchronous, double-buffered weights (PipeDream-2BW, ICML'21 Sec. 3.1)"),
-    ScheduleSpec(name="pipeoptim", weights=WeightRule.PREDICT,
+    ScheduleSpec(name="pipeoptim", weights=WeightRule.PREDICT, stash=_pipeline_full,
                  summary="asynchronous with weight prediction, the backward differentiating the predicted "
                          "forward (PipeOptim, arXiv 2312.00839 Sec. IV)"),
-    ScheduleSpec(name="pipeoptim-inplace", weights=WeightRule.PREDICT_INPLACE,
+    ScheduleSpec(name="pipeoptim-inplace", weights=WeightRule.PREDICT_INPLACE, stash=_pipeline_full,
                  summary="PipeOptim as its authors' code runs it: prediction in place, live weights restored "
                          "before the backward; two weight versions (arXiv 2312.00839)"),
 )}
