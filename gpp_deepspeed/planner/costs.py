@@ -31,6 +31,7 @@ only in the search.
 from __future__ import annotations
 
 import bisect
+import heapq
 import json
 import math
 from dataclasses import asdict, dataclass, field
@@ -443,6 +444,44 @@ class StageCostModel:
         return StageCostModel(self.db, self.mini_batch, p2p_devices=self.p2p_devices, zero_stage=self.zero_stage,
                               layer_degrees=tuple(degrees), _shared=self._shared)
 
+    def stage_successors(self, masks: Sequence[int]) -> dict[int, set[int]]:
+        """The stage graph of layer sets ``masks`` (each layer in one of them): per stage, an index
+        into ``masks``, the stages that read one of its layers' outputs."""
+        stage_of = {i: s for s, mask in enumerate(masks) for i in self._members(mask)}
+        return {s: {stage_of[c] for i in self._members(mask) for c in self._members(self.consumers[i])} - {s}
+                for s, mask in enumerate(masks)}
+
+    def stage_order(self, masks: Sequence[int]) -> list[int]:
+        """A topological order of the stage graph of ``masks`` (:meth:`stage_successors`), ties
+        going to the stage whose first layer comes first in the model: how plans number stages.
+
+        >>> from gpp_deepspeed.planner.costs import CommFit, CostDB, Hardware, LayerCost
+        >>> link = CommFit(alpha_s=0.0, beta_s_per_byte=0.0)
+        >>> hw = Hardware(name="h", memory_bytes=1, devices_per_node=1, intra=link, inter=link)
+        >>> layer = lambda name, inputs: LayerCost(name=name, inputs=inputs, micro_batches=(1,), fwd_s=(1.0,),
+        ...                                        bwd_s=(1.0,), param_bytes=0, out_bytes=1, stash_bytes=0)
+        >>> db = CostDB(model="m", source="hand", input_names=("x",), output="c", hardware=hw,
+        ...             layers=(layer("a", ("x",)), layer("b", ("x",)), layer("c", ("a", "b"))))
+        >>> StageCostModel(db, 1).stage_order([0b100, 0b010, 0b001])      # c reads b and a
+        [2, 1, 0]
+        """
+        succs = self.stage_successors(masks)
+        waiting = {s: 0 for s in succs}
+        for s in succs:
+            for t in succs[s]:
+                waiting[t] += 1
+        ready = [(masks[s] & -masks[s], s) for s in succs if not waiting[s]]
+        heapq.heapify(ready)
+        order = []
+        while ready:
+            _, s = heapq.heappop(ready)
+            order.append(s)
+            for t in succs[s]:
+                waiting[t] -= 1
+                if not waiting[t]:
+                    heapq.heappush(ready, (masks[t] & -masks[t], t))
+        return order
+
     def plan_bottleneck(self, stages: Sequence[tuple[int, int]], b: int) -> float:
         """The exact bottleneck time per sample of a plan's ``stages`` (layer masks and degrees) at
         micro-batch ``b``: every stage priced with its own messages, resharding included
@@ -587,7 +626,6 @@ class StageCostModel:
         hit = self._cache.get(key)
         if hit is not None:
             return hit
-        layers = self.db.layers
         hw = self.db.hardware
         shard = b / n
         fwd = bwd = grad_in = grad_w = 0.0

@@ -33,8 +33,6 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Sequence
 
-import networkx as nx
-
 from ..errors import GPPConfigError
 from ._dp import flatten
 from .costs import CommFit, CostDB, StageCostModel, micro_batch_sizes
@@ -467,19 +465,7 @@ def _hetero_plan(db: CostDB, cluster: Cluster, cm: StageCostModel, stages: list[
                  mini_batch: int, notes: dict) -> Plan:
     """``(mask, class, replicas)`` stages as a plan, numbered in a topological order of the stage
     graph (each stage's layers in the model's order)."""
-    order = sorted(range(len(stages)), key=lambda s: stages[s][0] & -stages[s][0])
-    stage_of = {}
-    for s in order:
-        for name in cm.names_of(stages[s][0]):
-            stage_of[name] = s
-    graph = nx.DiGraph()
-    graph.add_nodes_from(range(len(stages)))
-    for c in db.layers:
-        for ref in c.inputs:
-            src = ref.split(":")[0]
-            if src in stage_of and stage_of[src] != stage_of[c.name]:
-                graph.add_edge(stage_of[src], stage_of[c.name])
-    topo = list(nx.lexicographical_topological_sort(graph, key=lambda s: stages[s][0] & -stages[s][0]))
+    topo = cm.stage_order([mask for mask, _, _ in stages])
     plan_stages = tuple(PlanStage(layers=cm.names_of(stages[s][0]), devices=stages[s][2],
                                   device_class=cluster.classes[stages[s][1]].name) for s in topo)
     return Plan(model=db.model, method=f"hetero-{notes['objective']}", source=db.source, micro_batch=b,

@@ -20,8 +20,6 @@ import math
 import time
 from typing import Callable, Sequence
 
-import networkx as nx
-
 from ..errors import GPPConfigError, InfeasiblePlanError
 from ..schedule.registry import is_async
 from ._dp import FeasibilityDP, flatten, work_fn
@@ -422,33 +420,19 @@ def _fits(cm: StageCostModel, stages: list[tuple[int, int]], b: int, schedule: s
 def _depths(cm: StageCostModel, stages: list[tuple[int, int]]) -> list[int]:
     """Each stage's depth (stages on its longest path to the output) in the stage graph of
     ``stages`` (layer masks and degrees, in any order)."""
-    stage_of = {}
-    for s, (mask, _) in enumerate(stages):
-        for i in cm._members(mask):
-            stage_of[i] = s
-    succs = {s: {stage_of[c] for i in cm._members(mask) for c in cm._members(cm.consumers[i])} - {s}
-             for s, (mask, _) in enumerate(stages)}
+    succs = cm.stage_successors([mask for mask, _ in stages])
     return [stage_in_flight(succs, {s: 1 for s in succs})[s] for s in range(len(stages))]
 
 
 def _plan(db: CostDB, cm: StageCostModel, stages: list[tuple[int, int]], b: int, mini_batch: int, tps: float,
           added: tuple, space: str, recompute: bool = False, schedule: str = "1f1b", zero_stage: int = 0) -> Plan:
     """Stages as a :class:`Plan` for ``schedule``, numbered in a topological order of the stage graph."""
-    stage_of = {}
-    for s, (mask, _) in enumerate(stages):
-        for name in cm.names_of(mask):
-            stage_of[name] = s
-    g = nx.DiGraph()
-    g.add_nodes_from(range(len(stages)))
-    for c in db.layers:
-        for ref in c.inputs:
-            src = ref.split(":")[0]
-            if src in stage_of and stage_of[src] != stage_of[c.name]:
-                g.add_edge(stage_of[src], stage_of[c.name])
-    order = list(nx.lexicographical_topological_sort(g, key=lambda s: min(cm.index[n] for n in cm.names_of(stages[s][0]))))
+    masks = [mask for mask, _ in stages]
+    order = cm.stage_order(masks)
     # A stage recomputes exactly when it would not fit with what the schedule stashes at its
     # depth otherwise, which is the choice the DP's feasibility test made.
-    depth = stage_in_flight({s: list(g.successors(s)) for s in g}, {s: 1 for s in g})
+    succs = cm.stage_successors(masks)
+    depth = stage_in_flight(succs, {s: 1 for s in succs})
     top, limit = max(depth.values()), db.hardware.memory_bytes
 
     def recomputes(s: int) -> bool:
