@@ -154,28 +154,24 @@ class SplitBackwardMixin:
         if isinstance(work, _Fused):
             self._full_backward(buffer_id, work.outputs, work.grads, work.loss)
             return
-        if self.is_last_stage():
-            if self.using_bf16_optimizer:
-                self.optimizer.clear_lp_grads()
-            with compat.engine_backward(self):
-                work.run()
-            # The rest of DeepSpeedEngine.backward(loss): what runs once the gradients exist.
-            compat.start_stopped_backward_timers(self)
-            compat.backward_epilogue(self)
-        else:
-            self._parameter_gradient_pass(work.run)
+        self._parameter_gradient_pass(work.run, output_stage=self.is_last_stage())
         self._reduce_micro_batch()  # ZeRO-2/3: this micro-batch's gradients into the partitions
 
-    def _parameter_gradient_pass(self, run) -> None:
-        """Run ``run``, an autograd pass writing parameter gradients on a stage other than the output
-        stage, as ``DeepSpeedEngine.backward`` brackets one: bf16's low-precision gradients cleared
-        before and handed to its fp32 accumulation after, the backward timers that DeepSpeed's output
-        hooks started stopped (its epilogue, which would stop them, is skipped: the all-reduce belongs
-        to ``REDUCE_GRAD``)."""
+    def _parameter_gradient_pass(self, run, *, output_stage: bool = False) -> None:
+        """Run ``run``, an autograd pass writing parameter gradients, as ``DeepSpeedEngine.backward``
+        brackets one: bf16's low-precision gradients cleared before. After it, on the output stage,
+        the rest of ``DeepSpeedEngine.backward(loss)`` (its timers and epilogue); on any other stage
+        the backward timers that DeepSpeed's output hooks started are stopped and bf16's gradients
+        handed to its fp32 accumulation (the epilogue, which would do both, is skipped: the
+        all-reduce belongs to ``REDUCE_GRAD``)."""
         if self.using_bf16_optimizer:
             self.optimizer.clear_lp_grads()
         with compat.engine_backward(self):
             run()
+        if output_stage:
+            compat.start_stopped_backward_timers(self)
+            compat.backward_epilogue(self)
+            return
         compat.stop_started_backward_timers(self)
         if compat.hp_grads_deferred(self):
             self.optimizer.update_hp_grads(clear_lp_grads=False)

@@ -34,7 +34,7 @@ from enum import Enum
 
 from ..errors import ScheduleError
 
-__all__ = ["ActionKind", "Buffer", "KindSpec", "KINDS", "RELEASES", "Action", "Schedule", "Segment",
+__all__ = ["ActionKind", "Buffer", "KindSpec", "KINDS", "LAYOUT_OF", "RELEASES", "Action", "Schedule", "Segment",
            "format_schedule"]
 
 
@@ -132,6 +132,12 @@ class KindSpec:
     frees: frozenset[Buffer] = frozenset()
 
     @property
+    def to_successor(self) -> bool:
+        """A transfer with a successor stage: activations or their layouts sent, gradients received
+        (the other transfers are with a predecessor)."""
+        return bool(self.message) and (self.message == "F") == self.send
+
+    @property
     def touches(self) -> frozenset[Buffer]:
         """The buffers the action uses (reads or writes): it must run before they are freed."""
         return self.reads | self.writes
@@ -175,6 +181,9 @@ KINDS: dict[ActionKind, KindSpec] = {
     ActionKind.UPDATE: _kind(),
 }
 """Every action kind's :class:`KindSpec`: the one table to extend when adding a kind."""
+
+LAYOUT_OF: dict[ActionKind, ActionKind] = {ActionKind.SEND_F: ActionKind.SEND_L, ActionKind.RECV_F: ActionKind.RECV_L}
+"""The layout transfer that goes before each activation transfer when a program sends layouts."""
 
 RELEASES: tuple[ActionKind, ...] = tuple(k for k in ActionKind if KINDS[k].frees)
 """The release kinds, in the order :func:`~gpp_deepspeed.schedule.lowering.add_release` places
@@ -296,10 +305,8 @@ class Action:
         stage, kind = int(stage), ActionKind(kind)
         if peer:
             peer = int(peer)
-        elif kind in (ActionKind.SEND_F, ActionKind.SEND_L, ActionKind.RECV_B):
-            peer = stage + 1
-        elif kind in (ActionKind.RECV_F, ActionKind.RECV_L, ActionKind.SEND_B):
-            peer = stage - 1
+        elif kind.has_peer:
+            peer = stage + 1 if kind.spec.to_successor else stage - 1
         else:
             peer = None
         return cls(stage, kind, int(mb) if mb else None, peer)

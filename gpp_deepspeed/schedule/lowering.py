@@ -52,7 +52,7 @@ from typing import Callable, Collection, Mapping, Sequence
 
 from ..errors import ScheduleError
 from ..graph.stages import StageGraph
-from .ir import RELEASES, Action, ActionKind as K, Schedule, Segment
+from .ir import LAYOUT_OF, RELEASES, Action, ActionKind as K, Schedule, Segment
 
 __all__ = ["lower", "drop_frozen_backward", "add_load", "add_send_recv", "defer_sends", "add_layouts",
            "group_for_rendezvous",
@@ -218,13 +218,10 @@ def add_layouts(schedule: Schedule) -> Schedule:
     for s, actions in schedule.items():
         out[s] = []
         for a in actions:
-            if a.kind in _LAYOUT_OF:
-                out[s].append(Action(s, _LAYOUT_OF[a.kind], a.mb_idx, a.peer))
+            if a.kind in LAYOUT_OF:
+                out[s].append(Action(s, LAYOUT_OF[a.kind], a.mb_idx, a.peer))
             out[s].append(a)
     return out
-
-
-_LAYOUT_OF = {K.SEND_F: K.SEND_L, K.RECV_F: K.RECV_L}
 
 
 def group_p2p(schedule: Schedule) -> Schedule:
@@ -260,7 +257,7 @@ def _group_stage(actions: list[Action]) -> list[Action]:
 
     for a in actions:
         if a.kind.has_peer:
-            if a.kind in _LAYOUT_OF and Action(a.stage_idx, _LAYOUT_OF[a.kind], a.mb_idx, a.peer) in run:
+            if a.kind in LAYOUT_OF and Action(a.stage_idx, LAYOUT_OF[a.kind], a.mb_idx, a.peer) in run:
                 flush()
             run.append(a)
         elif run and (a.kind is K.LOAD or a.kind.is_release):

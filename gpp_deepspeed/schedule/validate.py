@@ -36,7 +36,7 @@ from typing import Callable
 
 from ..errors import ScheduleError
 from ..graph.stages import StageGraph
-from .ir import RELEASES, Action, ActionKind as K, Schedule
+from .ir import LAYOUT_OF, RELEASES, Action, ActionKind as K, Schedule
 
 __all__ = ["Timeline", "simulate", "validate_schedule", "check_lists", "check_weight_versions", "default_duration",
            "MODES"]
@@ -241,9 +241,9 @@ def _check_stage(s: int, actions: list[Action], graph: StageGraph, num_mb: int, 
     for i, a in _flat(actions):
         if a.stage_idx != s:
             raise ScheduleError(f"stage {s} slot {i} holds {a}, an action of stage {a.stage_idx}")
-        if a.kind in (K.SEND_F, K.SEND_L, K.RECV_B) and a.peer not in succs:
+        if a.kind.has_peer and a.kind.spec.to_successor and a.peer not in succs:
             raise ScheduleError(f"stage {s} slot {i}: {a} but stage {a.peer} is not a successor of stage {s}")
-        if a.kind in (K.RECV_F, K.RECV_L, K.SEND_B) and a.peer not in preds:
+        if a.kind.has_peer and not a.kind.spec.to_successor and a.peer not in preds:
             raise ScheduleError(f"stage {s} slot {i}: {a} but stage {a.peer} is not a predecessor of stage {s}")
         if a.kind is K.RECV_B and a.peer not in grad_succs or a.kind is K.SEND_B and a.peer not in grad_preds:
             raise ScheduleError(f"stage {s} slot {i}: {a} but the edge between stages {s} and {a.peer} carries no "
@@ -286,9 +286,6 @@ def _check_stage(s: int, actions: list[Action], graph: StageGraph, num_mb: int, 
         raise ScheduleError(f"stage {s} refers to micro-batches {extra} outside 0..{num_mb - 1}")
 
 
-_LAYOUT_OF = {K.SEND_F: K.SEND_L, K.RECV_F: K.RECV_L}
-
-
 def _check_layouts(s: int, actions: list[Action], layouts: bool) -> None:
     """With ``layouts``, each ``SEND_F``/``RECV_F`` has its ``SEND_L``/``RECV_L`` (same micro-batch
     and peer) in an earlier action: a receive's buffers are sized from its layout, which must have
@@ -299,10 +296,10 @@ def _check_layouts(s: int, actions: list[Action], layouts: bool) -> None:
             if not layouts:
                 raise ScheduleError(f"stage {s} slot {i}: {a} in a program without layouts")
             where[(a.kind, a.mb_idx, a.peer)] = i
-        elif layouts and a.kind in _LAYOUT_OF:
-            at = where.get((_LAYOUT_OF[a.kind], a.mb_idx, a.peer))
+        elif layouts and a.kind in LAYOUT_OF:
+            at = where.get((LAYOUT_OF[a.kind], a.mb_idx, a.peer))
             if at is None or at >= i:
-                raise ScheduleError(f"stage {s} slot {i}: {a} needs {Action(s, _LAYOUT_OF[a.kind], a.mb_idx, a.peer)} "
+                raise ScheduleError(f"stage {s} slot {i}: {a} needs {Action(s, LAYOUT_OF[a.kind], a.mb_idx, a.peer)} "
                                     "in an earlier action" + ("" if at is None else f", not in the same one (slot {at})"))
 
 
