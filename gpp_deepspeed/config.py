@@ -39,7 +39,7 @@ class GraphPipelineConfig(BaseModel):
     input and weight gradients (zero-bubble ZB-H1 and a ZB-H2-like schedule, arXiv 2401.10241):
     ``zb1`` holds no more micro-batches than 1F1B's busiest stage, ``zb2`` up to about twice as
     many for a near-zero bubble; with activation checkpointing both recompute with torch's
-    non-reentrant checkpoint (see :mod:`gpp_deepspeed.engine.split_engine`). ``"pipedream"``,
+    non-reentrant checkpoint (see :mod:`gpp_deepspeed.engine.backward`). ``"pipedream"``,
     ``"2bw"`` and ``"pipeoptim"`` are asynchronous: the pipeline never drains between batches
     (``engine.flush()`` drains it) and weights update inside it; see
     :mod:`gpp_deepspeed.schedule.asynchronous` for what each computes.

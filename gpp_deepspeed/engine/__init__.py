@@ -11,10 +11,9 @@ from .startup import guard_build_locks
 guard_build_locks()
 
 from .engine import GraphPipelineEngine  # noqa: E402
-from .instructions import (GraphPipeSchedule, RecvActivationFrom, RecvGradFrom, SendActivationTo, SendGradTo,
-                           WaitSends)
+from .instructions import GraphPipeSchedule, Transfers, WaitSends
 from .module import PARTITION_METHODS, GraphPipelineModule
 from .shm import release_own_shm
 
 __all__ = ["GraphPipelineEngine", "GraphPipelineModule", "GraphPipeSchedule", "PARTITION_METHODS",
-           "RecvActivationFrom", "RecvGradFrom", "SendActivationTo", "SendGradTo", "WaitSends", "release_own_shm"]
+           "Transfers", "WaitSends", "release_own_shm"]

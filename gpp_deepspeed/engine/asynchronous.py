@@ -27,13 +27,12 @@ from deepspeed.runtime.pipe import schedule as ds
 
 from ..errors import GPPConfigError
 from ..schedule import AsyncProgram, Program, predicted_updates
-from ..schedule.ir import ActionKind as K
 from ..checkpoint import layer_optim_file
 from .portable import local_layers
 from .weights import MasterWeights, WeightVersions
 
 __all__ = ["AsyncPipeline", "StashWeights", "PredictWeights", "PredictInPlace", "RestoreWeights", "RetireVersion",
-           "UpdateWeights", "check_async_options", "save_state", "load_state", "WEIGHT_INSTRUCTIONS"]
+           "UpdateWeights", "check_async_options", "save_state", "load_state"]
 
 
 class StashWeights(ds.PipeInstruction):
@@ -104,9 +103,6 @@ class UpdateWeights(ds.PipeInstruction):
         optimizer.step(); optimizer.zero_grad()
     """
 
-
-WEIGHT_INSTRUCTIONS = {K.STASH: StashWeights, K.PREDICT: PredictWeights, K.PREDICT_INPLACE: PredictInPlace,
-                       K.RESTORE: RestoreWeights, K.RETIRE: RetireVersion, K.UPDATE: UpdateWeights}
 
 
 def check_async_options(engine) -> None:

@@ -64,7 +64,7 @@ from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3 as _Zero
 __all__ = ["DEEPSPEED_VERSION", "pipeline_grid", "count_each_stage_once", "flat_optimizer_groups",
            "base_optimizer", "base_optimizer_state", "link_fragment_state", "broadcast_tied_weights",
            "hand_grads_to_master", "stage_local_norm", "OVERRIDDEN", "scale_loss_by_gas", "next_batch",
-           "tied_weight_grad", "engine_backward", "stop_started_backward_timers",
+           "tied_weight_grad", "pipeline_backward_pass", "engine_backward", "stop_started_backward_timers",
            "start_stopped_backward_timers", "backward_epilogue", "backward_graph_tracker",
            "hp_grads_deferred", "configure_python_gc", "set_layer_bounds", "local_layer_bounds", "layer_specs",
            "precompute_checkpointable_values", "pipeline_assert_stage", "reduce_micro_batch_gradients",
@@ -320,6 +320,12 @@ def tied_weight_grad(engine, weight):
     """The gradient of a tied weight that its stages sum: bf16's fp32 accumulation (``_hp_grad``)
     under DeepSpeed's bf16 optimizer, else ``weight.grad``."""
     return weight._hp_grad if engine.using_bf16_optimizer else weight.grad
+
+
+def pipeline_backward_pass(engine, buffer_id: int) -> None:
+    """DeepSpeed's own ``B`` handler (``PipelineEngine._exec_backward_pass``): on the output stage,
+    ``DeepSpeedEngine.backward(engine.loss)`` with its loss scaling, timers and epilogue."""
+    _PipelineEngine._exec_backward_pass(engine, buffer_id)
 
 
 @contextlib.contextmanager

@@ -36,7 +36,6 @@ from deepspeed import comm as dist
 from deepspeed.runtime.pipe import schedule as ds
 from deepspeed.runtime.pipe.engine import (PIPE_RECV_GRAD_TIMER, PIPE_RECV_INPUT_TIMER, PIPE_SEND_GRAD_TIMER,
                                             PIPE_SEND_OUTPUT_TIMER, PipelineEngine)
-from deepspeed.runtime.dataloader import RepeatingLoader
 from deepspeed.utils import logger
 
 from ..checkpoint import latest_tag
@@ -44,48 +43,35 @@ from ..config import GraphPipelineConfig, with_plan_schedule
 from ..errors import GPPConfigError
 from ..graph.stages import mark_gradient_flow
 from ..schedule import KINDS, Program, build_program, get_schedule, validate_program
-from ..schedule.ir import Action
+from ..schedule.ir import Action, ActionKind as K, Buffer
 from .flat import flatten
 from . import asynchronous as _async
 from . import compat
 from .compat import count_each_stage_once
-from . import portable
-from .instructions import (BUFFER_KEYS, GraphPipeSchedule, RecvActivationFrom, RecvGradFrom, Release,
-                           SendActivationTo, SendGradTo, Transfers, WaitSends)
+from . import data, portable
+from .backward import (StageBackward, check_split_backward_supported, reentrant_checkpointing,
+                       use_split_backward_recompute)
+from .buffers import StageBuffers
+from .instructions import (BackwardInputPass, BackwardWeightPass, GraphPipeSchedule, Release, Transfers,
+                           WaitSends)
 from .watchdog import start_watchdog
 from .memory import MemoryReport, memory_report
 from .module import GraphPipelineModule
 from .p2p import EdgeTransport
-from .reshard import edge_peers, warm_up_pairs
-from .split_engine import (SplitBackwardMixin, check_split_backward_supported, output_gradient_pairs,
-                           use_split_backward_recompute)
-from .transfers import TransferMixin
-from .zero import PartitionedGradientsMixin, check_zero_supported
+from .reshard import warm_up_pairs
+from .transfers import StageTransfers
+from .zero import StageZero, check_zero_supported
 
 __all__ = ["GraphPipelineEngine"]
 
-_DEEPSPEED_BUFFERS = ("inputs", "labels", "outputs", "output_tensors")  # PipelineEngine's own pipe_buffers
-_EXTRA_BUFFERS = tuple(k for keys in BUFFER_KEYS.values() for k in keys if k not in _DEEPSPEED_BUFFERS)
 _WAITING = frozenset(k for k, spec in KINDS.items() if spec.waits)
 
-
-def _wall_clock(timer: str, handler):
-    """``handler`` timed by DeepSpeed's pipe timer ``timer`` when ``wall_clock_breakdown`` is on,
-    so DeepSpeed's breakdown reports our edge transfers where it reports its own."""
-
-    def timed(self, *args, **kwargs):
-        if not self.wall_clock_breakdown():
-            return handler(self, *args, **kwargs)
-        self.timers(timer).start()
-        try:
-            return handler(self, *args, **kwargs)
-        finally:
-            self.timers(timer).stop()
-
-    return timed
+# DeepSpeed's pipe timer of each transfer kind (wall_clock_breakdown): a layout shares its data's.
+_TIMERS = {K.SEND_F: PIPE_SEND_OUTPUT_TIMER, K.RECV_F: PIPE_RECV_INPUT_TIMER, K.SEND_B: PIPE_SEND_GRAD_TIMER,
+           K.RECV_B: PIPE_RECV_GRAD_TIMER, K.SEND_L: PIPE_SEND_OUTPUT_TIMER, K.RECV_L: PIPE_RECV_INPUT_TIMER}
 
 
-class GraphPipelineEngine(TransferMixin, PartitionedGradientsMixin, SplitBackwardMixin, PipelineEngine):
+class GraphPipelineEngine(PipelineEngine):
     """Trains a :class:`GraphPipelineModule`; built by :func:`gpp_deepspeed.initialize`."""
 
     def __init__(self, *args, gpp_config: GraphPipelineConfig | None = None, **kwargs):
@@ -112,40 +98,34 @@ class GraphPipelineEngine(TransferMixin, PartitionedGradientsMixin, SplitBackwar
         self.module.partition = mark_gradient_flow(self.module.partition, self._trainable_layers())
         self.stage_graph = self.module.partition.stage_graph
         self.module.frozen = self.stage_id in self.stage_graph.frozen
-        self.transport = EdgeTransport(self.grid, self.device, stage=self.stage_id,
-                                       timeout_s=self.gpp_config.p2p_timeout_s)
         self._layouts_sent = False   # a program has sent every edge's layout (see program())
-        self._out_index = {ref: i for i, ref in enumerate(self.spec.out_ports)}
-        # This stage's edges by peer, in the order the schedule visits them (fixed for the run).
-        self._in_edges = {e.src: e for e in self.stage_graph.edges if e.dst == self.stage_id}
-        self._out_edges = {e.dst: e for e in self.stage_graph.edges if e.src == self.stage_id}
-        # Per-stage degrees: the ranks of each peer stage this rank exchanges rows with.
         self.placement = self.module.placement
-        place = dict(replica=self.grid.replica_id, idx=self.grid.stage_idx)
-        self._in_peers = {s: edge_peers(self.placement, src=s, dst=self.stage_id, side="dst", **place)
-                          for s in self._in_edges}
-        self._out_peers = {t: edge_peers(self.placement, src=self.stage_id, dst=t, side="src", **place)
-                           for t in self._out_edges}
+        # The rooms the engine owns: this stage's transfers, its backward, ZeRO-2/3's part.
+        self.transfers = StageTransfers(
+            self.stage_graph, self.placement, stage_idx=self.stage_id, replica=self.grid.replica_id,
+            rank_idx=self.grid.stage_idx, out_ports=self.spec.out_ports,
+            transport=EdgeTransport(self.grid, self.device, stage=self.stage_id, timeout_s=self.gpp_config.p2p_timeout_s))
+        self.stage_backward = StageBackward(self)
+        self.zero = StageZero(self)
         count_each_stage_once(self.optimizer, is_stage_leader=self.grid.is_stage_leader(),
                               group=self.grid.get_model_parallel_group())
         self._programs: dict[tuple[int, bool], Program] = {}
         self.last_timeline: list[tuple[Action, float, float]] = []   # this stage's last batch, timed
         self._trace_events: list[dict] = []
         self._trace_t0 = time.perf_counter()
-        for key in _EXTRA_BUFFERS:
-            self.pipe_buffers[key] = [None] * self.num_pipe_buffers
+        self.pipe_buffers = StageBuffers(self.pipe_buffers, num_slots=self.num_pipe_buffers)
         self.module.engine_attached = True
         self._dag_ready = True
         self.watchdog = self._start_watchdog()
         # Every pair of ranks that exchanges tensors talks once now, in one order on all ranks, so
         # NCCL creates no communicator in the middle of a schedule.
-        self.transport.warm_up(warm_up_pairs(self.placement, self.stage_graph, replica=self.grid.replica_id))
+        self.transfers.transport.warm_up(warm_up_pairs(self.placement, self.stage_graph, replica=self.grid.replica_id))
         self._async = None
         if self.schedule_spec.asynchronous:
             _async.check_async_options(self)
             self._async = _async.AsyncPipeline(self)
         if self.training_data:
-            self._place_data_iter()
+            data.place_data_iter(self)
         if self.gpp_config.print_stage_graph and self.global_rank == 0:
             print(self.module.partition.describe(), flush=True)
         self._print_memory("at initialize (gradients: to be allocated by the first backward)")
@@ -173,40 +153,13 @@ class GraphPipelineEngine(TransferMixin, PartitionedGradientsMixin, SplitBackwar
                 p.data = p.data.view(())
 
     def _build_data_iter(self, dataset):
-        """DeepSpeed's pipeline loader, sharded over replicas of the stage DAG rather than over a
-        stage's data-parallel group.
-
-        DeepSpeed's own (``PipelineEngine._build_data_iter``) samples over the data-parallel group
-        with batches of this rank's micro-batch size. With per-stage degrees the ranks of a stage of
-        several take row shards of one micro-batch, so every rank of a replica reads the same
-        micro-batches of ``b`` rows (a ``DistributedSampler`` over the replicas, unshuffled) and
-        ``_exec_load_micro_batch`` keeps this rank's rows. With one rank per stage the replicas are
-        the data-parallel group and this is DeepSpeed's loader exactly."""
-        placement = self.module.placement
-        sampler = torch.utils.data.distributed.DistributedSampler(dataset, num_replicas=placement.replicas,
-                                                                  rank=self.grid.replica_id,
-                                                                  shuffle=False)
-        rows = self.train_micro_batch_size_per_gpu() * placement.degrees[self.stage_id]
-        self.set_dataloader(RepeatingLoader(self.deepspeed_io(dataset, batch_size=rows, data_sampler=sampler)))
-
-    def _place_data_iter(self) -> None:
-        """Give ``training_data=``'s loader to the stages that read batches in the DAG.
-
-        DeepSpeed's constructor built it for the linear stages 0 and S-1 (``is_first/last_stage``
-        were linear then). Every stage that reads graph inputs, and the output stage (labels), needs
-        the loader of :meth:`_build_data_iter`: a ``DistributedSampler`` over the replicas of the
-        stage DAG, unshuffled, so the stages of one pipeline read the same samples in the same order
-        and the replicas read disjoint shards, as on a chain."""
-        if self.is_first_stage() or self.is_last_stage():
-            if self.data_iterator is None:
-                self._build_data_iter(self.training_data)
-        else:
-            self.data_iterator = None
+        # DeepSpeed's pipeline loader, sharded over replicas of the stage DAG (see data.py).
+        self.set_dataloader(data.stage_loader(self, dataset))
 
     # -- checkpoints (portable across layouts: see portable.py) ------------------------------------
 
     def save_checkpoint(self, save_dir, tag=None, client_state={}, save_latest=True, exclude_frozen_parameters=False):
-        self._refuse_zero3_checkpoint("save_checkpoint")
+        self.zero.refuse_checkpoint("save_checkpoint")
         self.flush()  # an asynchronous pipeline's in-flight updates belong to the saved weights
         tag = f"global_step{self.global_steps}" if tag is None else str(tag)   # DeepSpeed's default tag
 
@@ -224,7 +177,7 @@ class GraphPipelineEngine(TransferMixin, PartitionedGradientsMixin, SplitBackwar
     def load_checkpoint(self, load_dir, tag=None, **kwargs):
         """DeepSpeed's ``load_checkpoint``; a checkpoint saved under another layout (partition,
         stage count, data-parallel degree, or a ``GraphModel``) loads layer by layer by name."""
-        self._refuse_zero3_checkpoint("load_checkpoint")
+        self.zero.refuse_checkpoint("load_checkpoint")
         self.flush()
         path, client_state = portable.load_checkpoint(self, load_dir, tag, ds_load=super().load_checkpoint, **kwargs)
         tag = tag if tag is not None else latest_tag(load_dir)
@@ -278,8 +231,8 @@ class GraphPipelineEngine(TransferMixin, PartitionedGradientsMixin, SplitBackwar
         by its stage's data-parallel size: the data-parallel all-reduce that follows averages equal
         values, so every copy ends with the total gradient whatever the stage degrees. Under ZeRO-2
         the gradients are already reduced and partitioned (:mod:`.zero`)."""
-        if self.zero_optimization_partition_gradients():
-            self._reduce_tied_partitioned()
+        if self.zero.partitions_gradients:
+            self.zero.reduce_tied()
             return
         for weight, group in self.module.get_tied_weights_and_groups():
             grad = compat.tied_weight_grad(self, weight)
@@ -428,101 +381,29 @@ class GraphPipelineEngine(TransferMixin, PartitionedGradientsMixin, SplitBackwar
 
     def reset_activation_shape(self):
         super().reset_activation_shape()
-        self.transport.reset_layouts()
+        self.transfers.transport.reset_layouts()
         self._layouts_sent = False
-
-    # -- data -------------------------------------------------------------------------------------
-
-    def _split_inputs(self, inputs) -> dict[str, torch.Tensor]:
-        names = self.module.graph.input_names
-        values = (inputs, ) if torch.is_tensor(inputs) else inputs
-        if not isinstance(values, (tuple, list)) or len(values) != len(names) or not all(
-                torch.is_tensor(v) for v in values):
-            got = (f"a {type(inputs).__name__} of {len(values)}" if isinstance(values, (tuple, list)) else
-                   f"a {type(inputs).__name__}")
-            raise GPPConfigError(f"the batch inputs must be {len(names)} tensor(s) {list(names)} "
-                                 f"(a tensor when there is one input, else a tuple in that order), got {got}")
-        return dict(zip(names, values))
-
-    def _exec_load_micro_batch(self, buffer_id):
-        batch = compat.next_batch(self)
-        if not isinstance(batch, (tuple, list)) or len(batch) != 2:
-            raise GPPConfigError(f"data_iter must yield (inputs, labels) pairs, got {type(batch).__name__}"
-                                 + (f" of {len(batch)} elements" if isinstance(batch, (tuple, list)) else ""))
-        inputs, labels = batch
-        # Every reading rank checks the whole batch, so a malformed batch fails on all of them
-        # (the output stage reads it for labels) instead of leaving a peer waiting.
-        values = self._split_inputs(inputs)
-        if self.spec.loads:
-            loaded = {}
-            for name in self.spec.loads:
-                t = self._my_rows(values[name], f'graph input "{name}"').clone().detach().to(self.device)
-                if self._reentrant_activation_checkpointing():
-                    t.requires_grad = t.is_floating_point()
-                loaded[name] = t
-            self.pipe_buffers["loaded"][buffer_id] = loaded
-        if self.is_last_stage():
-            if torch.is_tensor(labels):
-                labels = self._my_rows(labels, "labels").to(self.device)
-            elif isinstance(labels, (tuple, list)):
-                labels = tuple(self._my_rows(x, "labels").to(self.device).detach() for x in labels)
-            self.pipe_buffers["labels"][buffer_id] = labels
-
-    def _my_rows(self, tensor: torch.Tensor, what: str) -> torch.Tensor:
-        """This rank's row shard of a micro-batch tensor (all of it on a stage of one rank)."""
-        degree = self.placement.degrees[self.stage_id]
-        if degree == 1:
-            return tensor
-        rows = tensor.shape[0] if tensor.dim() else 0
-        if rows == 0 or rows % degree:
-            raise GPPConfigError(f"stage {self.stage_id} runs on {degree} ranks, each taking an equal share of the "
-                                 f"micro-batch's rows, but {what} has shape {tuple(tensor.shape)}; make the "
-                                 f"micro-batch a multiple of every stage degree {list(self.placement.degrees)}")
-        size = rows // degree
-        return tensor[self.grid.stage_idx * size:(self.grid.stage_idx + 1) * size]
 
     # -- compute ----------------------------------------------------------------------------------
 
     def _exec_forward_pass(self, buffer_id):
-        loaded = self.pipe_buffers["loaded"][buffer_id] or {}
-        received = self.pipe_buffers["received"][buffer_id] or {}
+        buffers = self.pipe_buffers
+        loaded = buffers[Buffer.LOADED, buffer_id] or {}
+        received = buffers[Buffer.RECEIVED, buffer_id] or {}
         values = [loaded[ref.node] if not ref.path and ref.node in loaded else received[ref]
                   for ref in self.spec.in_ports]
         flat, self.module.in_arity = flatten(values)
-        self.pipe_buffers["inputs"][buffer_id] = tuple(flat)
-        if self._async is not None and torch.is_grad_enabled():
-            with self._async.versions.on_current(buffer_id):
-                super()._exec_forward_pass(buffer_id)
-        else:
+        buffers[Buffer.INPUTS, buffer_id] = tuple(flat)
+        versions = (self._async.versions.on_current(buffer_id) if self._async is not None and torch.is_grad_enabled()
+                    else contextlib.nullcontext())
+        with versions, self.zero.forward():
             super()._exec_forward_pass(buffer_id)
         if self.is_last_stage() and torch.is_grad_enabled():
-            self.pipe_buffers["losses"][buffer_id] = self.loss
+            buffers[Buffer.LOSS, buffer_id] = self.loss
 
-    def _exec_backward_pass(self, buffer_id):
-        # An asynchronous schedule's backward runs on its forward's weight version (a recomputed
-        # forward included).
-        versions = (self._async.versions.on_version_of(buffer_id) if self._async is not None
-                    else contextlib.nullcontext())
-        with versions:
-            self._full_backward(buffer_id, self.pipe_buffers["outputs"][buffer_id],
-                                self.pipe_buffers["grads"][buffer_id], self.pipe_buffers["losses"][buffer_id])
-
-    def _full_backward(self, buffer_id, outputs, grads, loss):
-        """One backward of a micro-batch, input and weight gradients together (``B``, or a split
-        backward's ``W`` on a stage with no input gradient to send)."""
-        if self.is_last_stage():
-            self.loss = loss
-            super()._exec_backward_pass(buffer_id)  # DeepSpeed's backward(loss), scaled by 1/GAS
-        else:
-            self._backward_from_grads(outputs, grads)
-        self._reduce_micro_batch()
-
-    def _backward_from_grads(self, outputs, grads):
-        """One autograd pass from every output that received a gradient (summed over readers)."""
-        pairs = output_gradient_pairs(outputs, grads)
-        if pairs:
-            self._parameter_gradient_pass(
-                lambda: torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs]))
+    def _reentrant_activation_checkpointing(self):
+        # DeepSpeed asks this before recomputing (see backward.reentrant_checkpointing).
+        return reentrant_checkpointing(self.module)
 
     def clip_fp32_gradients(self):
         """Clip by the global gradient norm over every stage of the pipeline.
@@ -546,29 +427,47 @@ class GraphPipelineEngine(TransferMixin, PartitionedGradientsMixin, SplitBackwar
             for p in params:
                 p.grad.detach().mul_(clip_coef.to(p.grad.dtype))
 
-    # -- buffers ----------------------------------------------------------------------------------
+    # -- ZeRO (zero.py) ----------------------------------------------------------------------------
 
-    def _exec_release(self, buffer_id, kind):
-        """Free what the release ``kind`` frees of a buffer slot (the schedule's table, ``KINDS``)."""
-        for buffer in kind.spec.frees:
-            for key in BUFFER_KEYS[buffer]:
-                self.pipe_buffers[key][buffer_id] = None
+    def zero_optimization_stage(self):
+        return compat.pipeline_assert_stage(super().zero_optimization_stage())
+
+    def _exec_reduce_grads(self):
+        if not self.zero.skips_reduce_grads():
+            super()._exec_reduce_grads()
+
+    def gathered_parameters(self):
+        """This stage's parameters whole on every rank of the stage (:meth:`.zero.StageZero.gathered_parameters`)."""
+        return self.zero.gathered_parameters()
+
+    # -- the dispatch table ---------------------------------------------------------------------------
+
+    def _exec_transfers(self, ops):
+        """One transfer action (:meth:`.transfers.StageTransfers.run`), timed under each of its
+        kinds' DeepSpeed pipe timers when ``wall_clock_breakdown`` is on."""
+        timers = [self.timers(name) for name in dict.fromkeys(_TIMERS[kind] for kind, _, _ in ops)
+                  ] if self.wall_clock_breakdown() else []
+        for timer in timers:
+            timer.start()
+        try:
+            self.transfers.run(ops, self.pipe_buffers)
+        finally:
+            for timer in timers:
+                timer.stop()
 
     _INSTRUCTION_MAP = {
         **PipelineEngine._INSTRUCTION_MAP,
-        ds.LoadMicroBatch: _exec_load_micro_batch,
+        ds.LoadMicroBatch: data.load_micro_batch,
         ds.ReduceTiedGrads: _exec_reduce_tied_grads,
-        ds.ReduceGrads: PartitionedGradientsMixin._exec_reduce_grads,
+        ds.ReduceGrads: _exec_reduce_grads,
         ds.ForwardPass: _exec_forward_pass,
-        ds.BackwardPass: _exec_backward_pass,
-        SendActivationTo: _wall_clock(PIPE_SEND_OUTPUT_TIMER, TransferMixin._exec_send_activations_to),
-        RecvActivationFrom: _wall_clock(PIPE_RECV_INPUT_TIMER, TransferMixin._exec_recv_activations_from),
-        SendGradTo: _wall_clock(PIPE_SEND_GRAD_TIMER, TransferMixin._exec_send_grads_to),
-        RecvGradFrom: _wall_clock(PIPE_RECV_GRAD_TIMER, TransferMixin._exec_recv_grads_from),
-        Transfers: TransferMixin._exec_transfer_group,
-        Release: _exec_release,
-        WaitSends: TransferMixin._exec_wait_sends,
-        **SplitBackwardMixin._SPLIT_INSTRUCTIONS,
+        ds.BackwardPass: lambda engine, buffer_id: engine.stage_backward.full(buffer_id),
+        BackwardInputPass: lambda engine, buffer_id: engine.stage_backward.input(buffer_id),
+        BackwardWeightPass: lambda engine, buffer_id: engine.stage_backward.weight(buffer_id),
+        Transfers: _exec_transfers,
+        WaitSends: lambda engine: engine.transfers.wait_sends(),
+        # A release frees what the schedule's table says its kind frees.
+        Release: lambda engine, buffer_id, kind: engine.pipe_buffers.free(kind.spec.frees, buffer_id),
         _async.StashWeights: _async.exec_stash,
         _async.PredictWeights: _async.exec_predict,
         _async.PredictInPlace: _async.exec_predict_inplace,
@@ -576,5 +475,3 @@ class GraphPipelineEngine(TransferMixin, PartitionedGradientsMixin, SplitBackwar
         _async.RetireVersion: _async.exec_retire,
         _async.UpdateWeights: _async.exec_update,
     }
-
-

@@ -1,10 +1,19 @@
-"""DeepSpeed pipe instructions for DAG edges, and the PipeSchedule that yields a stage's actions.
+"""DeepSpeed pipe instructions for a stage program, and the PipeSchedule that yields them.
 
-The engine dispatches instructions by exact type, so each DAG transfer has its own class with the
-peer stage as an argument, a grouped transfer (``P2P``) is a :class:`Transfers` holding its ops, and
-every release is a :class:`Release` naming its kind, whose handler frees what the schedule's table
-says it frees (:data:`~gpp_deepspeed.schedule.ir.KINDS`, through :data:`BUFFER_KEYS`). :class:`GraphPipeSchedule` maps each :class:`~gpp_deepspeed.schedule.Action`
-of the stage one-to-one to an instruction, with the buffer slot the schedule gave its micro-batch
+The engine dispatches instructions by exact type (DeepSpeed's ``_INSTRUCTION_MAP``). Every action
+kind of the schedule's table :data:`~gpp_deepspeed.schedule.KINDS` has one instruction class here,
+in one table, :data:`INSTRUCTION_OF`; what the instruction is given follows from the kind's
+:class:`~gpp_deepspeed.schedule.ir.KindSpec`:
+
+* every transfer, alone or grouped (``P2P``), layouts included, is one :class:`Transfers` holding
+  ``(kind, slot, peer)`` per message: one handler, one timing path;
+* a release is a :class:`Release` naming its kind, whose handler frees what the table says it
+  frees;
+* a weight-version action is given the version (its micro-batch index names one);
+* any other action on a micro-batch is given the micro-batch's buffer slot.
+
+:class:`GraphPipeSchedule` maps each :class:`~gpp_deepspeed.schedule.Action` of the stage
+one-to-one to an instruction, with the buffer slot the schedule gave its micro-batch
 (:func:`~gpp_deepspeed.schedule.assign_buffers`): the engine runs exactly the list that was validated.
 """
 
@@ -14,62 +23,15 @@ import time
 
 from deepspeed.runtime.pipe import schedule as ds
 
-from ..schedule.ir import Action, ActionKind as K, Buffer
-from .split_engine import BackwardInputPass, BackwardWeightPass
-from .asynchronous import WEIGHT_INSTRUCTIONS
+from ..schedule.ir import Action, ActionKind as K
+from . import asynchronous as _async
 
-__all__ = ["SendActivationTo", "RecvActivationFrom", "SendGradTo", "RecvGradFrom", "Transfers", "Release", "WaitSends",
-           "GraphPipeSchedule", "to_instruction", "BUFFER_KEYS"]
-
-BUFFER_KEYS: dict[Buffer, tuple[str, ...]] = {
-    Buffer.LOADED: ("loaded", ), Buffer.RECEIVED: ("received", ), Buffer.INPUTS: ("inputs", ),
-    Buffer.OUTPUTS: ("outputs", "output_tensors"), Buffer.LABELS: ("labels", ), Buffer.LOSS: ("losses", ),
-    Buffer.GRADS: ("grads", ), Buffer.WEIGHT_GRAD: ("weight_grad", )}
-"""The engine's ``pipe_buffers`` keys that hold each of a micro-batch's buffers (DeepSpeed's
-``PipelineEngine`` owns ``inputs``, ``labels``, ``outputs`` and ``output_tensors``)."""
-
-
-class SendActivationTo(ds.BufferOpInstruction):
-    """Post asynchronous sends of this stage's tensors on the edge to ``peer``.
-
-    Roughly::
-
-        isend(outputs[buffer_id][t] for t in edge(stage, peer).tensors)
-    """
-
-    def __init__(self, buffer_id, peer):
-        super().__init__(buffer_id, peer=peer)
-
-
-class RecvActivationFrom(ds.BufferOpInstruction):
-    """Receive the tensors of the edge from ``peer`` (blocking).
-
-    Roughly::
-
-        received[buffer_id].update(recv(edge(peer, stage)))
-    """
-
-    def __init__(self, buffer_id, peer):
-        super().__init__(buffer_id, peer=peer)
-
-
-class SendGradTo(ds.BufferOpInstruction):
-    """Post asynchronous sends of the gradients of the tensors received from ``peer``."""
-
-    def __init__(self, buffer_id, peer):
-        super().__init__(buffer_id, peer=peer)
-
-
-class RecvGradFrom(ds.BufferOpInstruction):
-    """Receive the gradients of the tensors sent to ``peer`` and add them to this buffer's
-    output gradients (a tensor read by several stages gets the sum of their gradients)."""
-
-    def __init__(self, buffer_id, peer):
-        super().__init__(buffer_id, peer=peer)
+__all__ = ["Transfers", "Release", "WaitSends", "BackwardInputPass", "BackwardWeightPass", "INSTRUCTION_OF",
+           "GraphPipeSchedule", "to_instruction"]
 
 
 class Transfers(ds.PipeInstruction):
-    """Post several transfers at once and wait for their receives (``batch_isend_irecv``).
+    """Post one or several transfers at once and wait for their receives (``batch_isend_irecv``).
 
     ``ops`` holds ``(kind, buffer_id, peer)`` per transfer, ``kind`` an ``ActionKind`` transfer.
 
@@ -98,28 +60,50 @@ class WaitSends(ds.PipeInstruction):
     """Wait until every asynchronous send of this stage has completed."""
 
 
-_SIMPLE = {K.WAIT_SENDS: WaitSends, K.REDUCE_TIED: ds.ReduceTiedGrads, K.REDUCE_GRAD: ds.ReduceGrads,
-           K.STEP: ds.OptimizerStep}
-_BUFFER = {K.LOAD: ds.LoadMicroBatch, K.FORWARD: ds.ForwardPass, K.BACKWARD: ds.BackwardPass,
-           K.BACKWARD_INPUT: BackwardInputPass, K.BACKWARD_WEIGHT: BackwardWeightPass}
-_EDGE = {K.SEND_F: SendActivationTo, K.RECV_F: RecvActivationFrom, K.SEND_B: SendGradTo, K.RECV_B: RecvGradFrom}
+class BackwardInputPass(ds.BufferOpInstruction):
+    """Gradients of the stage's inputs for one micro-batch.
+
+    Roughly::
+
+        inputs.grad = autograd(outputs -> inputs, grads[buffer_id])   # weights untouched
+        weight_grad[buffer_id] = what W needs
+    """
+
+
+class BackwardWeightPass(ds.BufferOpInstruction):
+    """Gradients of the stage's parameters for the micro-batch whose ``I`` ran.
+
+    Roughly::
+
+        params.grad += autograd(boundary nodes -> params, recorded grads)
+    """
+
+
+INSTRUCTION_OF: dict[K, type[ds.PipeInstruction]] = {
+    K.LOAD: ds.LoadMicroBatch, K.FORWARD: ds.ForwardPass, K.BACKWARD: ds.BackwardPass,
+    K.BACKWARD_INPUT: BackwardInputPass, K.BACKWARD_WEIGHT: BackwardWeightPass,
+    **{k: Transfers for k in K if k.is_transfer},
+    **{k: Release for k in K if k.is_release},
+    K.WAIT_SENDS: WaitSends, K.REDUCE_TIED: ds.ReduceTiedGrads, K.REDUCE_GRAD: ds.ReduceGrads,
+    K.STEP: ds.OptimizerStep,
+    K.STASH: _async.StashWeights, K.PREDICT: _async.PredictWeights, K.PREDICT_INPLACE: _async.PredictInPlace,
+    K.RESTORE: _async.RestoreWeights, K.RETIRE: _async.RetireVersion, K.UPDATE: _async.UpdateWeights,
+}
+"""The instruction class of every action kind (a test checks that none is missing)."""
 
 
 def to_instruction(action: Action, slot_of: dict[int, int]) -> ds.PipeInstruction:
     """The DeepSpeed instruction that executes ``action``; ``slot_of`` maps micro-batches to buffers."""
-    if action.kind in _SIMPLE:
-        return _SIMPLE[action.kind]()
-    if action.kind in WEIGHT_INSTRUCTIONS:  # weight versions are named by micro-batch, not buffer
-        cls = WEIGHT_INSTRUCTIONS[action.kind]
-        return cls() if action.mb_idx is None else cls(action.mb_idx)
-    if action.kind is K.P2P or action.kind.spec.layout:   # a layout alone is a group of one
+    cls = INSTRUCTION_OF[action.kind]
+    if action.kind.is_transfer:
         return Transfers((op.kind, slot_of[op.mb_idx], op.peer) for op in action.parts)
-    buffer_id = slot_of[action.mb_idx]
+    if not action.kind.has_mb or action.mb_idx is None:
+        return cls()
+    if action.kind.spec.versions:   # weight versions are named by micro-batch, not buffer
+        return cls(action.mb_idx)
     if action.kind.is_release:
-        return Release(buffer_id, action.kind)
-    if action.kind in _BUFFER:
-        return _BUFFER[action.kind](buffer_id)
-    return _EDGE[action.kind](buffer_id, action.peer)
+        return Release(slot_of[action.mb_idx], action.kind)
+    return cls(slot_of[action.mb_idx])
 
 
 class GraphPipeSchedule(ds.PipeSchedule):

@@ -105,9 +105,6 @@ class ActivationMeter:
         with torch.autograd.graph.saved_tensors_hooks(lambda t: self._pack(t, skip), _unpack):
             yield
 
-    def reset_peak(self) -> None:
-        self.peak = self.live
-
     def _pack(self, t: torch.Tensor, skip: set):
         key = _storage_key(t)
         if key is None or key in skip:

@@ -244,10 +244,6 @@ class EdgeTransport:
         self._arrived.clear()
         self._layouts.clear()
 
-    def header_buffer(self, num_ports: int) -> torch.Tensor:
-        """An empty layout header for an edge of ``num_ports`` ports."""
-        return torch.empty(header_capacity(num_ports), dtype=torch.int64, device=self.device)
-
     def header(self, arity, tensors, *, edge: tuple[int, int], num_ports: int) -> torch.Tensor:
         """The layout header of one message of ``edge``."""
         return torch.tensor(encode_header(arity, tensors, capacity=header_capacity(num_ports), edge=edge),

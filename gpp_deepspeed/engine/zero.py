@@ -9,7 +9,7 @@ accumulation, over the ranks of one stage:
 * during each micro-batch's backward (``B``, or the ``W`` of a split backward: parameter gradients
   exist only there) their gradient hooks fill a bucket and reduce it over the stage's data-parallel
   group when full, each rank keeping its partition;
-* after that backward, :meth:`PartitionedGradientsMixin._reduce_micro_batch` runs the epilogue
+* after that backward, :meth:`StageZero.reduce_micro_batch` runs the epilogue
   DeepSpeed runs after every ``engine.backward`` (the rest of the bucket; the micro-batch added into
   the partition; the whole gradients freed);
 * at ``REDUCE_TIED`` the accumulated partitions become the ones the step reads, and tied weights
@@ -59,7 +59,7 @@ from deepspeed.utils import safe_get_full_grad, safe_set_full_grad
 from ..errors import GPPConfigError
 from . import compat
 
-__all__ = ["PartitionedGradientsMixin", "check_zero_supported"]
+__all__ = ["StageZero", "check_zero_supported"]
 
 
 def check_zero_supported(config_class, schedule_spec) -> None:
@@ -74,63 +74,67 @@ def check_zero_supported(config_class, schedule_spec) -> None:
             "optimizer state partitioned) with any synchronous schedule")
 
 
-class PartitionedGradientsMixin:
-    """ZeRO-2/3 handlers for :class:`~gpp_deepspeed.engine.GraphPipelineEngine`."""
+class StageZero:
+    """What ZeRO-2/3 add to one rank's stage (module docstring); owned by
+    :class:`~gpp_deepspeed.engine.GraphPipelineEngine` as ``engine.zero``."""
 
-    def zero_optimization_stage(self):
-        return compat.pipeline_assert_stage(super().zero_optimization_stage())
+    def __init__(self, engine):
+        self.engine = engine
+        self.partitions_gradients = engine.zero_optimization_partition_gradients()
+        self.partitions_weights = engine.zero_optimization_partition_weights()
 
-    def _exec_forward_pass(self, buffer_id):
-        # Reached through GraphPipelineEngine._exec_forward_pass's super() call.
-        if not self.zero_optimization_partition_weights():
-            return super()._exec_forward_pass(buffer_id)
-        with compat.zero3_trace_checked_within(self.grid.get_data_parallel_group()):
-            return super()._exec_forward_pass(buffer_id)
+    def forward(self):
+        """The context a stage's forward runs in: ZeRO-3's trace check over the stage's group."""
+        if not self.partitions_weights:
+            return contextlib.nullcontext()
+        return compat.zero3_trace_checked_within(self.engine.grid.get_data_parallel_group())
 
-    def _reduce_micro_batch(self) -> None:
+    def reduce_micro_batch(self) -> None:
         """After a backward that gave this stage's parameters gradients (``B`` or ``W``)."""
-        if self.zero_optimization_partition_gradients():
-            compat.reduce_micro_batch_gradients(self.optimizer)
-        if self.zero_optimization_partition_weights() and not self.is_last_stage():
+        engine = self.engine
+        if self.partitions_gradients:
+            compat.reduce_micro_batch_gradients(engine.optimizer)
+        if self.partitions_weights and not engine.is_last_stage():
             # What DeepSpeedEngine.backward runs last (the output stage's backward is DeepSpeed's):
             # ZeRO-3 frees the layers whose post-backward hook did not fire. Its hook counts a
             # layer's pending backwards from the layer's last forward, so with several micro-batches
             # in flight the last backwards of a batch do not fire it; without this the whole stage
             # stayed gathered after them (benchmarks/zero_memory.py measured 4P/n + 4P).
-            self.optimizer.backward_epilogue()
+            engine.optimizer.backward_epilogue()
 
-    def _reduce_tied_partitioned(self) -> None:
-        compat.finish_gradient_accumulation(self.optimizer)
-        for weight, group in self.module.get_tied_weights_and_groups():
+    def reduce_tied(self) -> None:
+        """``REDUCE_TIED`` under ZeRO-2/3: the accumulated partitions become the ones the step
+        reads, and tied weights sum their gradients over the stages holding a copy."""
+        engine = self.engine
+        compat.finish_gradient_accumulation(engine.optimizer)
+        for weight, group in engine.module.get_tied_weights_and_groups():
             # The partition holds the stage's data-parallel average: each rank of the stage adds
             # 1/degree of it, so the sum over the tie's ranks is the sum over its stages.
             full = safe_get_full_grad(weight)
             if full is None:
                 continue
-            full = full.to(torch.float32).div_(self.dp_world_size)
+            full = full.to(torch.float32).div_(engine.dp_world_size)
             dist.all_reduce(full, group=group)
             safe_set_full_grad(weight, full)
 
-    def _exec_reduce_grads(self):
-        if self.zero_optimization_partition_gradients():
-            return  # reduced during each backward; REDUCE_TIED built the partitions
-        if self.zero_optimization_stage() == 0 and self.dp_world_size == 1:
-            # Nothing to average on a stage of one rank, and DeepSpeed's all-reduce would first copy
-            # every gradient into flat buckets of up to 500 M elements (one more copy of the stage's
-            # gradients at the peak; measured on the 1.5 B benchmark). ZeRO-1 moves gradients into
-            # its partitions here, so it always runs.
-            return
-        super()._exec_reduce_grads()
+    def skips_reduce_grads(self) -> bool:
+        """Whether ``REDUCE_GRAD`` has nothing to do: ZeRO-2/3 reduced during each backward, and a
+        ZeRO-0 stage of one rank has nothing to average (DeepSpeed's all-reduce would first copy
+        every gradient into flat buckets of up to 500 M elements: one more copy of the stage's
+        gradients at the peak, measured on the 1.5 B benchmark). ZeRO-1 moves gradients into its
+        partitions there, so it always runs."""
+        engine = self.engine
+        return self.partitions_gradients or (engine.zero_optimization_stage() == 0 and engine.dp_world_size == 1)
 
-    def _refuse_zero3_checkpoint(self, what: str) -> None:
-        if self.zero_optimization_partition_weights():
+    def refuse_checkpoint(self, what: str) -> None:
+        if self.partitions_weights:
             raise GPPConfigError(f"{what} is not supported with \"zero_optimization.stage\": 3 in the graph pipeline "
                                  "(its per-layer files would hold this rank's parameter partitions); use stage 2")
 
     def gathered_parameters(self):
         """A context in which this stage's parameters are whole on every rank of the stage (ZeRO-3
         gathers them over the stage's group; a no-op otherwise). Collective over the stage."""
-        if not self.zero_optimization_partition_weights():
+        if not self.partitions_weights:
             return contextlib.nullcontext()
         from deepspeed.runtime.zero.partition_parameters import GatheredParameters
-        return GatheredParameters(list(self.module.parameters()))
+        return GatheredParameters(list(self.engine.module.parameters()))

@@ -127,6 +127,9 @@ class KindSpec:
     """A layout message: the fixed-size header that sizes the receive of the activations that follow
     it on the same channel (``dynamic_shape``, and the first batch of static shapes)."""
     waits: bool = False
+    versions: bool = False
+    """The micro-batch index names a weight version, not a buffer slot (the asynchronous schedules'
+    STASH, PREDICT, PREDICT_INPLACE, RESTORE and RETIRE)."""
     reads: frozenset[Buffer] = frozenset()
     writes: frozenset[Buffer] = frozenset()
     frees: frozenset[Buffer] = frozenset()
@@ -173,11 +176,11 @@ KINDS: dict[ActionKind, KindSpec] = {
     ActionKind.REDUCE_TIED: _kind(),
     ActionKind.REDUCE_GRAD: _kind(),
     ActionKind.STEP: _kind(),
-    ActionKind.STASH: _kind(mb=True),
-    ActionKind.PREDICT: _kind(mb=True),
-    ActionKind.PREDICT_INPLACE: _kind(mb=True),
-    ActionKind.RESTORE: _kind(mb=True),
-    ActionKind.RETIRE: _kind(mb=True),
+    ActionKind.STASH: _kind(mb=True, versions=True),
+    ActionKind.PREDICT: _kind(mb=True, versions=True),
+    ActionKind.PREDICT_INPLACE: _kind(mb=True, versions=True),
+    ActionKind.RESTORE: _kind(mb=True, versions=True),
+    ActionKind.RETIRE: _kind(mb=True, versions=True),
     ActionKind.UPDATE: _kind(),
 }
 """Every action kind's :class:`KindSpec`: the one table to extend when adding a kind."""
