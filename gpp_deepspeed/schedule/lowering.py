@@ -109,14 +109,8 @@ def drop_frozen_backward(schedule: Schedule, stage_graph: StageGraph) -> Schedul
     >>> drop_frozen_backward(one_f_one_b(StageGraph.chain(2), 2), replace(StageGraph.chain(2), frozen=frozenset({0})))
     {0: [0F0, 0F1], 1: [1F0, 1B0, 1F1, 1B1]}
     """
-    return {s: [a for a in actions if not (s in stage_graph.frozen and a.kind in _TRAINS)]
+    return {s: [a for a in actions if not (s in stage_graph.frozen and a.kind.spec.trains)]
             for s, actions in schedule.items()}
-
-
-# What a stage without trainable parameters does not run (an asynchronous update's reduction
-# included; a synchronous step's comes later, from add_epilogue, on every stage).
-_TRAINS = frozenset({K.BACKWARD, K.BACKWARD_INPUT, K.BACKWARD_WEIGHT, K.STASH, K.PREDICT, K.PREDICT_INPLACE,
-                     K.RESTORE, K.RETIRE, K.REDUCE_GRAD, K.UPDATE})
 
 
 def add_load(schedule: Schedule, stage_graph: StageGraph) -> Schedule:
@@ -156,7 +150,7 @@ def add_send_recv(schedule: Schedule, stage_graph: StageGraph) -> Schedule:
                 lowered += [Action(s, K.RECV_F, a.mb_idx, peer=p) for p in preds]
                 lowered.append(a)
                 lowered += [Action(s, K.SEND_F, a.mb_idx, peer=t) for t in succs]
-            elif a.kind in (K.BACKWARD, K.BACKWARD_INPUT):  # W needs nothing from other stages
+            elif a.kind.spec.input_gradients:  # W needs nothing from other stages
                 # Only edges that carry gradients (not a frozen tower's output) exchange them.
                 lowered += [Action(s, K.RECV_B, a.mb_idx, peer=t) for t in stage_graph.grad_succs(s)]
                 lowered.append(a)

@@ -229,7 +229,7 @@ class AsyncProgram:
         data, slots = {}, {}
         for s in range(self.stage_graph.num_stages):
             program = [a for seg in segments for a in seg.actions[s]]
-            data[s] = [a for a in program if a.kind not in _WEIGHT_KINDS and a.kind is not K.WAIT_SENDS]
+            data[s] = [a for a in program if all(op.kind.spec.on_micro_batch for op in a.parts)]
             slots[s] = _one_slot_each(s, segments)
             versions[s] = check_weight_versions(s, program, frozen=s in self.stage_graph.frozen)
             for v, steps in prediction_steps(program).items():
@@ -297,10 +297,6 @@ class AsyncProgram:
     def _representative(self, stage_idx: int, batch_idx: int) -> int:
         first, period = self.first_periodic[stage_idx], self.periods[stage_idx]
         return batch_idx if batch_idx < first else first + (batch_idx - first) % period
-
-
-_WEIGHT_KINDS = frozenset({K.STASH, K.PREDICT, K.PREDICT_INPLACE, K.RESTORE, K.RETIRE, K.UPDATE, K.REDUCE_TIED,
-                           K.REDUCE_GRAD, K.STEP})
 
 
 def _one_slot_each(s: int, segments: list[Program]) -> dict[int, int]:

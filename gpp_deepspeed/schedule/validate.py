@@ -248,7 +248,7 @@ def _check_stage(s: int, actions: list[Action], graph: StageGraph, num_mb: int, 
         if a.kind is K.RECV_B and a.peer not in grad_succs or a.kind is K.SEND_B and a.peer not in grad_preds:
             raise ScheduleError(f"stage {s} slot {i}: {a} but the edge between stages {s} and {a.peer} carries no "
                                 "gradient (none of its tensors depends on a trainable parameter)")
-        if not backward and a.kind in (K.BACKWARD, K.BACKWARD_INPUT, K.BACKWARD_WEIGHT):
+        if not backward and a.kind.spec.backward:
             raise ScheduleError(f"stage {s} slot {i}: {a} but stage {s} " + (
                 "is frozen (nothing to differentiate)" if train else "runs no backward in evaluation"))
         key = (a.kind, a.mb_idx, a.peer)
@@ -358,7 +358,7 @@ def check_weight_versions(s: int, program: list[Action], *, frozen: bool = False
     live weights, until its ``RESTORE``). A ``frozen`` stage runs on its live weights: it has no
     weight actions and takes no update of its own."""
     if frozen:
-        own = [a for a in program if a.kind in (K.STASH, K.PREDICT, K.PREDICT_INPLACE, K.RESTORE, K.RETIRE, K.UPDATE)]
+        own = [a for a in program if a.kind.spec.trains and not a.kind.spec.collective]
         if own:
             raise ScheduleError(f"stage {s} is frozen but runs {own[0]}")
         return 0
@@ -373,7 +373,7 @@ def check_weight_versions(s: int, program: list[Action], *, frozen: bool = False
     unstepped = None             # a retired version whose gradient no update has used yet
     peak = 0
     for a in program:
-        if a.kind in (K.STASH, K.PREDICT, K.PREDICT_INPLACE):
+        if a.kind.spec.makes_version:
             if a.mb_idx in made:
                 raise ScheduleError(f"stage {s} makes weight version {a.mb_idx} twice")
             if in_place is not None:
@@ -413,7 +413,7 @@ def check_weight_versions(s: int, program: list[Action], *, frozen: bool = False
             alive.discard(a.mb_idx)
             copies.discard(a.mb_idx)
             unstepped = a.mb_idx
-        elif a.kind in (K.UPDATE, K.STEP):
+        elif a.kind.spec.updates:
             if a.kind is K.UPDATE and unstepped is None:
                 raise ScheduleError(f"stage {s} runs {a} with no retired gradient")
             unstepped = None
