@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from gpp_deepspeed.errors import GPPConfigError, ScheduleError
 from gpp_deepspeed.graph import StageEdge, StageGraph
 from gpp_deepspeed.schedule import (SCHEDULES, Action, ActionKind, add_release, add_send_recv, assign_buffers, build_schedule,
+                                    merge_backward,
                                     format_schedule, get_schedule, gpipe, group_for_rendezvous, group_p2p, num_slots,
                                     one_f_one_b,
                                     order_transfers, simulate, validate_schedule, warmup_forwards)
@@ -425,6 +426,28 @@ def test_group_p2p_merges_each_run_of_transfers_and_moves_loads_and_releases_aft
     after = {1: lists("1RECV_F0@0 1F0 (1SEND_F0@2;1RECV_F1@0)P2P 1F1 (1SEND_F1@2;1RECV_B0@2)P2P 1B0 1RELEASE_OUT0 "
                       "(1SEND_B0@0;1RECV_F2@0)P2P 1RELEASE_IN0 1LOAD2 1F2 1WAIT_SENDS")}
     assert group_p2p(before) == after
+
+
+def test_merge_backward_fuses_i_and_w_only_on_stages_that_send_no_gradient_back():
+    # 0 -> 2 carries no gradient (a frozen tower's output), 1 -> 2 does: stage 0 and stage 1 read
+    # only the batch, stage 2 sends a gradient to stage 1 only, so only stage 2 keeps its split
+    sg = StageGraph(num_stages=4, edges=(StageEdge(0, 2, (), grad=False), StageEdge(1, 2, ()), StageEdge(2, 3, ())),
+                    output_stage=3)
+    before = {0: lists("0F0 0F1 0F2"),
+              1: lists("1F0 1F1 1RECV_B0@2 1I0 1F2 1RECV_B1@2 1I1 1W0 1RECV_B2@2 1I2 1W1 1W2"),
+              2: lists("2RECV_F0@1 2F0 2RECV_B0@3 2I0 2SEND_B0@1 2W0"),
+              3: lists("3RECV_F0@2 3F0 3I0 3SEND_B0@2 3W0")}
+    after = {0: lists("0F0 0F1 0F2"),
+             1: lists("1F0 1F1 1RECV_B0@2 1F2 1RECV_B1@2 1B0 1RECV_B2@2 1B1 1B2"),
+             2: lists("2RECV_F0@1 2F0 2RECV_B0@3 2I0 2SEND_B0@1 2W0"),
+             3: lists("3RECV_F0@2 3F0 3I0 3SEND_B0@2 3W0")}
+    assert merge_backward(before, sg) == after
+    # so every zero-bubble program runs B where nothing goes back, and frees as B does (no RELEASE_W)
+    for name in ("zb1", "zb2"):
+        program = build_schedule(sg, 3, name=name)
+        for s, expect in ((1, {"B"}), (2, {"I", "W"}), (3, {"I", "W"})):
+            assert {a.kind.value for a in program[s] if a.kind.spec.backward} == expect, (name, s)
+        assert not any(a.kind is K.RELEASE_W for a in program[1])
 
 
 def test_add_release_frees_outputs_after_the_backward_and_inputs_after_the_gradient_is_sent():
