@@ -6,6 +6,8 @@ for the 1F1B compute order on a chain.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -30,6 +32,11 @@ def dag(num_stages: int, edges) -> StageGraph:
 
 def parse_schedule(lines: dict[int, str]) -> dict[int, list[Action]]:
     return {s: [Action.parse(t) for t in text.split()] for s, text in lines.items()}
+
+
+def modulo_slots(num_buffers: dict[int, int], num_mb: int = 16) -> dict[int, dict[int, int]]:
+    """Micro-batch ``j`` of stage ``s`` in buffer ``j % num_buffers[s]`` (DeepSpeed's rule)."""
+    return {s: {j: j % n for j in range(num_mb)} for s, n in num_buffers.items()}
 
 
 def compute_order(actions):
@@ -275,11 +282,11 @@ CHAIN2_M2_GROUPED = {
 
 
 def test_validate_schedule_accepts_the_hand_written_chain_schedules():
-    validate_schedule(parse_schedule(CHAIN2_M1), StageGraph.chain(2), 1, train=True)
-    validate_schedule(parse_schedule(CHAIN2_M2), StageGraph.chain(2), 2, train=True, num_buffers={0: 2, 1: 1},
-                      mode="async")
+    validate_schedule(parse_schedule(CHAIN2_M1), StageGraph.chain(2), 1, train=True, releases=False)
+    validate_schedule(parse_schedule(CHAIN2_M2), StageGraph.chain(2), 2, train=True,
+                      slots=modulo_slots({0: 2, 1: 1}), mode="async", releases=False)
     validate_schedule(parse_schedule(CHAIN2_M2_GROUPED), StageGraph.chain(2), 2, train=True,
-                      num_buffers={0: 2, 1: 2})
+                      slots=modulo_slots({0: 2, 1: 2}), releases=False)
 
 
 def test_validate_schedule_rejects_two_stages_that_each_send_to_the_other_before_receiving():
@@ -287,7 +294,7 @@ def test_validate_schedule_rejects_two_stages_that_each_send_to_the_other_before
     # its receive, which the other stage posts only after its own send: both wait forever
     simulate(parse_schedule(CHAIN2_M2), mode="async")
     with pytest.raises(ScheduleError, match="deadlocks under rendezvous semantics") as info:
-        validate_schedule(parse_schedule(CHAIN2_M2), StageGraph.chain(2), 2, train=True)
+        validate_schedule(parse_schedule(CHAIN2_M2), StageGraph.chain(2), 2, train=True, releases=False)
     msg = str(info.value)
     assert "stage 0 at 0SEND_F1@1" in msg and "stage 1 at 1SEND_B0@0" in msg
     assert "0SEND_F1@1 waits for stage 1 to post its receive" in msg and "batch_isend_irecv" in msg
@@ -309,7 +316,7 @@ def test_simulate_rejects_an_unknown_mode():
 def test_validate_schedule_reports_a_deadlock_when_a_gradient_is_awaited_before_the_activation_is_sent():
     broken = {**CHAIN2_M1, 0: "0LOAD0 0F0 0RECV_B0@1 0SEND_F0@1 0B0 0WAIT_SENDS"}
     with pytest.raises(ScheduleError, match="deadlock") as info:
-        validate_schedule(parse_schedule(broken), StageGraph.chain(2), 1, train=True)
+        validate_schedule(parse_schedule(broken), StageGraph.chain(2), 1, train=True, releases=False)
     msg = str(info.value)
     assert "0RECV_B0@1" in msg and "1RECV_F0@0" in msg
 
@@ -317,20 +324,20 @@ def test_validate_schedule_reports_a_deadlock_when_a_gradient_is_awaited_before_
 def test_validate_schedule_reports_a_missing_backward():
     broken = {**CHAIN2_M1, 1: "1LOAD0 1RECV_F0@0 1F0 1SEND_B0@0 1WAIT_SENDS"}
     with pytest.raises(ScheduleError, match="never runs 1B0"):
-        validate_schedule(parse_schedule(broken), StageGraph.chain(2), 1, train=True)
+        validate_schedule(parse_schedule(broken), StageGraph.chain(2), 1, train=True, releases=False)
 
 
 def test_validate_schedule_reports_a_forward_before_its_receive():
     broken = {**CHAIN2_M1, 1: "1LOAD0 1F0 1RECV_F0@0 1B0 1SEND_B0@0 1WAIT_SENDS"}
     with pytest.raises(ScheduleError, match="before receiving") as info:
-        validate_schedule(parse_schedule(broken), StageGraph.chain(2), 1, train=True)
+        validate_schedule(parse_schedule(broken), StageGraph.chain(2), 1, train=True, releases=False)
     assert "stage 0" in str(info.value)
 
 
 def test_validate_schedule_reports_a_backward_before_its_gradient_arrives():
     broken = {**CHAIN2_M1, 0: "0LOAD0 0F0 0SEND_F0@1 0B0 0RECV_B0@1 0WAIT_SENDS"}
     with pytest.raises(ScheduleError, match="before receiving its gradient"):
-        validate_schedule(parse_schedule(broken), StageGraph.chain(2), 1, train=True)
+        validate_schedule(parse_schedule(broken), StageGraph.chain(2), 1, train=True, releases=False)
 
 
 def test_validate_schedule_reports_a_send_to_a_stage_that_is_not_a_neighbour():
@@ -339,48 +346,48 @@ def test_validate_schedule_reports_a_send_to_a_stage_that_is_not_a_neighbour():
         1: "1RECV_F0@0 1F0 1SEND_F0@2",
         2: "2LOAD0 2RECV_F0@1 2F0",
     }
-    validate_schedule(parse_schedule(good), StageGraph.chain(3), 1, train=False)
+    validate_schedule(parse_schedule(good), StageGraph.chain(3), 1, train=False, releases=False)
     broken = {**good, 0: "0LOAD0 0F0 0SEND_F0@1 0SEND_F0@2"}
     with pytest.raises(ScheduleError, match="not a successor") as info:
-        validate_schedule(parse_schedule(broken), StageGraph.chain(3), 1, train=False)
+        validate_schedule(parse_schedule(broken), StageGraph.chain(3), 1, train=False, releases=False)
     assert "0SEND_F0@2" in str(info.value)
 
 
 def test_validate_schedule_reports_two_micro_batches_sharing_a_buffer_in_flight():
     # stage 0 holds micro-batches 0 and 1 at once (F1 runs before B0), so one buffer is too few
     with pytest.raises(ScheduleError, match="share buffer 0"):
-        validate_schedule(parse_schedule(CHAIN2_M2), StageGraph.chain(2), 2, train=True, num_buffers={0: 1},
-                          mode="async")
+        validate_schedule(parse_schedule(CHAIN2_M2), StageGraph.chain(2), 2, train=True,
+                          slots=modulo_slots({0: 1}), mode="async", releases=False)
     # stage 1 finishes micro-batch 0 before touching micro-batch 1, so one buffer is enough there...
-    validate_schedule(parse_schedule(CHAIN2_M2), StageGraph.chain(2), 2, train=True, num_buffers={0: 2, 1: 1},
-                      mode="async")
+    validate_schedule(parse_schedule(CHAIN2_M2), StageGraph.chain(2), 2, train=True,
+                      slots=modulo_slots({0: 2, 1: 1}), mode="async", releases=False)
     # ...unless it sends the gradient of 0 while receiving 1, in one grouped transfer
     with pytest.raises(ScheduleError, match="stage 1: micro-batches 0 and 1 share buffer 0"):
         validate_schedule(parse_schedule(CHAIN2_M2_GROUPED), StageGraph.chain(2), 2, train=True,
-                          num_buffers={0: 2, 1: 1})
+                          slots=modulo_slots({0: 2, 1: 1}), releases=False)
 
 
 def test_validate_schedule_reports_messages_received_in_another_order_than_sent():
     broken = {**CHAIN2_M2,
               1: "1LOAD1 1RECV_F1@0 1F1 1B1 1SEND_B1@0 1LOAD0 1RECV_F0@0 1F0 1B0 1SEND_B0@0 1WAIT_SENDS"}
     with pytest.raises(ScheduleError, match="carries micro-batch 0"):
-        validate_schedule(parse_schedule(broken), StageGraph.chain(2), 2, train=True)
+        validate_schedule(parse_schedule(broken), StageGraph.chain(2), 2, train=True, releases=False)
 
 
 def test_validate_schedule_reports_a_missing_stage_and_a_foreign_action():
     with pytest.raises(ScheduleError, match="expected 0..1"):
-        validate_schedule(parse_schedule({0: CHAIN2_M1[0]}), StageGraph.chain(2), 1, train=True)
+        validate_schedule(parse_schedule({0: CHAIN2_M1[0]}), StageGraph.chain(2), 1, train=True, releases=False)
     broken = {**CHAIN2_M1, 0: "0LOAD0 0F0 0SEND_F0@1 1STEP 0RECV_B0@1 0B0 0WAIT_SENDS"}
     with pytest.raises(ScheduleError, match="an action of stage 1"):
-        validate_schedule(parse_schedule(broken), StageGraph.chain(2), 1, train=True)
+        validate_schedule(parse_schedule(broken), StageGraph.chain(2), 1, train=True, releases=False)
 
 
 def test_validate_schedule_rejects_gpipe_with_fewer_buffers_than_micro_batches():
     sg = StageGraph.chain(3)
     sched = build_schedule(sg, 4, name="gpipe")
-    validate_schedule(sched, sg, 4, train=True, num_buffers={s: 4 for s in range(3)})
+    validate_schedule(sched, sg, 4, train=True, slots=modulo_slots({s: 4 for s in range(3)}))
     with pytest.raises(ScheduleError, match="share buffer"):
-        validate_schedule(sched, sg, 4, train=True, num_buffers={s: 3 for s in range(3)})
+        validate_schedule(sched, sg, 4, train=True, slots=modulo_slots({s: 3 for s in range(3)}))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -577,6 +584,22 @@ def test_add_release_frees_a_split_backwards_outputs_after_i_and_its_weight_work
     assert add_release(before) == after
 
 
+@pytest.mark.parametrize("name", ["1f1b", "zb1"])
+@pytest.mark.parametrize("kind", [K.RELEASE_OUT, K.RELEASE_IN, K.RELEASE_W])
+def test_validate_program_refuses_a_program_with_a_release_missing(name, kind):
+    sg = dag(3, [(0, 2), (1, 2)])
+    program = build_program(sg, 3, schedule=name)
+    validate_program(program, sg)
+    stage = 2   # the output stage: it sends gradients back, so it keeps a split backward
+    dropped = next((a for a in program.actions[stage] if a.kind is kind and a.mb_idx == 1), None)
+    if dropped is None:
+        assert kind is K.RELEASE_W and name == "1f1b"   # a fused backward leaves nothing for W
+        return
+    actions = {**program.actions, stage: [a for a in program.actions[stage] if a != dropped]}
+    with pytest.raises(ScheduleError, match=rf"stage 2 never frees micro-batch 1's .*no 2{kind.value}1 after"):
+        validate_program(dataclasses.replace(program, actions=actions), sg)
+
+
 def test_validate_schedule_rejects_a_weight_pass_after_its_work_was_released():
     good = {0: "0LOAD0 0F0 0I0 0RELEASE_OUT0 0RELEASE_IN0 0W0 0RELEASE_W0 0WAIT_SENDS"}
     validate_schedule(parse_schedule(good), StageGraph.chain(1), 1, train=True)
@@ -668,13 +691,13 @@ def test_validator_rejects_an_activation_receive_grouped_with_its_own_layout():
     sg = StageGraph.chain(2)
     sched = parse_schedule({0: "0F0 0SEND_L0@1 0SEND_F0@1 0WAIT_SENDS",
                             1: "1RECV_L0@0 1RECV_F0@0 1F0 1WAIT_SENDS"})
-    validate_schedule(sched, sg, 1, train=False, layouts=True)
+    validate_schedule(sched, sg, 1, train=False, layouts=True, releases=False)
     sched[1] = [Action.group(sched[1][:2]), *sched[1][2:]]
     with pytest.raises(ScheduleError, match="needs 1RECV_L0@0 in an earlier action, not in the same one"):
-        validate_schedule(sched, sg, 1, train=False, layouts=True)
+        validate_schedule(sched, sg, 1, train=False, layouts=True, releases=False)
     with pytest.raises(ScheduleError, match="in a program without layouts"):
         validate_schedule(parse_schedule({0: "0F0 0SEND_L0@1 0SEND_F0@1", 1: "1RECV_L0@0 1RECV_F0@0 1F0"}),
-                          sg, 1, train=False)
+                          sg, 1, train=False, releases=False)
 
 
 def test_validator_rejects_a_layout_received_where_activations_were_sent():

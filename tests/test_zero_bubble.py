@@ -19,7 +19,7 @@ from gpp_deepspeed.schedule import (Action, ActionKind, assign_buffers, build_sc
 from gpp_deepspeed.schedule.lowering import (add_epilogue, add_load, add_release, add_send_recv, group_for_rendezvous,
                                             lower)
 
-from test_schedule import dag, parse_schedule, stage_dags
+from test_schedule import dag, modulo_slots, parse_schedule, stage_dags
 
 K = ActionKind
 
@@ -114,16 +114,16 @@ def test_validator_rejects_a_weight_gradient_before_its_input_gradient():
         0: "0LOAD0 0F0 0SEND_F0@1 0RECV_B0@1 0I0 0W0 0WAIT_SENDS",
         1: "1LOAD0 1RECV_F0@0 1F0 1I0 1SEND_B0@0 1W0 1WAIT_SENDS",
     }
-    validate_schedule(parse_schedule(good), StageGraph.chain(2), 1, train=True)
+    validate_schedule(parse_schedule(good), StageGraph.chain(2), 1, train=True, releases=False)
     broken = {**good, 1: "1LOAD0 1RECV_F0@0 1F0 1W0 1I0 1SEND_B0@0 1WAIT_SENDS"}
     with pytest.raises(ScheduleError, match="1W0 before 1I0"):
-        validate_schedule(parse_schedule(broken), StageGraph.chain(2), 1, train=True)
+        validate_schedule(parse_schedule(broken), StageGraph.chain(2), 1, train=True, releases=False)
     with pytest.raises(ScheduleError, match="never runs 1W0"):
         validate_schedule(parse_schedule({**good, 1: "1LOAD0 1RECV_F0@0 1F0 1I0 1SEND_B0@0 1WAIT_SENDS"}),
-                          StageGraph.chain(2), 1, train=True)
+                          StageGraph.chain(2), 1, train=True, releases=False)
     with pytest.raises(ScheduleError, match="split backward of the same micro-batch"):
         validate_schedule(parse_schedule({**good, 1: "1LOAD0 1RECV_F0@0 1F0 1I0 1SEND_B0@0 1W0 1B0 1WAIT_SENDS"}),
-                          StageGraph.chain(2), 1, train=True)
+                          StageGraph.chain(2), 1, train=True, releases=False)
 
 
 def test_validator_rejects_a_buffer_reused_while_a_weight_gradient_is_pending():
@@ -134,7 +134,7 @@ def test_validator_rejects_a_buffer_reused_while_a_weight_gradient_is_pending():
     need = {s: num_slots(slots[s]) for s in sched}
     tight = {**need, 2: need[2] - 1}
     with pytest.raises(ScheduleError, match="share buffer"):
-        validate_schedule(sched, sg, 6, train=True, num_buffers=tight)
+        validate_schedule(sched, sg, 6, train=True, slots=modulo_slots(tight))
 
 
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])

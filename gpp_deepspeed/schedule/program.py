@@ -26,7 +26,7 @@ Representative use::
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Callable
 
 from ..errors import GPPConfigError, ScheduleError
@@ -75,12 +75,6 @@ class Program:
     def num_buffers(self, stage_idx: int) -> int:
         """Buffer slots the stage needs for this program."""
         return num_slots(self.slots[stage_idx])
-
-    def shifted(self, delta: int, segment: Segment | None = None) -> "Program":
-        """The same program ``delta`` micro-batches later (a steady asynchronous batch repeats)."""
-        return replace(self, actions={s: shift(a, delta) for s, a in self.actions.items()},
-                       slots={s: {j + delta: k for j, k in slot_of.items()} for s, slot_of in self.slots.items()},
-                       segment=segment)
 
     def __str__(self) -> str:
         mb = "micro-batch" if self.num_microbatches == 1 else "micro-batches"
