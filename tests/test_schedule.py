@@ -547,7 +547,7 @@ def test_a_middle_stage_that_reads_a_graph_input_loads_the_batch_in_every_progra
     from gpp_deepspeed.graph.stages import derive_partition
     from gpp_deepspeed.planner.plan import Plan, PlanStage
     from gpp_deepspeed.planner.simulate import simulate_plan
-    from gpp_deepspeed.schedule import AsyncProgram, build_program, steady_batch_idx
+    from gpp_deepspeed.schedule import AsyncProgram, ProgramFactory, build_program, steady_batch_idx
 
     layers = [("px", ["x"]), ("py", ["y"]), ("mix", ["px", "py"]), ("head", ["mix"])]
     stage_of = {"px": 0, "py": 1, "mix": 1, "head": 2}
@@ -558,10 +558,12 @@ def test_a_middle_stage_that_reads_a_graph_input_loads_the_batch_in_every_progra
     for name, spec in SCHEDULES.items():
         plan = Plan(model="m", method="manual", source="test", micro_batch=1, mini_batch=4, schedule=name,
                     stages=tuple(PlanStage(layers=tuple(n for n, _ in layers if stage_of[n] == s)) for s in range(3)))
+        # what the engine runs once the pipeline is full (an asynchronous schedule's steady batch)
+        program = ProgramFactory(sg, schedule=name).program(4).actions
         if spec.asynchronous:
-            program = AsyncProgram(sg, 4, schedule=name).batch(steady_batch_idx(sg, 4)).actions
+            assert program == AsyncProgram(sg, 4, schedule=name, layouts=True).batch(steady_batch_idx(sg, 4)).actions
         else:
-            program = build_program(sg, 4, schedule=name).actions
+            assert program == build_program(sg, 4, schedule=name).actions
         for s in range(3):
             loads = [a.mb_idx for a in program[s] if a.kind is K.LOAD]
             assert loads == [a.mb_idx for a in program[s] if a.kind is K.FORWARD], (name, s)

@@ -11,7 +11,7 @@ from .registry import SCHEDULES, ScheduleSpec, get_schedule, is_async
 from .lowering import (BufferSlots, add_epilogue, add_layouts, add_load, add_release, add_send_recv, assign_buffers, defer_sends,
                        drop_frozen_backward, group_for_rendezvous, group_p2p, lower, merge_backward, num_slots, order_transfers)
 from .validate import MODES, Timeline, check_lists, check_weight_versions, default_duration, simulate, validate_schedule
-from .program import (AsyncProgram, AsyncReport, Program, build_program, build_schedule, validate_async,
+from .program import (AsyncProgram, AsyncReport, Program, ProgramFactory, build_program, build_schedule, validate_async,
                       validate_program)
 
 __all__ = [
@@ -24,5 +24,6 @@ __all__ = [
     "drop_frozen_backward", "group_for_rendezvous", "group_p2p", "lower", "merge_backward", "num_slots",
     "order_transfers",
     "MODES", "Timeline", "check_lists", "check_weight_versions", "default_duration", "simulate", "validate_schedule",
-    "AsyncProgram", "AsyncReport", "Program", "build_program", "build_schedule", "validate_async", "validate_program",
+    "AsyncProgram", "AsyncReport", "Program", "ProgramFactory", "build_program", "build_schedule", "validate_async",
+    "validate_program",
 ]
