@@ -10,6 +10,7 @@ from gpp_deepspeed.schedule import (SCHEDULES, Action, ActionKind as K, AsyncPro
                                     check_weight_versions, get_schedule, lower, simulate, steady_batch_idx,
                                     validate_async)
 from gpp_deepspeed.schedule.asynchronous import prediction_steps, shift, steps_at_end
+from liveness import check_slots
 
 ASYNC_SCHEDULES = [name for name, spec in SCHEDULES.items() if spec.asynchronous]
 
@@ -221,13 +222,14 @@ def test_buffer_slots_are_those_of_assign_buffers_over_the_whole_never_draining_
             segments = [program.batch(k) for k in range(n)] + [program.flush(n)]
             whole = {s: [a for seg in segments for a in seg.actions[s]] for s in range(g.num_stages)}
             reference = assign_buffers(whole)   # one pass over the program as if it were one batch
+            slots = {s: {} for s in range(g.num_stages)}
             for s in range(g.num_stages):
-                slots = {}
                 for seg in segments:
                     for j, slot in seg.slots[s].items():
-                        assert slots.setdefault(j, slot) == slot, f"micro-batch {j} keeps its slot on stage {s}"
-                assert slots == reference[s], (m, s)
+                        assert slots[s].setdefault(j, slot) == slot, f"micro-batch {j} keeps its slot on stage {s}"
+                assert slots[s] == reference[s], (m, s)
                 assert program.num_buffers(s) == max(reference[s].values()) + 1
+            check_slots(whole, slots)   # and against live ranges read from the program's text
 
 
 def test_the_validator_rejects_a_micro_batch_that_changes_slot_between_batches():

@@ -20,6 +20,7 @@ from gpp_deepspeed.schedule import (SCHEDULES, Action, ActionKind, add_release, 
                                     one_f_one_b,
                                     order_transfers, simulate, validate_schedule, warmup_forwards)
 from gpp_deepspeed.schedule import build_program, validate_async, validate_program
+from liveness import check_slots
 
 K = ActionKind
 SYNC_SCHEDULES = [name for name, spec in SCHEDULES.items() if not spec.asynchronous]
@@ -204,10 +205,11 @@ def test_build_schedule_on_random_stage_dags_passes_the_rendezvous_validator(sg,
     n = sg.num_stages
     for name in SYNC_SCHEDULES:
         for train in (True, False):
-            sched = build_schedule(sg, num_mb, name=name, train=train)
-            slots = assign_buffers(sched)
+            program = build_program(sg, num_mb, schedule=name, train=train)
+            sched, slots = program.actions, program.slots
+            check_slots(sched, slots)   # the slots against live ranges read from the program's text
             # rendezvous mode: every send blocks until its receive is posted (NCCL)
-            timeline = validate_schedule(sched, sg, num_mb, train=train, slots=slots)
+            timeline = validate_schedule(sched, sg, num_mb, train=train)
             assert simulate(sched, mode="async").makespan <= timeline.makespan
             # compute time alone bounds the makespan from below (split: I and W of one unit each)
             per_mb = 3.0 if train else 1.0
@@ -470,6 +472,18 @@ def test_add_release_in_evaluation_frees_inputs_after_the_forward_and_outputs_af
     after = {0: lists("0LOAD0 0F0 0RELEASE_IN0 0SEND_F0@1 0SEND_F0@2 0RELEASE_OUT0 "
                       "0LOAD1 0F1 0RELEASE_IN1 0SEND_F1@1 0SEND_F1@2 0RELEASE_OUT1")}
     assert add_release(before) == after
+
+
+def test_the_liveness_oracle_refuses_two_live_micro_batches_in_one_slot_and_a_slot_too_many():
+    together = {0: lists("0F0 0F1 0B0 0RELEASE_OUT0 0B1 0RELEASE_OUT1")}
+    check_slots(together, {0: {0: 0, 1: 1}})
+    with pytest.raises(AssertionError, match="micro-batches 0 and 1 live together in slot 0"):
+        check_slots(together, {0: {0: 0, 1: 0}})
+    one_after_the_other = {1: lists("1RECV_F0@0 1F0 1B0 1RELEASE_OUT0 (1SEND_B0@0;1RECV_F1@0)P2P 1F1")}
+    with pytest.raises(AssertionError, match="live together"):   # the group sends 0's gradient, receives 1
+        check_slots(one_after_the_other, {1: {0: 0, 1: 0}})
+    with pytest.raises(AssertionError):
+        check_slots({0: lists("0F0 0B0 0F1 0B1")}, {0: {0: 0, 1: 1}})
 
 
 def test_assign_buffers_reuses_a_slot_once_its_micro_batch_is_released():

@@ -19,6 +19,7 @@ from gpp_deepspeed.schedule import (Action, ActionKind, assign_buffers, build_sc
 from gpp_deepspeed.schedule.lowering import (add_epilogue, add_load, add_release, add_send_recv, group_for_rendezvous,
                                             lower)
 
+from liveness import check_slots
 from test_schedule import dag, modulo_slots, parse_schedule, stage_dags
 
 K = ActionKind
@@ -146,7 +147,8 @@ def test_zero_bubble_schedules_on_random_stage_dags_pass_the_validator_and_compu
     base_span = simulate(base).makespan
     for name, cap in (("zb1", top), ("zb2", 2 * top - 1)):
         sched = build_schedule(sg, num_mb, name=name)
-        validate_schedule(sched, sg, num_mb, train=True, slots=assign_buffers(sched))  # rendezvous-safe
+        check_slots(sched, assign_buffers(sched))   # a micro-batch keeps its slot until its W (or B)
+        validate_schedule(sched, sg, num_mb, train=True)  # rendezvous-safe
         assert simulate(sched).makespan <= base_span  # never slower than 1F1B with B = I + W
         for s in range(n):
             kinds = [(a.kind, a.mb_idx) for a in sched[s]]
