@@ -6,9 +6,10 @@ which :class:`~gpp_deepspeed.engine.GraphPipelineEngine` asks the schedule's
 :class:`gpp_deepspeed.schedule.ProgramFactory` for the program of the next batch, or of the flush,
 and what that program carries for the weight actions (PipeOptim's prediction counts). How weights
 are versioned and updated is in that program (its weight actions) and the schedule's
-:class:`~gpp_deepspeed.schedule.WeightRule` (its registry entry), never its name. What ``train_batch`` returns: the mean loss of the batch's
-own micro-batches, each computed by its forward in that call (every forward of a batch runs in its
-call; only backwards trail into the next call or the flush).
+:class:`~gpp_deepspeed.schedule.WeightRule` (its registry entry), never its name. What
+``train_batch`` returns: the mean loss of the batch's own micro-batches, each computed by its
+forward in that call (every forward of a batch runs in its call; only backwards trail into the next
+call or the flush).
 
 Replicas of a stage (per-stage degrees, whole-pipeline replicas) run the same program: a
 ``REDUCE_GRAD`` inside a batch (before each ``UPDATE``) is a collective over the stage's

@@ -192,8 +192,8 @@ KINDS: dict[ActionKind, KindSpec] = {
     # A backward leaves the gradients of the received tensors on them (what SEND_B sends).
     ActionKind.BACKWARD: _kind(mb=True, backward=True, trains=True, reads=(_B.INPUTS, _B.OUTPUTS, _B.GRADS, _B.LOSS),
                                writes=(_B.RECEIVED, )),
-    ActionKind.BACKWARD_INPUT: _kind(mb=True, backward=True, trains=True,
-                                     reads=(_B.INPUTS, _B.OUTPUTS, _B.GRADS, _B.LOSS), writes=(_B.RECEIVED, _B.WEIGHT_GRAD)),
+    ActionKind.BACKWARD_INPUT: _kind(mb=True, backward=True, trains=True, reads=(_B.INPUTS, _B.OUTPUTS, _B.GRADS, _B.LOSS),
+                                     writes=(_B.RECEIVED, _B.WEIGHT_GRAD)),
     ActionKind.BACKWARD_WEIGHT: _kind(mb=True, backward=True, trains=True, reads=(_B.WEIGHT_GRAD, )),
     ActionKind.SEND_F: _kind(mb=True, message="F", send=True, reads=(_B.OUTPUTS, )),
     ActionKind.RECV_F: _kind(mb=True, message="F", waits=True, writes=(_B.RECEIVED, )),
