@@ -10,6 +10,7 @@ from gpp_deepspeed.schedule import (SCHEDULES, Action, ActionKind as K, AsyncPro
                                     check_weight_versions, get_schedule, lower, simulate, steady_batch_idx,
                                     validate_async)
 from gpp_deepspeed.schedule.asynchronous import prediction_steps, shift, steps_at_end
+from liveness import check_slots
 
 ASYNC_SCHEDULES = [name for name, spec in SCHEDULES.items() if spec.asynchronous]
 
@@ -221,13 +222,14 @@ def test_buffer_slots_are_those_of_assign_buffers_over_the_whole_never_draining_
             segments = [program.batch(k) for k in range(n)] + [program.flush(n)]
             whole = {s: [a for seg in segments for a in seg.actions[s]] for s in range(g.num_stages)}
             reference = assign_buffers(whole)   # one pass over the program as if it were one batch
+            slots = {s: {} for s in range(g.num_stages)}
             for s in range(g.num_stages):
-                slots = {}
                 for seg in segments:
                     for j, slot in seg.slots[s].items():
-                        assert slots.setdefault(j, slot) == slot, f"micro-batch {j} keeps its slot on stage {s}"
-                assert slots == reference[s], (m, s)
+                        assert slots[s].setdefault(j, slot) == slot, f"micro-batch {j} keeps its slot on stage {s}"
+                assert slots[s] == reference[s], (m, s)
                 assert program.num_buffers(s) == max(reference[s].values()) + 1
+            check_slots(whole, slots)   # and against live ranges read from the program's text
 
 
 def test_the_validator_rejects_a_micro_batch_that_changes_slot_between_batches():
@@ -241,3 +243,32 @@ def test_the_validator_rejects_a_micro_batch_that_changes_slot_between_batches()
     program._batches[1] = replace(first, slots=moved)
     with pytest.raises(ScheduleError, match=f"micro-batch {j} moves from buffer slot"):
         program.validate()
+
+
+def test_the_validator_checks_the_prediction_counts_the_program_carries():
+    from dataclasses import replace
+    program = AsyncProgram(CHAIN, 2, schedule="pipeoptim")
+    program.validate()
+    second = program.batch(1)
+    assert second.predictions[0] == {2: 2, 3: 2} and second.predictions[2] == {2: 0, 3: 0}
+    wrong = {s: dict(p) for s, p in second.predictions.items()}
+    wrong[0][3] = 1
+    program._batches[1] = replace(second, predictions=wrong)
+    with pytest.raises(ScheduleError, match="stage 0: version 3 meets 2 updates before its backward, but the program "
+                                            "predicts over 1"):
+        program.validate()
+
+
+def test_the_program_factory_sends_layouts_in_every_asynchronous_batch_and_keeps_the_pipeline_shape():
+    from gpp_deepspeed.schedule import ProgramFactory
+    programs = ProgramFactory(CHAIN, schedule="pipedream", validate=True)
+    assert all(programs.program(2, batch_idx=k).layouts for k in range(3))
+    assert programs.program(2, batch_idx=3, flush=True).layouts
+    assert programs.program(2).segment.batch_idx == steady_batch_idx(CHAIN, 2)   # the simulator's batch
+    assert not programs.program(2, train=False).layouts
+    with pytest.raises(GPPConfigError, match="changed from 2 to 3 while the pipeline is full"):
+        programs.program(3, batch_idx=1)
+    assert programs.program(3, batch_idx=0).num_microbatches == 3   # an empty pipeline takes any size
+    one_f_one_b = ProgramFactory(CHAIN, schedule="1f1b")
+    assert one_f_one_b.program(2, layouts=True).layouts and not one_f_one_b.program(2).layouts
+    assert one_f_one_b.program(2) is one_f_one_b.program(2, batch_idx=5)   # one program per shape

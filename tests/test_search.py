@@ -97,7 +97,16 @@ def test_simulated_plans_of_random_dags_never_deadlock(seed):
         stage_of[n] = min(i * 4 // len(order), 3)
     plan = Plan(model="r", method="m", source="", micro_batch=1, mini_batch=5,
                 stages=tuple(PlanStage(layers=tuple(n for n in order if stage_of[n] == s)) for s in range(4)))
-    assert simulate_plan(plan, db).prediction.iteration_time_s > 0
+    sim = simulate_plan(plan, db)
+    # Each stage's work, counted from its prices (1F1B: a forward and a backward per micro-batch,
+    # the gradient all-reduce and the step once): the simulated step keeps every stage busy exactly
+    # that long, lasts at least as long as the busiest stage works and at most as long as all stages
+    # working one after the other (the link is free: no message adds time in flight).
+    m, step_s = plan.num_microbatches, db.hardware.step_s
+    work = [m * (c.fwd_s + c.bwd_s) + c.allreduce_s + step_s for c in sim.stage_costs]
+    assert sim.prediction.stage_busy_s == pytest.approx(work)
+    assert max(work) - TOL <= sim.prediction.iteration_time_s <= sum(work) + TOL
+    assert sim.prediction.iteration_time_s > max(work) + TOL   # 4 stages in a DAG cannot overlap perfectly
 
 
 # -- optimality against brute force ---------------------------------------------------------------

@@ -1,13 +1,15 @@
 """The engine side of the asynchronous schedules: which batch of the never-draining program runs
 next, the flush, the weight-version instructions, and the options they cannot honour.
 
-:class:`AsyncPipeline` keeps the count of batches trained since the pipeline was last empty and
-hands :class:`~gpp_deepspeed.engine.GraphPipelineEngine` the program of the next batch, or of the
-flush (:class:`gpp_deepspeed.schedule.AsyncProgram`). How weights are versioned and updated is in
-that program (its weight actions) and the schedule's :class:`~gpp_deepspeed.schedule.WeightRule`
-(its registry entry), never its name. What ``train_batch`` returns: the mean loss of the batch's
-own micro-batches, each computed by its forward in that call (every forward of a batch runs in its
-call; only backwards trail into the next call or the flush).
+:class:`AsyncPipeline` keeps the count of batches trained since the pipeline was last empty, by
+which :class:`~gpp_deepspeed.engine.GraphPipelineEngine` asks the schedule's
+:class:`gpp_deepspeed.schedule.ProgramFactory` for the program of the next batch, or of the flush,
+and what that program carries for the weight actions (PipeOptim's prediction counts). How weights
+are versioned and updated is in that program (its weight actions) and the schedule's
+:class:`~gpp_deepspeed.schedule.WeightRule` (its registry entry), never its name. What
+``train_batch`` returns: the mean loss of the batch's own micro-batches, each computed by its
+forward in that call (every forward of a batch runs in its call; only backwards trail into the next
+call or the flush).
 
 Replicas of a stage (per-stage degrees, whole-pipeline replicas) run the same program: a
 ``REDUCE_GRAD`` inside a batch (before each ``UPDATE``) is a collective over the stage's
@@ -26,7 +28,7 @@ import torch
 from deepspeed.runtime.pipe import schedule as ds
 
 from ..errors import GPPConfigError
-from ..schedule import AsyncProgram, Program, predicted_updates
+from ..schedule import Program
 from ..checkpoint import layer_optim_file
 from .portable import local_layers
 from .weights import MasterWeights, WeightVersions
@@ -160,15 +162,12 @@ class AsyncPipeline:
 
     def __init__(self, engine):
         self.spec = engine.schedule_spec
-        self.stage_graph = engine.stage_graph
         self.stage_idx = engine.stage_id
         self.versions = WeightVersions(engine.module)
         self.masters = MasterWeights(engine.optimizer, self.versions.params)
         self.batches = 0                      # batches trained since the pipeline was last empty
         self.micro_batches: int | None = None
-        self.validate = engine.gpp_config.validate_schedule
-        self.report = None
-        self.programs: AsyncProgram | None = None
+        self.predictions: dict[int, int] = {}  # PipeOptim's s per weight version, from the program
         self.in_batch = False                 # a train_batch or flush started and has not returned
         atexit.register(_flush_at_exit, weakref.ref(engine))
 
@@ -178,25 +177,16 @@ class AsyncPipeline:
         updates are the stages' own; 2BW's are DeepSpeed's ``STEP``, which counts itself."""
         return not self.spec.weights.updates_per_batch
 
-    def program(self, micro_batches: int, *, flush: bool) -> Program:
-        """The program of the next batch, or of the flush."""
-        if micro_batches != self.micro_batches:
-            if self.batches:
-                raise GPPConfigError(f'schedule "{self.spec.name}": the number of micro-batches changed from '
-                                     f"{self.micro_batches} to {micro_batches} while the pipeline is full; call "
-                                     "engine.flush() first")
-            # Layouts in every batch: batches share buffer slots across their boundaries, so the first
-            # cannot be lowered apart from the others (a static-shape pipeline pays one small header
-            # per activation message).
-            self.programs = AsyncProgram(self.stage_graph, micro_batches, schedule=self.spec.name, layouts=True)
-            if self.validate:
-                self.report = self.programs.validate()
-        self.micro_batches = micro_batches
-        return self.programs.flush(self.batches) if flush else self.programs.batch(self.batches)
+    def runs(self, program: Program) -> None:
+        """Take the program of the batch (or flush) about to run: its micro-batches and this stage's
+        prediction counts."""
+        self.micro_batches = program.num_microbatches
+        self.predictions = program.predictions.get(self.stage_idx, {})
 
     def steps(self, version: int) -> int:
-        """PipeOptim's ``s`` for a version (checked against the program by the validator)."""
-        return predicted_updates(self.stage_graph, self.stage_idx, version)
+        """PipeOptim's ``s`` for a version, as the program carries it (the validator counts it on
+        the program)."""
+        return self.predictions[version]
 
     def update_scale(self, version: int, optimizer) -> float:
         """What a retired gradient is multiplied by. DeepSpeed scales every micro-batch's loss by

@@ -14,9 +14,10 @@ aggregation and checkpoints are DeepSpeed's. What changes:
   runs; it decides the buffer slot of every micro-batch, when buffers are freed (the release
   actions) and which transfers are posted together. What a schedule is (its generator, whether it
   splits the backward or never drains) is its registry entry, :data:`gpp_deepspeed.schedule.SCHEDULES`.
-* an asynchronous schedule keeps the pipeline full across ``train_batch`` calls: :mod:`.asynchronous`
-  takes each call's program from :class:`~gpp_deepspeed.schedule.AsyncProgram`, forwards run on
-  weight versions (:mod:`.weights`) and :meth:`flush` drains.
+* an asynchronous schedule keeps the pipeline full across ``train_batch`` calls: each call's program
+  comes from the same :class:`~gpp_deepspeed.schedule.ProgramFactory` (by the batch count that
+  :mod:`.asynchronous` keeps), forwards run on weight versions (:mod:`.weights`) and :meth:`flush`
+  drains.
 
 Buffers per micro-batch slot: ``loaded`` (graph inputs read from the batch), ``received``
 (``{TensorRef: value}`` from other stages), ``inputs`` (the flat tuple given to the stage's forward),
@@ -42,7 +43,7 @@ from ..checkpoint import latest_tag
 from ..config import GraphPipelineConfig, with_plan_schedule
 from ..errors import GPPConfigError
 from ..graph.stages import mark_gradient_flow
-from ..schedule import KINDS, Program, build_program, get_schedule, validate_program
+from ..schedule import KINDS, Program, ProgramFactory, get_schedule
 from ..schedule.ir import Action, ActionKind as K, Buffer
 from .flat import flatten
 from . import asynchronous as _async
@@ -109,7 +110,8 @@ class GraphPipelineEngine(PipelineEngine):
         self.zero = StageZero(self)
         count_each_stage_once(self.optimizer, is_stage_leader=self.grid.is_stage_leader(),
                               group=self.grid.get_model_parallel_group())
-        self._programs: dict[tuple[int, bool], Program] = {}
+        self._programs = ProgramFactory(self.stage_graph, schedule=self.schedule_spec.name,
+                                        validate=self.gpp_config.validate_schedule)
         self.last_timeline: list[tuple[Action, float, float]] = []   # this stage's last batch, timed
         self._trace_events: list[dict] = []
         self._trace_t0 = time.perf_counter()
@@ -242,29 +244,23 @@ class GraphPipelineEngine(PipelineEngine):
 
     # -- schedules ----------------------------------------------------------------------------------
 
-    def program(self, micro_batches: int, *, train: bool, layouts: bool | None = None) -> Program:
-        """The program of one synchronous batch (or of evaluation), validated once per shape.
-
-        ``layouts``: whether it sends every activation's layout before it; by default what the next
-        batch needs: always under ``dynamic_shape``, else until one batch has sent them (every
-        batch carries activations on every stage edge), the same decision on every rank."""
-        layouts = (self.dynamic_shape or not self._layouts_sent) if layouts is None else layouts
-        key = (micro_batches, train, layouts)
-        if key not in self._programs:
-            program = build_program(self.stage_graph, micro_batches, schedule=self.schedule_spec.name, train=train,
-                                    layouts=layouts)
-            if self.gpp_config.validate_schedule:
-                validate_program(program, self.stage_graph)
-            if self.global_rank == 0:
-                logger.debug("graph pipeline program:\n%s", program)
-            self._programs[key] = program
-        return self._programs[key]
+    def program(self, micro_batches: int, *, train: bool, flush: bool = False) -> Program:
+        """The program of the next batch, of evaluation or of an asynchronous pipeline's flush, from
+        the schedule's :class:`~gpp_deepspeed.schedule.ProgramFactory` (made and validated once per
+        shape). A synchronous batch sends every activation's layout when the next batch needs them:
+        always under ``dynamic_shape``, else until one batch has sent them (every batch carries
+        activations on every stage edge), the same decision on every rank."""
+        program = self._programs.program(micro_batches, train=train, flush=flush,
+                                         batch_idx=self._async.batches if self._async is not None else None,
+                                         layouts=self.dynamic_shape or not self._layouts_sent)
+        if self.global_rank == 0:
+            logger.debug("graph pipeline program:\n%s", program)
+        return program
 
     def _graph_pipe_schedule(self, micro_batches: int, train: bool, *, flush: bool = False) -> GraphPipeSchedule:
+        program = self.program(micro_batches, train=train, flush=flush)
         if self._async is not None and train:
-            program = self._async.program(micro_batches, flush=flush)
-        else:
-            program = self.program(micro_batches, train=train)
+            self._async.runs(program)
         self._layouts_sent |= program.layouts
         self.last_timeline = []
         return GraphPipeSchedule(program.actions[self.stage_id], micro_batches=micro_batches, stages=self.num_stages,

@@ -99,7 +99,7 @@ def to_instruction(action: Action, slot_of: dict[int, int]) -> ds.PipeInstructio
         return Transfers((op.kind, slot_of[op.mb_idx], op.peer) for op in action.parts)
     if not action.kind.has_mb or action.mb_idx is None:
         return cls()
-    if action.kind.spec.versions:   # weight versions are named by micro-batch, not buffer
+    if action.kind.spec.version:   # weight versions are named by micro-batch, not buffer
         return cls(action.mb_idx)
     if action.kind.is_release:
         return Release(slot_of[action.mb_idx], action.kind)

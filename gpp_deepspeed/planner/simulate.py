@@ -21,9 +21,8 @@ from dataclasses import dataclass, replace
 
 from ..errors import GPPConfigError, PartitionError
 from ..graph.stages import StageGraph
-from ..schedule.asynchronous import steady_batch_idx
 from ..schedule.ir import Action, ActionKind as K, Schedule
-from ..schedule.program import AsyncProgram, build_program
+from ..schedule.program import ProgramFactory
 from ..schedule.registry import is_async
 from ..schedule.validate import Timeline, simulate
 from ..schedule.zero_bubble import peak_in_flight
@@ -86,11 +85,9 @@ def simulate_plan(plan: Plan, db: CostDB, *, schedule: str | None = None, cluste
         mdl.stage(m, b, s.devices, boundary=bd, recompute=s.recompute)
         for mdl, m, s, bd in zip(models, masks, plan.stages, bounds))
     step_s = [mdl.db.hardware.step_s for mdl in models]
-    versions = [0] * plan.num_stages
-    if train and is_async(schedule):
-        lists, versions, in_flight = _steady_async(stage_graph, plan.num_microbatches, schedule)
-    else:
-        lists = build_program(stage_graph, plan.num_microbatches, schedule=schedule, train=train).actions
+    # The program the engine runs once the pipeline is full (an asynchronous schedule's steady batch).
+    programs = ProgramFactory(stage_graph, schedule=schedule)
+    lists = programs.program(plan.num_microbatches, train=train).actions
 
     def duration(a: Action) -> float:
         c = costs[a.stage_idx]
@@ -111,8 +108,12 @@ def simulate_plan(plan: Plan, db: CostDB, *, schedule: str | None = None, cluste
     if link is None:
         link = max((mdl.link for mdl in models), key=lambda x: (x.latency_s, x.late_receive_s))
     timeline = simulate(lists, duration=duration, latency=link.latency_s, late_receive=link.late_receive_s)
-    if not (train and is_async(schedule)):
-        in_flight = tuple(peak_in_flight(lists[s]) for s in range(plan.num_stages))
+    versions, in_flight = [0] * plan.num_stages, tuple(peak_in_flight(lists[s]) for s in range(plan.num_stages))
+    if train and is_async(schedule):
+        # Per stage, its peak stashed weight versions and in-flight micro-batches over the whole program.
+        report = programs.report(plan.num_microbatches)
+        versions = [report.peak_versions[s] for s in range(plan.num_stages)]
+        in_flight = tuple(report.peak_in_flight[s] for s in range(plan.num_stages))
     if train:
         # Each stashed weight version is a copy of the stage's parameters (not of their gradients
         # or optimizer state, which stay with the live weights).
@@ -132,17 +133,6 @@ def simulate_plan(plan: Plan, db: CostDB, *, schedule: str | None = None, cluste
         stage_busy_s=busy, bubble_fraction=1 - device_busy / (span * plan.num_devices) if span > 0 else 0.0,
         fits_memory=all(x <= limit for x, limit in zip(mem, limits)))
     return SimulatedPlan(lists, costs, timeline, prediction)
-
-
-def _steady_async(stage_graph: StageGraph, num_microbatches: int, name: str):
-    """An asynchronous schedule's steady-state batch (the pipeline full before and after it, no
-    flush: what every batch but the first costs), and per stage its peak stashed weight versions
-    and in-flight micro-batches over the whole program."""
-    program = AsyncProgram(stage_graph, num_microbatches, schedule=name)
-    report = program.validate()
-    lists = program.batch(steady_batch_idx(stage_graph, num_microbatches)).actions
-    n = stage_graph.num_stages
-    return lists, [report.peak_versions[s] for s in range(n)], tuple(report.peak_in_flight[s] for s in range(n))
 
 
 def predict(plan: Plan, db: CostDB, *, schedule: str | None = None, cluster=None, train: bool = True) -> Plan:

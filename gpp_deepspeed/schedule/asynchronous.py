@@ -236,13 +236,13 @@ def prediction_steps(actions: list[Action]) -> dict[int, int]:
     at_forward: dict[int, int] = {}
     steps: dict[int, int] = {}
     for a in actions:
-        if a.kind in (K.PREDICT, K.PREDICT_INPLACE):
+        if a.kind.spec.predicts:
             current = a.mb_idx
         elif a.kind is K.FORWARD:
             version[a.mb_idx] = current
             at_forward[a.mb_idx] = updates
         elif a.kind is K.BACKWARD and version.get(a.mb_idx) is not None:
             steps[version[a.mb_idx]] = updates - at_forward[a.mb_idx]
-        elif a.kind in (K.UPDATE, K.STEP):
+        elif a.kind.spec.updates:
             updates += 1
     return steps

@@ -127,18 +127,52 @@ class KindSpec:
     """A layout message: the fixed-size header that sizes the receive of the activations that follow
     it on the same channel (``dynamic_shape``, and the first batch of static shapes)."""
     waits: bool = False
-    versions: bool = False
-    """The micro-batch index names a weight version, not a buffer slot (the asynchronous schedules'
-    STASH, PREDICT, PREDICT_INPLACE, RESTORE and RETIRE)."""
     reads: frozenset[Buffer] = frozenset()
     writes: frozenset[Buffer] = frozenset()
     frees: frozenset[Buffer] = frozenset()
+    backward: bool = False
+    """Part of a micro-batch's backward: ``B``, or the ``I`` and ``W`` of a split one."""
+    version: bool = False
+    """The index names a weight version, not the micro-batch whose buffers the action uses."""
+    makes_version: bool = False
+    """Makes the weight version the next forwards run on (a copy, or a prediction)."""
+    predicts: bool = False
+    """The version it makes is PipeOptim's prediction, ``s`` updates ahead (the program carries ``s``:
+    :attr:`~gpp_deepspeed.schedule.program.Program.predictions`)."""
+    updates: bool = False
+    """An optimizer step with the gradient retired or accumulated so far (the stage's own, or
+    DeepSpeed's step of the whole pipeline)."""
+    collective: bool = False
+    """Every rank of a group runs it at the same point (all-reduces, DeepSpeed's step): it stays on
+    a frozen stage."""
+    trains: bool = False
+    """What a frozen stage (nothing to differentiate) does not run where a compute order has it: the
+    backward, weight versions, the stage's own update and the reduction before it (the step that
+    ends a synchronous batch is added later, on every stage)."""
 
     @property
     def to_successor(self) -> bool:
         """A transfer with a successor stage: activations or their layouts sent, gradients received
         (the other transfers are with a predecessor)."""
         return bool(self.message) and (self.message == "F") == self.send
+
+    @property
+    def input_gradients(self) -> bool:
+        """A backward that computes the gradients of the stage's inputs (``B``, ``I``): the one its
+        gradients are received before and sent after."""
+        return self.backward and Buffer.RECEIVED in self.writes
+
+    @property
+    def ends_backward(self) -> bool:
+        """The last backward action of a micro-batch (``B``, ``W``): the stage holds the micro-batch
+        until it has run."""
+        return self.backward and Buffer.WEIGHT_GRAD not in self.writes
+
+    @property
+    def on_micro_batch(self) -> bool:
+        """The action belongs to one micro-batch, once per program (a weight-version action's index
+        names a version; an update, a reduction or ``WAIT_SENDS`` recurs)."""
+        return self.mb and not self.version
 
     @property
     def touches(self) -> frozenset[Buffer]:
@@ -156,10 +190,11 @@ KINDS: dict[ActionKind, KindSpec] = {
     ActionKind.FORWARD: _kind(mb=True, reads=(_B.LOADED, _B.RECEIVED, _B.LABELS),
                               writes=(_B.INPUTS, _B.OUTPUTS, _B.LOSS)),
     # A backward leaves the gradients of the received tensors on them (what SEND_B sends).
-    ActionKind.BACKWARD: _kind(mb=True, reads=(_B.INPUTS, _B.OUTPUTS, _B.GRADS, _B.LOSS), writes=(_B.RECEIVED, )),
-    ActionKind.BACKWARD_INPUT: _kind(mb=True, reads=(_B.INPUTS, _B.OUTPUTS, _B.GRADS, _B.LOSS),
+    ActionKind.BACKWARD: _kind(mb=True, backward=True, trains=True, reads=(_B.INPUTS, _B.OUTPUTS, _B.GRADS, _B.LOSS),
+                               writes=(_B.RECEIVED, )),
+    ActionKind.BACKWARD_INPUT: _kind(mb=True, backward=True, trains=True, reads=(_B.INPUTS, _B.OUTPUTS, _B.GRADS, _B.LOSS),
                                      writes=(_B.RECEIVED, _B.WEIGHT_GRAD)),
-    ActionKind.BACKWARD_WEIGHT: _kind(mb=True, reads=(_B.WEIGHT_GRAD, )),
+    ActionKind.BACKWARD_WEIGHT: _kind(mb=True, backward=True, trains=True, reads=(_B.WEIGHT_GRAD, )),
     ActionKind.SEND_F: _kind(mb=True, message="F", send=True, reads=(_B.OUTPUTS, )),
     ActionKind.RECV_F: _kind(mb=True, message="F", waits=True, writes=(_B.RECEIVED, )),
     ActionKind.SEND_B: _kind(mb=True, message="B", send=True, reads=(_B.RECEIVED, )),
@@ -173,15 +208,15 @@ KINDS: dict[ActionKind, KindSpec] = {
     ActionKind.RELEASE_IN: _kind(mb=True, frees=(_B.LOADED, _B.RECEIVED, _B.INPUTS)),
     ActionKind.RELEASE_W: _kind(mb=True, frees=(_B.WEIGHT_GRAD, )),
     ActionKind.WAIT_SENDS: _kind(waits=True),
-    ActionKind.REDUCE_TIED: _kind(),
-    ActionKind.REDUCE_GRAD: _kind(),
-    ActionKind.STEP: _kind(),
-    ActionKind.STASH: _kind(mb=True, versions=True),
-    ActionKind.PREDICT: _kind(mb=True, versions=True),
-    ActionKind.PREDICT_INPLACE: _kind(mb=True, versions=True),
-    ActionKind.RESTORE: _kind(mb=True, versions=True),
-    ActionKind.RETIRE: _kind(mb=True, versions=True),
-    ActionKind.UPDATE: _kind(),
+    ActionKind.REDUCE_TIED: _kind(collective=True),
+    ActionKind.REDUCE_GRAD: _kind(collective=True, trains=True),
+    ActionKind.STEP: _kind(collective=True, updates=True),
+    ActionKind.STASH: _kind(mb=True, version=True, makes_version=True, trains=True),
+    ActionKind.PREDICT: _kind(mb=True, version=True, makes_version=True, predicts=True, trains=True),
+    ActionKind.PREDICT_INPLACE: _kind(mb=True, version=True, makes_version=True, predicts=True, trains=True),
+    ActionKind.RESTORE: _kind(mb=True, version=True, trains=True),
+    ActionKind.RETIRE: _kind(mb=True, version=True, trains=True),
+    ActionKind.UPDATE: _kind(updates=True, trains=True),
 }
 """Every action kind's :class:`KindSpec`: the one table to extend when adding a kind."""
 

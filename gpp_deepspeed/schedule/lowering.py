@@ -11,6 +11,10 @@ every schedule (synchronous, split backward, asynchronous):
     A ``LOAD`` before each forward on the stages that read the batch (``StageGraph.loading``).
 ``add_send_recv``
     The transfers of every stage edge around the compute that produces and consumes them.
+``merge_backward``
+    On a stage with no input gradient to send (no predecessor edge carries one), a split
+    backward's ``I`` has nothing to hand anyone: each micro-batch's ``I ... W`` becomes one ``B``
+    at ``W``'s place (torch's ``_merge_bw``), its gradients still received where ``I`` was.
 ``defer_sends`` (an asynchronous schedule's segment only)
     A gradient whose receiver runs its backward in a later ``train_batch`` is sent there.
 ``add_layouts`` (``dynamic_shape``, and the first batch of static shapes)
@@ -54,7 +58,7 @@ from ..errors import ScheduleError
 from ..graph.stages import StageGraph
 from .ir import LAYOUT_OF, RELEASES, Action, ActionKind as K, Schedule, Segment
 
-__all__ = ["lower", "drop_frozen_backward", "add_load", "add_send_recv", "defer_sends", "add_layouts",
+__all__ = ["lower", "drop_frozen_backward", "add_load", "add_send_recv", "merge_backward", "defer_sends", "add_layouts",
            "group_for_rendezvous",
            "order_transfers", "group_p2p", "add_release", "add_epilogue", "assign_buffers", "BufferSlots",
            "num_slots"]
@@ -92,6 +96,7 @@ def lower(compute: Schedule, stage_graph: StageGraph, *, train: bool,
 def _lower_transfers(compute: Schedule, stage_graph: StageGraph, duration, segment: Segment | None,
                      layouts: bool) -> Schedule:
     lowered = add_send_recv(add_load(drop_frozen_backward(compute, stage_graph), stage_graph), stage_graph)
+    lowered = merge_backward(lowered, stage_graph)
     if segment is not None:
         lowered = defer_sends(lowered, stage_graph, segment)
     if layouts:
@@ -109,14 +114,8 @@ def drop_frozen_backward(schedule: Schedule, stage_graph: StageGraph) -> Schedul
     >>> drop_frozen_backward(one_f_one_b(StageGraph.chain(2), 2), replace(StageGraph.chain(2), frozen=frozenset({0})))
     {0: [0F0, 0F1], 1: [1F0, 1B0, 1F1, 1B1]}
     """
-    return {s: [a for a in actions if not (s in stage_graph.frozen and a.kind in _TRAINS)]
+    return {s: [a for a in actions if not (s in stage_graph.frozen and a.kind.spec.trains)]
             for s, actions in schedule.items()}
-
-
-# What a stage without trainable parameters does not run (an asynchronous update's reduction
-# included; a synchronous step's comes later, from add_epilogue, on every stage).
-_TRAINS = frozenset({K.BACKWARD, K.BACKWARD_INPUT, K.BACKWARD_WEIGHT, K.STASH, K.PREDICT, K.PREDICT_INPLACE,
-                     K.RESTORE, K.RETIRE, K.REDUCE_GRAD, K.UPDATE})
 
 
 def add_load(schedule: Schedule, stage_graph: StageGraph) -> Schedule:
@@ -156,7 +155,7 @@ def add_send_recv(schedule: Schedule, stage_graph: StageGraph) -> Schedule:
                 lowered += [Action(s, K.RECV_F, a.mb_idx, peer=p) for p in preds]
                 lowered.append(a)
                 lowered += [Action(s, K.SEND_F, a.mb_idx, peer=t) for t in succs]
-            elif a.kind in (K.BACKWARD, K.BACKWARD_INPUT):  # W needs nothing from other stages
+            elif a.kind.spec.input_gradients:  # W needs nothing from other stages
                 # Only edges that carry gradients (not a frozen tower's output) exchange them.
                 lowered += [Action(s, K.RECV_B, a.mb_idx, peer=t) for t in stage_graph.grad_succs(s)]
                 lowered.append(a)
@@ -164,6 +163,29 @@ def add_send_recv(schedule: Schedule, stage_graph: StageGraph) -> Schedule:
             else:
                 lowered.append(a)
         out[s] = lowered
+    return out
+
+
+def merge_backward(schedule: Schedule, stage_graph: StageGraph) -> Schedule:
+    """On every stage that sends no gradient back (``StageGraph.grad_preds`` empty: it reads only
+    the batch, or only edges that carry none), replace each micro-batch's ``I`` and ``W`` by one
+    ``B`` at ``W``'s place. Such an ``I`` computes nothing anyone waits for, so the whole backward
+    runs where the weight gradient was scheduled; the gradients it reads are still received where
+    ``I`` was (the successor's send is not held back). Every other action stays where it is.
+
+    >>> from gpp_deepspeed.schedule.ir import Action
+    >>> split = {s: [Action.parse(t) for t in text.split()] for s, text in
+    ...          {0: "0F0 0F1 0RECV_B0@1 0I0 0F2 0W0", 1: "1RECV_F0@0 1F0 1I0 1SEND_B0@0 1W0"}.items()}
+    >>> merge_backward(split, StageGraph.chain(2))
+    {0: [0F0, 0F1, 0RECV_B0@1, 0F2, 0B0], 1: [1RECV_F0@0, 1F0, 1I0, 1SEND_B0@0, 1W0]}
+    """
+    out: Schedule = {}
+    for s, actions in schedule.items():
+        if stage_graph.grad_preds(s):
+            out[s] = list(actions)
+            continue
+        out[s] = [Action(s, K.BACKWARD, a.mb_idx) if a.kind is K.BACKWARD_WEIGHT else a
+                  for a in actions if a.kind is not K.BACKWARD_INPUT]
     return out
 
 

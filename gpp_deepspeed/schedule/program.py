@@ -18,6 +18,8 @@ segment
 
 Representative use::
 
+    programs = ProgramFactory(stage_graph, schedule="zb1")         # what the engine and the simulator ask
+    program = programs.program(8, batch_idx=k)                     # the program of train_batch k
     program = build_program(stage_graph, 8, schedule="zb1")       # a synchronous batch
     validate_program(program, stage_graph)                         # NCCL-safe, buffers, releases
     print(program)                                                 # the golden-file form
@@ -26,7 +28,7 @@ Representative use::
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field
 from typing import Callable
 
 from ..errors import GPPConfigError, ScheduleError
@@ -40,7 +42,7 @@ from .registry import get_schedule
 from .validate import Timeline, check_lists, check_weight_versions, simulate
 
 __all__ = ["Program", "build_program", "build_schedule", "validate_program", "AsyncProgram", "AsyncReport",
-           "validate_async"]
+           "validate_async", "ProgramFactory"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -67,6 +69,10 @@ class Program:
     layouts: bool = False
     """Every activation transfer is preceded by the transfer of its layout
     (:func:`~gpp_deepspeed.schedule.lowering.add_layouts`): ``dynamic_shape``, or a first batch."""
+    predictions: dict[int, dict[int, int]] = field(default_factory=dict)
+    """PipeOptim's ``s`` for every weight version the program predicts, ``predictions[stage][version]``:
+    the updates the stage makes between the version's forward and its backward, what ``PREDICT``
+    and ``PREDICT_INPLACE`` predict over (:meth:`AsyncProgram.validate` counts them on the program)."""
 
     @property
     def num_stages(self) -> int:
@@ -75,12 +81,6 @@ class Program:
     def num_buffers(self, stage_idx: int) -> int:
         """Buffer slots the stage needs for this program."""
         return num_slots(self.slots[stage_idx])
-
-    def shifted(self, delta: int, segment: Segment | None = None) -> "Program":
-        """The same program ``delta`` micro-batches later (a steady asynchronous batch repeats)."""
-        return replace(self, actions={s: shift(a, delta) for s, a in self.actions.items()},
-                       slots={s: {j + delta: k for j, k in slot_of.items()} for s, slot_of in self.slots.items()},
-                       segment=segment)
 
     def __str__(self) -> str:
         mb = "micro-batch" if self.num_microbatches == 1 else "micro-batches"
@@ -229,13 +229,10 @@ class AsyncProgram:
         data, slots = {}, {}
         for s in range(self.stage_graph.num_stages):
             program = [a for seg in segments for a in seg.actions[s]]
-            data[s] = [a for a in program if a.kind not in _WEIGHT_KINDS and a.kind is not K.WAIT_SENDS]
+            data[s] = [a for a in program if all(op.kind.spec.on_micro_batch for op in a.parts)]
             slots[s] = _one_slot_each(s, segments)
             versions[s] = check_weight_versions(s, program, frozen=s in self.stage_graph.frozen)
-            for v, steps in prediction_steps(program).items():
-                if steps != predicted_updates(self.stage_graph, s, v):
-                    raise ScheduleError(f"stage {s}: version {v} meets {steps} updates before its backward, not "
-                                        f"{predicted_updates(self.stage_graph, s, v)}")
+            _check_predictions(s, program, {v: n for seg in segments for v, n in seg.predictions.get(s, {}).items()})
             live = peak = 0
             for a in program:
                 live += (a.kind is K.FORWARD) - (a.kind is K.BACKWARD)
@@ -264,8 +261,11 @@ class AsyncProgram:
         return async_compute(self.stage_graph, segment, rule=self.spec.weights)
 
     def _program(self, actions: Schedule, segment: Segment, slots: BufferSlots) -> Program:
+        predictions = {s: {a.mb_idx: predicted_updates(self.stage_graph, s, a.mb_idx) for a in stage_actions
+                           if a.kind.spec.predicts} for s, stage_actions in actions.items()}
         return Program(schedule=self.spec.name, num_microbatches=self.num_microbatches, train=True, actions=actions,
-                       slots=slots, segment=segment, layouts=self.layouts)
+                       slots=slots, segment=segment, layouts=self.layouts,
+                       predictions={s: p for s, p in predictions.items() if p})
 
     def _unroll(self) -> None:
         """Make batches until the slots every stage holds at a boundary repeat (shifted): sets
@@ -299,8 +299,14 @@ class AsyncProgram:
         return batch_idx if batch_idx < first else first + (batch_idx - first) % period
 
 
-_WEIGHT_KINDS = frozenset({K.STASH, K.PREDICT, K.PREDICT_INPLACE, K.RESTORE, K.RETIRE, K.UPDATE, K.REDUCE_TIED,
-                           K.REDUCE_GRAD, K.STEP})
+def _check_predictions(s: int, program: list[Action], carried: dict[int, int]) -> None:
+    """The prediction count the segments carry for each weight version of stage ``s`` is the number
+    of updates the whole program makes between that version's forward and its backward."""
+    counted = prediction_steps(program)
+    for v in sorted(set(counted) | set(carried)):
+        if counted.get(v) != carried.get(v):
+            raise ScheduleError(f"stage {s}: version {v} meets {counted.get(v)} updates before its backward, but the "
+                                f"program predicts over {carried.get(v)}")
 
 
 def _one_slot_each(s: int, segments: list[Program]) -> dict[int, int]:
@@ -318,3 +324,73 @@ def validate_async(stage_graph: StageGraph, num_microbatches: int, *, schedule: 
                    num_batches: int | None = None, layouts: bool = False) -> AsyncReport:
     """Check an asynchronous schedule (:meth:`AsyncProgram.validate`)."""
     return AsyncProgram(stage_graph, num_microbatches, schedule=schedule, layouts=layouts).validate(num_batches)
+
+
+class ProgramFactory:
+    """Every program one pipeline runs under one schedule, made (and with ``validate`` checked)
+    once per shape: the one place that tells a synchronous schedule's batches
+    (:func:`build_program`) from an asynchronous schedule's segments (:class:`AsyncProgram`). The
+    engine asks it for the program of each ``train_batch``, evaluation and flush; the simulator for
+    the batch it prices.
+
+    Layouts: a synchronous batch sends them when asked (a first batch, ``dynamic_shape``); an
+    asynchronous schedule sends them in every batch and flush, because its batches share buffer
+    slots across their boundaries, so the first cannot be lowered apart from the others (a
+    static-shape pipeline pays one small header per activation message).
+
+    >>> programs = ProgramFactory(StageGraph.chain(2), schedule="pipeoptim")
+    >>> p = programs.program(2, batch_idx=1)
+    >>> p.segment, p.layouts, p.predictions
+    (Segment(batch_idx=1, num_microbatches=2, flush=False), True, {0: {2: 1, 3: 1}, 1: {2: 0, 3: 0}})
+    >>> programs.program(2, train=False).layouts
+    False
+    """
+
+    def __init__(self, stage_graph: StageGraph, *, schedule: str, validate: bool = False):
+        self.spec = get_schedule(schedule)
+        self.stage_graph, self.validate = stage_graph, validate
+        self._batches: dict[tuple[int, bool, bool], Program] = {}
+        self._pipelines: dict[int, AsyncProgram] = {}
+        self._reports: dict[int, AsyncReport] = {}
+        self._full: int | None = None   # micro-batches per batch of the asynchronous pipeline last asked for
+
+    def program(self, num_microbatches: int, *, train: bool = True, batch_idx: int | None = None,
+                flush: bool = False, layouts: bool = False) -> Program:
+        """The program of a synchronous batch (``train``, or evaluation under any schedule), or of
+        an asynchronous schedule's batch ``batch_idx`` since the pipeline was last empty (default:
+        the steady batch, what every batch but the first few costs), or with ``flush`` the drain
+        after ``batch_idx`` batches. ``layouts``: a synchronous batch sends every activation's
+        layout before it."""
+        if not (train and self.spec.asynchronous):
+            key = (num_microbatches, train, layouts)
+            if key not in self._batches:
+                program = build_program(self.stage_graph, num_microbatches, schedule=self.spec.name, train=train,
+                                        layouts=layouts)
+                if self.validate:
+                    validate_program(program, self.stage_graph)
+                self._batches[key] = program
+            return self._batches[key]
+        if batch_idx is None:
+            batch_idx = steady_batch_idx(self.stage_graph, num_microbatches)
+        if (batch_idx or flush) and self._full not in (None, num_microbatches):
+            raise GPPConfigError(f'schedule "{self.spec.name}": the number of micro-batches changed from '
+                                 f"{self._full} to {num_microbatches} while the pipeline is full; call engine.flush() "
+                                 "first")
+        self._full = num_microbatches
+        pipeline = self.pipeline(num_microbatches)
+        return pipeline.flush(batch_idx) if flush else pipeline.batch(batch_idx)
+
+    def pipeline(self, num_microbatches: int) -> AsyncProgram:
+        """The asynchronous schedule's never-draining program with ``num_microbatches`` per batch."""
+        if num_microbatches not in self._pipelines:
+            self._pipelines[num_microbatches] = AsyncProgram(self.stage_graph, num_microbatches,
+                                                             schedule=self.spec.name, layouts=True)
+            if self.validate:
+                self.report(num_microbatches)
+        return self._pipelines[num_microbatches]
+
+    def report(self, num_microbatches: int) -> AsyncReport:
+        """What :meth:`AsyncProgram.validate` finds on the asynchronous program (checked once)."""
+        if num_microbatches not in self._reports:
+            self._reports[num_microbatches] = self.pipeline(num_microbatches).validate()
+        return self._reports[num_microbatches]

@@ -188,40 +188,38 @@ def _deadlock_message(stuck, pc, posted, channels: _Channels, mode: str) -> str:
 
 
 def validate_schedule(schedule: Schedule, stage_graph: StageGraph, num_microbatches: int, *, train: bool,
-                      num_buffers: dict[int, int] | None = None, slots: dict[int, dict[int, int]] | None = None,
-                      mode: str = "rendezvous", layouts: bool = False) -> Timeline:
+                      slots: dict[int, dict[int, int]] | None = None, mode: str = "rendezvous", layouts: bool = False,
+                      releases: bool = True) -> Timeline:
     """Check a schedule's structure (:func:`check_lists`) and run it through :func:`simulate`
     (rendezvous mode by default). Returns the simulated timeline."""
-    check_lists(schedule, stage_graph, num_microbatches, train=train, num_buffers=num_buffers, slots=slots,
-                layouts=layouts)
+    check_lists(schedule, stage_graph, num_microbatches, train=train, slots=slots, layouts=layouts,
+                releases=releases)
     return simulate(schedule, mode=mode)
 
 
 def check_lists(schedule: Schedule, stage_graph: StageGraph, num_microbatches: int, *, train: bool,
-                num_buffers: dict[int, int] | None = None, slots: dict[int, dict[int, int]] | None = None,
-                layouts: bool = False) -> None:
+                slots: dict[int, dict[int, int]] | None = None, layouts: bool = False, releases: bool = True) -> None:
     """Check every stage's list of a whole program (a synchronous batch, or an asynchronous
     program's batches and flush put end to end, its weight actions aside).
 
     Checks, per stage: every micro-batch has one forward (and, when training, one backward after
     its forward: a ``B``, or an ``I`` followed by a ``W``); every forward is preceded by a receive
     from each predecessor and followed by a send to each successor (mirrored for backwards);
-    communication only uses stage edges; release points, where present, come once per micro-batch
-    and after every use of what they free; and no two micro-batches that share a buffer slot are
-    live at once. Slots are ``slots[stage][mb]`` (what
-    :func:`~gpp_deepspeed.schedule.lowering.assign_buffers` returns) or ``mb % num_buffers[stage]``.
-    With ``layouts``, every activation transfer has its layout transfer in an earlier action of
-    the stage (a receive is sized from it before it is posted); without, there is none.
+    communication only uses stage edges; every release comes once per micro-batch, after every
+    use of what it frees, and, with ``releases`` (a lowered program; not a compute order or a
+    sketch without release points), every micro-batch that uses a buffer has the release that
+    frees it; and no two micro-batches that share a buffer slot (``slots[stage][mb]``, what
+    :func:`~gpp_deepspeed.schedule.lowering.assign_buffers` returns) are live at once. With
+    ``layouts``, every activation transfer has its layout transfer in an earlier action of the
+    stage (a receive is sized from it before it is posted); without, there is none.
     """
     if sorted(schedule) != list(range(stage_graph.num_stages)):
         raise ScheduleError(f"schedule has stages {sorted(schedule)}, expected 0..{stage_graph.num_stages - 1}")
     for s, actions in schedule.items():
         slot_of = (slots or {}).get(s)
-        if slot_of is None and num_buffers and s in num_buffers:
-            slot_of = {j: j % num_buffers[s] for j in range(num_microbatches)}
         _check_stage(s, actions, stage_graph, num_microbatches, train)
         _check_layouts(s, actions, layouts)
-        _check_releases(s, actions)
+        _check_releases(s, actions, required=releases)
         if slot_of is not None:
             _check_buffers(s, actions, slot_of)
 
@@ -248,7 +246,7 @@ def _check_stage(s: int, actions: list[Action], graph: StageGraph, num_mb: int, 
         if a.kind is K.RECV_B and a.peer not in grad_succs or a.kind is K.SEND_B and a.peer not in grad_preds:
             raise ScheduleError(f"stage {s} slot {i}: {a} but the edge between stages {s} and {a.peer} carries no "
                                 "gradient (none of its tensors depends on a trainable parameter)")
-        if not backward and a.kind in (K.BACKWARD, K.BACKWARD_INPUT, K.BACKWARD_WEIGHT):
+        if not backward and a.kind.spec.backward:
             raise ScheduleError(f"stage {s} slot {i}: {a} but stage {s} " + (
                 "is frozen (nothing to differentiate)" if train else "runs no backward in evaluation"))
         key = (a.kind, a.mb_idx, a.peer)
@@ -316,10 +314,12 @@ def _check_backward_kinds(s: int, j: int, where: dict[tuple, int]) -> None:
                             "the weight gradient needs the output gradients that the input-gradient pass received")
 
 
-def _check_releases(s: int, actions: list[Action]) -> None:
+def _check_releases(s: int, actions: list[Action], *, required: bool) -> None:
     """Every release comes once per micro-batch, and nothing uses what a release freed
-    (:data:`~gpp_deepspeed.schedule.ir.KINDS`)."""
+    (:data:`~gpp_deepspeed.schedule.ir.KINDS`); when ``required``, a micro-batch that uses a buffer
+    has the release that frees it (else the buffer would stay held after the program)."""
     released: dict[tuple, int] = {}
+    used: dict[tuple, int] = {}     # (release kind, micro-batch) -> slot of a use it must follow
     for i, a in _flat(actions):
         if a.kind.is_release:
             if (a.kind, a.mb_idx) in released:
@@ -327,9 +327,18 @@ def _check_releases(s: int, actions: list[Action]) -> None:
             released[(a.kind, a.mb_idx)] = i
             continue
         for kind in RELEASES:
-            if kind.spec.frees & a.kind.spec.touches and (kind, a.mb_idx) in released:
+            if a.mb_idx is None or not kind.spec.frees & a.kind.spec.touches:
+                continue
+            if (kind, a.mb_idx) in released:
                 raise ScheduleError(f"stage {s} slot {i}: {a} uses what {Action(s, kind, a.mb_idx)} freed at slot "
                                     f"{released[(kind, a.mb_idx)]}")
+            used.setdefault((kind, a.mb_idx), i)
+    missing = sorted((j, RELEASES.index(kind)) for kind, j in used if (kind, j) not in released) if required else []
+    if missing:
+        j, kind = missing[0][0], RELEASES[missing[0][1]]
+        freed = ", ".join(sorted(b.value for b in kind.spec.frees))
+        raise ScheduleError(f"stage {s} never frees micro-batch {j}'s {freed}: no {Action(s, kind, j)} after its use "
+                            f"at slot {used[(kind, j)]}")
 
 
 def _check_buffers(s: int, actions: list[Action], slot_of: dict[int, int]) -> None:
@@ -358,7 +367,7 @@ def check_weight_versions(s: int, program: list[Action], *, frozen: bool = False
     live weights, until its ``RESTORE``). A ``frozen`` stage runs on its live weights: it has no
     weight actions and takes no update of its own."""
     if frozen:
-        own = [a for a in program if a.kind in (K.STASH, K.PREDICT, K.PREDICT_INPLACE, K.RESTORE, K.RETIRE, K.UPDATE)]
+        own = [a for a in program if a.kind.spec.trains and not a.kind.spec.collective]
         if own:
             raise ScheduleError(f"stage {s} is frozen but runs {own[0]}")
         return 0
@@ -373,7 +382,7 @@ def check_weight_versions(s: int, program: list[Action], *, frozen: bool = False
     unstepped = None             # a retired version whose gradient no update has used yet
     peak = 0
     for a in program:
-        if a.kind in (K.STASH, K.PREDICT, K.PREDICT_INPLACE):
+        if a.kind.spec.makes_version:
             if a.mb_idx in made:
                 raise ScheduleError(f"stage {s} makes weight version {a.mb_idx} twice")
             if in_place is not None:
@@ -413,7 +422,7 @@ def check_weight_versions(s: int, program: list[Action], *, frozen: bool = False
             alive.discard(a.mb_idx)
             copies.discard(a.mb_idx)
             unstepped = a.mb_idx
-        elif a.kind in (K.UPDATE, K.STEP):
+        elif a.kind.spec.updates:
             if a.kind is K.UPDATE and unstepped is None:
                 raise ScheduleError(f"stage {s} runs {a} with no retired gradient")
             unstepped = None

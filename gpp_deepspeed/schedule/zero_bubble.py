@@ -219,7 +219,7 @@ def peak_in_flight(actions: list[Action]) -> int:
         if a.kind is K.FORWARD:
             live += 1
             peak = max(peak, live)
-        elif a.kind in (K.BACKWARD, K.BACKWARD_WEIGHT):
+        elif a.kind.spec.ends_backward:
             live -= 1
     return peak
 
