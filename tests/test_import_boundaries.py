@@ -202,7 +202,7 @@ def test_capture_and_initialize_stay_functions_after_their_modules_are_imported(
     # name; the documented gpp_deepspeed.capture(model) must still call the function.
     code = textwrap.dedent("""
         import json
-        from gpp_deepspeed.capture import CapturedModel
+        from gpp_deepspeed.frontend import CapturedModel
         from gpp_deepspeed.initialize import initialize as from_module
         import gpp_deepspeed
         print(json.dumps([callable(gpp_deepspeed.capture), gpp_deepspeed.capture.__module__,

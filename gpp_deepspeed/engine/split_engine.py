@@ -50,7 +50,7 @@ from deepspeed.runtime.base_optimizer import ZeROOptimizer
 from ..errors import GPPConfigError
 from . import compat
 from .flat import flatten
-from .split_backward import backward_input
+from ..nn.split_backward import backward_input
 
 __all__ = ["BackwardInputPass", "BackwardWeightPass", "SplitBackwardMixin", "check_split_backward_supported",
            "recompute", "use_split_backward_recompute"]
