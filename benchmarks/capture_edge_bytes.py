@@ -23,7 +23,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-from gpp_deepspeed.capture import capture  # noqa: E402
+from gpp_deepspeed.frontend import capture  # noqa: E402
 from gpp_deepspeed.graph import build_layer_graph  # noqa: E402
 from gpp_deepspeed.partitioning import parse_partition_method, resolve_partition  # noqa: E402
 

@@ -155,7 +155,7 @@ def _init_table(rows: dict) -> str:
 def _model_captured(meta: bool = True):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
-    from gpp_deepspeed.capture import capture
+    from gpp_deepspeed.frontend import capture
     config = LlamaConfig(**MODEL, use_cache=False, max_position_embeddings=MODEL_SEQ)
     if meta:
         with torch.device("meta"):
@@ -245,7 +245,7 @@ def write_big_directory(directory: Path) -> dict:
     import torch
     from safetensors.torch import save_file
     from transformers import LlamaConfig, LlamaForCausalLM
-    from gpp_deepspeed.meta import ModuleInit, materialize, meta_copy
+    from gpp_deepspeed.frontend.meta import ModuleInit, materialize, meta_copy
     start = time.perf_counter()
     config = LlamaConfig(**BIG, use_cache=False)
     config.architectures = ["LlamaForCausalLM"]
@@ -278,7 +278,7 @@ def big_worker(src: Path, dst: Path, out: Path) -> None:
     from transformers import AutoConfig, LlamaForCausalLM
     import gpp_deepspeed
     from gpp_deepspeed import GraphPipelineModule, load_pretrained, save_pretrained
-    from gpp_deepspeed.capture import capture
+    from gpp_deepspeed.frontend import capture
     deepspeed.init_distributed(dist_backend="gloo")
     rank = torch.distributed.get_rank()
     imports = _status("VmRSS")

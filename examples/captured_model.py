@@ -23,7 +23,7 @@ from torch import nn
 import deepspeed
 import gpp_deepspeed
 from gpp_deepspeed import GraphPipelineModule
-from gpp_deepspeed.capture import capture
+from gpp_deepspeed.frontend import capture
 
 TEXT, IMAGE, HIDDEN, SEQ, CLASSES, STEPS = 24, 32, 32, 8, 5, 8
 

@@ -38,7 +38,7 @@ from transformers import CLIPConfig, CLIPModel  # noqa: E402
 
 import gpp_deepspeed  # noqa: E402
 from gpp_deepspeed import GraphPipelineModule  # noqa: E402
-from gpp_deepspeed.capture import capture  # noqa: E402
+from gpp_deepspeed.frontend import capture  # noqa: E402
 from twin import check_against_single_device  # noqa: E402
 
 SIZES = {  # tiny: seconds on a CPU; base: CLIP ViT-B/32

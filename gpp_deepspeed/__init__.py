@@ -13,8 +13,6 @@ The torch- and deepspeed-facing names load on first use, so the pure subpackages
 (``gpp_deepspeed.graph``, ``gpp_deepspeed.schedule``) import without torch or deepspeed.
 """
 
-import sys
-import types
 from importlib import import_module
 
 from .errors import CheckpointError, GPPConfigError, GPPError, GraphError, PartitionError, ScheduleError
@@ -27,11 +25,11 @@ _LAZY = {
     "GraphPipelineModule": ".engine",
     "GraphPipelineEngine": ".engine",
     "GraphPipelineConfig": ".config",
-    "initialize": ".initialize",
+    "initialize": ".engine.initialize",
     "load_config": ".config",
-    "capture": ".capture",
-    "load_pretrained": ".pretrained",
-    "save_pretrained": ".pretrained",
+    "capture": ".frontend",
+    "load_pretrained": ".frontend",
+    "save_pretrained": ".engine.pretrained",
 }
 
 __all__ = [
@@ -52,20 +50,3 @@ def __getattr__(name):
 def __dir__():
     return sorted(set(globals()) | set(__all__))
 
-
-class _Package(types.ModuleType):
-    """The package module, keeping ``capture`` and ``initialize`` the functions.
-
-    Importing a submodule binds it to the parent's attribute of the same name, and two functions
-    share their module's name: after ``from gpp_deepspeed.capture import CapturedModel``,
-    ``gpp_deepspeed.capture(model)`` would call a module. The function stays; the modules remain
-    reachable as ``sys.modules["gpp_deepspeed.capture"]`` and through ``from ... import``.
-    """
-
-    def __setattr__(self, name, value):
-        if isinstance(value, types.ModuleType) and _LAZY.get(name) == f".{name}":
-            return
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package

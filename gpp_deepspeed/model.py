@@ -18,7 +18,8 @@ from torch import nn
 from deepspeed.runtime.pipe.module import TiedLayerSpec
 
 from .graph.ir import LayerGraph, TensorRef, build_layer_graph
-from .spec import LayerEntry, build_entry, call_layer, normalize_layers, resolve, tensors_in
+from .nn.dag import port_leaves, resolve, run_layers, tensors_in
+from .spec import LayerEntry, build_entry, normalize_layers
 
 __all__ = ["GraphModel"]
 
@@ -60,12 +61,12 @@ class GraphModel(nn.Module):
         if len(inputs) != len(self.graph.input_names):
             raise TypeError(f"GraphModel takes {len(self.graph.input_names)} inputs "
                             f"({list(self.graph.input_names)}), got {len(inputs)}")
+        return self._run(inputs)[TensorRef(self.graph.output)]
+
+    def _run(self, inputs: Sequence[Any]) -> dict[TensorRef, Any]:
+        """Every layer run in the graph's order on ``inputs``: the environment of all their outputs."""
         env: dict[TensorRef, Any] = {TensorRef(n): x for n, x in zip(self.graph.input_names, inputs)}
-        for name in self.graph.order:
-            entry = self._by_name[name]
-            args = [resolve(env, TensorRef.parse(r)) for r in entry.inputs]
-            env[TensorRef(name)] = call_layer(entry, self._funcs[name], args)
-        return env[TensorRef(self.graph.output)]
+        return run_layers(env, ((self._by_name[name], self._funcs[name]) for name in self.graph.order))
 
     @torch.no_grad()
     def edge_bytes(self, partition, *inputs: torch.Tensor) -> dict[tuple[int, int], int]:
@@ -73,12 +74,7 @@ class GraphModel(nn.Module):
         :class:`~gpp_deepspeed.graph.stages.Partition` of this model's graph) carries for the
         micro-batch ``inputs``: the tensors the engine sends forward, measured on this forward
         (their gradients return as many bytes)."""
-        from .spec import port_leaves
-        env: dict[TensorRef, Any] = {TensorRef(n): x for n, x in zip(self.graph.input_names, inputs)}
-        for name in self.graph.order:
-            entry = self._by_name[name]
-            env[TensorRef(name)] = call_layer(entry, self._funcs[name],
-                                              [resolve(env, TensorRef.parse(r)) for r in entry.inputs])
+        env = self._run(inputs)
         sizes = {}
         for edge in partition.stage_graph.edges:
             leaves = [port_leaves(ref, resolve(env, ref)) for ref in edge.tensors]

@@ -47,7 +47,9 @@ from torch import nn
 from .errors import GPPConfigError, GPPError
 from .graph.ir import TensorRef, build_layer_graph
 from .planner.costs import CommFit, CostDB, Hardware, LayerCost
-from .spec import LayerEntry, build_entry, call_layer, normalize_layers, resolve, tensors_in
+from .nn.dag import call_layer, run_layer, tensors_in
+from .nn.split_backward import backward_input
+from .spec import LayerEntry, build_entry, normalize_layers
 
 __all__ = ["profile_layers", "profile_on_ranks", "fit_affine", "measure_p2p", "measure_hardware", "with_links",
            "P2P_SIZES"]
@@ -66,7 +68,7 @@ def profile_layers(layers: Sequence[Any], *, input_names: Sequence[str], output:
     returns the graph inputs (a tensor or a tuple in ``input_names`` order) for a micro-batch of
     ``b`` samples. The layers are built one at a time, in the graph's order, under the build seeds
     a :class:`~gpp_deepspeed.GraphModel` gives them (a captured meta layer is materialised then,
-    :mod:`gpp_deepspeed.meta`), and each is dropped once it has run (a tied module once its last
+    :mod:`gpp_deepspeed.frontend.meta`), and each is dropped once it has run (a tied module once its last
     entry has): the model is never whole, and what is live is one layer and the activations later
     layers still read. Each layer runs forward on what the layers before it produced, at every
     micro-batch size, and alone forward and backward (towards its inputs and parameters, with a
@@ -99,17 +101,22 @@ def profile_layers(layers: Sequence[Any], *, input_names: Sequence[str], output:
         e = by_name[name]
         fn, params, buffers, count_params = layers_alive.build(e)
         timed = only is None or only(index[name], name)
-        times, out_bytes, stash_bytes = [], 0, 0
-        for b in mbs:
-            args = [resolve(envs[b], TensorRef.parse(r)) for r in e.inputs]
-            times.append(_time_layer(e, fn, args, params, warmup=warmup, repeats=repeats, sync=sync) if timed
-                         else (0.0,) * 4)
-            out, stashed = _stash(e, fn, args, params + buffers)
-            out_bytes = max(out_bytes, math.ceil(sum(t.numel() * t.element_size() for t in tensors_in(out)) / b))
-            stash_bytes = max(stash_bytes, math.ceil(stashed / b))
+        times, out_sizes, stash_sizes = [], [], []   # one each per micro-batch size, in order
+
+        def measure(entry, layer_fn, args):
+            times.append(_time_layer(entry, layer_fn, args, params, warmup=warmup, repeats=repeats, sync=sync)
+                         if timed else (0.0,) * 4)
+            out, stashed = _stash(entry, layer_fn, args, params + buffers)
+            out_sizes.append(sum(t.numel() * t.element_size() for t in tensors_in(out)))
+            stash_sizes.append(stashed)
             del out
             with torch.no_grad():   # the value later layers read, as GraphModel.forward computes it
-                envs[b][TensorRef(name)] = call_layer(e, fn, args)
+                return call_layer(entry, layer_fn, args)
+
+        for b in mbs:
+            run_layer(envs[b], e, fn, call=measure)
+        out_bytes = max(math.ceil(n / b) for n, b in zip(out_sizes, mbs))
+        stash_bytes = max(math.ceil(n / b) for n, b in zip(stash_sizes, mbs))
         fwd, bwd, grad_in, grad_w = (tuple(t[k] for t in times) for k in range(4))
         costs[name] = LayerCost(name=name, inputs=tuple(e.inputs), micro_batches=mbs, fwd_s=fwd, bwd_s=bwd,
                                 bwd_input_s=grad_in, bwd_weight_s=grad_w, out_bytes=out_bytes, stash_bytes=stash_bytes,
@@ -311,9 +318,7 @@ def _time_layer(entry: LayerEntry, fn: Callable, args: list, params: list, *, wa
                 sync: Callable) -> tuple[float, float, float, float]:
     """Median seconds of one layer on fixed inputs: forward, fused backward, and the two halves
     of the split backward the zero-bubble schedules run (input gradients ``I``, then weight
-    gradients ``W``, by the engine's own :mod:`~gpp_deepspeed.engine.split_backward`)."""
-    from .engine.split_backward import backward_input
-
+    gradients ``W``, by the split the engine runs, :mod:`~gpp_deepspeed.nn.split_backward`)."""
     fwd, bwd, grad_in, grad_w = [], [], [], []
     for i in range(warmup + repeats):
         xs, leaves = _fresh_inputs(args)

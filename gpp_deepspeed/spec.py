@@ -18,18 +18,17 @@ from __future__ import annotations
 
 import zlib
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten_with_path
 from deepspeed.runtime.pipe.module import LayerSpec, TiedLayerSpec
 
 from .errors import GPPConfigError, GraphError
-from .graph.ir import LayerGraph, TensorRef, build_layer_graph
+from .graph.ir import LayerGraph, build_layer_graph
 
-__all__ = ["GraphLayerSpec", "LayerEntry", "normalize_layers", "layer_graph", "layer_seed", "call_layer", "build_entry",
-           "check_captured_rows", "resolve", "port_leaves", "tensors_in"]
+__all__ = ["GraphLayerSpec", "LayerEntry", "normalize_layers", "layer_graph", "layer_seed", "build_entry",
+           "check_captured_rows"]
 
 
 class GraphLayerSpec(LayerSpec):
@@ -138,30 +137,6 @@ def build_entry(entry: LayerEntry) -> Any:
     return entry.layer
 
 
-def call_layer(entry: LayerEntry, fn: Callable, args: Sequence[Any]) -> Any:
-    """Call a layer with its inputs in its calling convention (checking the graph inputs it reads
-    against the sizes its code was captured for, if any)."""
-    shapes = getattr(entry.layer, "input_shapes", None)
-    if shapes:
-        _check_input_shapes(entry, shapes, args)
-    if entry.packed:
-        return fn(args[0] if len(args) == 1 else tuple(args))
-    return fn(*args)
-
-
-def _check_input_shapes(entry: LayerEntry, shapes: Mapping[str, tuple], args: Sequence[Any]) -> None:
-    for ref, value in zip(entry.inputs, args):
-        want = shapes.get(ref)
-        if want is None or not torch.is_tensor(value):
-            continue
-        if len(want) != value.dim() or any(w is not None and w != n for w, n in zip(want, value.shape)):
-            raise GPPConfigError(
-                f'input "{ref}" has shape {tuple(value.shape)}, but layer "{entry.name}" was captured for '
-                f"{_shape_text(want)}: capture(..., example_inputs=...) fixes the sizes the model's code reads "
-                f"({_free_text(want)}). Capture with example inputs of the shape every micro-batch has on one rank "
-                "(train_micro_batch_size_per_gpu rows, divided by the stage's degree)")
-
-
 def check_captured_rows(entries: Sequence[LayerEntry], stage_of: Mapping[str, int],
                         rows_of_stage: Sequence[int]) -> None:
     """Refuse, before any communication, a micro-batch whose rows on some stage differ from the
@@ -180,75 +155,3 @@ def check_captured_rows(entries: Sequence[LayerEntry], stage_of: Mapping[str, in
                     "Llava unrolls list(image_features) one step per row), so every rank of every stage must see "
                     f"{rows} rows: capture with example inputs of {rows_of_stage[stage]} rows, or choose the micro-batch "
                     "and stage degrees so that every rank sees the same rows")
-
-
-def _shape_text(shape: tuple) -> str:
-    return "(" + ", ".join("any" if d is None else str(d) for d in shape) + ")"
-
-
-def _free_text(shape: tuple) -> str:
-    return "the batch dimension stays free" if shape and shape[0] is None else "every dimension is fixed"
-
-
-def resolve(env: dict[TensorRef, Any], ref: TensorRef) -> Any:
-    """The value of ``ref`` in an environment of received ports and whole layer outputs."""
-    if ref in env:
-        return env[ref]
-    value = env[ref.whole]
-    for i, step in enumerate(ref.path):
-        value = _select(value, step, ref, TensorRef(ref.node, ref.path[:i]))
-    return value
-
-
-def _select(value: Any, step: int | str, ref: TensorRef, at: TensorRef) -> Any:
-    """One step of a reference's path: an index (tuple, list, tensor, ``ModelOutput``) or a key /
-    attribute (dict, dataclass, ``ModelOutput``)."""
-    try:
-        if isinstance(step, int) and type(value) is not dict:
-            return value[step]
-        if isinstance(step, str) and isinstance(value, Mapping):
-            return value[step]
-        if isinstance(step, str) and not torch.is_tensor(value):
-            return getattr(value, step)
-    except (IndexError, KeyError, TypeError, AttributeError):
-        pass
-    what = f"element {step}" if isinstance(step, int) else f'"{step}"'
-    raise GraphError(f'"{ref}" selects {what} of "{at}", which is {_describe(value)}')
-
-
-def tensors_in(value: Any) -> list[torch.Tensor]:
-    """The tensors of a layer's value: a tensor, or tuples / lists of them nested (other leaves
-    are skipped).
-
-    >>> [tuple(t.shape) for t in tensors_in((torch.zeros(2), [torch.zeros(3, 1), None]))]
-    [(2,), (3, 1)]
-    """
-    if torch.is_tensor(value):
-        return [value]
-    if isinstance(value, (tuple, list)):
-        return [t for v in value for t in tensors_in(v)]
-    return []
-
-
-def port_leaves(ref: TensorRef, value: Any) -> Any:
-    """Check that a value sent between stages is a tensor or a tuple / list of tensors.
-
-    Only tensors cross a stage edge: a structured value (a dict, a dataclass, a ``ModelOutput``)
-    is read by its leaves, which the producer's stage selects (``"enc.pooler_output"``).
-    """
-    if torch.is_tensor(value) or isinstance(value, (tuple, list)) and all(torch.is_tensor(v) for v in value):
-        return value
-    leaves = [str(TensorRef(ref.node, ref.path + tuple(k.key if hasattr(k, "key") else k.idx for k in path)))
-              for path, leaf in tree_flatten_with_path(value)[0] if torch.is_tensor(leaf)]
-    raise GraphError(f'"{ref}" is read by another stage, but it is {_describe(value)}, not a tensor: only '
-                     f"tensors cross stages. Read the tensors it holds instead: {leaves[:8] or 'none (it holds no tensor)'}")
-
-
-def _describe(value: Any) -> str:
-    if torch.is_tensor(value):
-        return f"a tensor of shape {tuple(value.shape)}"
-    if isinstance(value, (tuple, list)):
-        return f"a {type(value).__name__} of {len(value)} elements"
-    if isinstance(value, Mapping):
-        return f"a {type(value).__name__} with keys {list(value)[:8]}"
-    return f"a {type(value).__name__}"

@@ -313,7 +313,7 @@ class HFCase:
         return self.partition(captured) if callable(self.partition) else self.partition
 
     def capture(self, module: nn.Module):
-        from gpp_deepspeed.capture import capture
+        from gpp_deepspeed.frontend import capture
         inputs = self.batches(0)[0][0]
         example = (inputs if isinstance(inputs, tuple) else (inputs, )) if self.shaped else None
         return capture(module, layers=self.layers, example_inputs=example)

@@ -65,7 +65,7 @@ def capture_llama(*, meta: bool, config_dir=None, **overrides):
     """The captured LM: built on the meta device (nothing allocated) or seeded on CPU; its config
     from ``config_dir`` (a Hugging Face directory) when given."""
     from transformers import AutoConfig, LlamaForCausalLM
-    from gpp_deepspeed.capture import capture
+    from gpp_deepspeed.frontend import capture
     if config_dir is not None:
         cfg = AutoConfig.from_pretrained(config_dir)
         cfg.use_cache = False

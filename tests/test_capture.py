@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from dist import launch
-from gpp_deepspeed.capture import CapturedLayerSpec, CapturedTiedLayerSpec, capture
+from gpp_deepspeed.frontend import CapturedLayerSpec, CapturedTiedLayerSpec, capture
 from gpp_deepspeed.errors import GPPConfigError, GraphError
 from workers.capture_worker import GAS, LR, STEPS, TwoTower, batches, make_model
 

@@ -17,12 +17,13 @@ import torch
 pytest.importorskip("transformers", reason="the [hf] extra (make test installs it)")
 
 from dist import launch  # noqa: E402
-from gpp_deepspeed.capture import CapturedTiedLayerSpec, capture  # noqa: E402
+from gpp_deepspeed.frontend import CapturedTiedLayerSpec, capture  # noqa: E402
 from gpp_deepspeed.graph import build_layer_graph  # noqa: E402
 from gpp_deepspeed.graph.stages import derive_partition  # noqa: E402
 from gpp_deepspeed.errors import GPPConfigError, GraphError  # noqa: E402
 from gpp_deepspeed.graph.ir import TensorRef  # noqa: E402
-from gpp_deepspeed.spec import check_captured_rows, normalize_layers, port_leaves  # noqa: E402
+from gpp_deepspeed.nn.dag import port_leaves  # noqa: E402
+from gpp_deepspeed.spec import check_captured_rows, normalize_layers  # noqa: E402
 from hf_models import CASES, train_module  # noqa: E402
 
 WORKER = Path(__file__).resolve().parent / "workers" / "hf_cases.py"

@@ -1,4 +1,5 @@
-"""The pure layers (graph IR, partitioners, schedules) load without torch, torch.distributed or deepspeed.
+"""The pure layers (graph IR, partitioners, schedules) load without torch, torch.distributed or deepspeed;
+the rooms of the package import only downwards, and no module imports itself back.
 
 Each check runs in a fresh interpreter so that modules imported by other tests do not leak in.
 """
@@ -72,23 +73,36 @@ def test_the_planner_imports_no_torch_nor_deepspeed():
 PACKAGE_ROOT = REPO_ROOT / "gpp_deepspeed"
 
 
-def imported_modules(source: str, module: str) -> set[str]:
-    """Every module an ``import`` statement of ``source`` names, anywhere in the file (function
-    bodies included), relative imports resolved as if ``source`` were the module ``module``;
-    ``from P import name`` counts both ``P`` and ``P.name`` (``name`` may be a submodule)."""
+def import_statements(source: str, module: str) -> list[tuple[str, tuple[str, ...]]]:
+    """``(module named, names imported from it)`` for every ``import`` statement of ``source``,
+    anywhere in the file (function bodies included) but under ``if TYPE_CHECKING:``, relative
+    imports resolved as if ``source`` were the module ``module`` (``import a.b`` gives ``("a.b", ())``)."""
     package = module.rsplit(".", 1)[0]
-    found: set[str] = set()
-    for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.Import):
-            found.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                parent = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
-                base = f"{parent}.{base}" if base else parent
-            found.add(base)
-            found.update(f"{base}.{alias.name}" for alias in node.names)
+    found: list[tuple[str, tuple[str, ...]]] = []
+
+    def visit(nodes) -> None:
+        for node in nodes:
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+                visit(node.orelse)
+            elif isinstance(node, ast.Import):
+                found.extend((alias.name, ()) for alias in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    parent = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                    base = f"{parent}.{base}" if base else parent
+                found.append((base, tuple(alias.name for alias in node.names)))
+            else:
+                visit(ast.iter_child_nodes(node))
+
+    visit(ast.parse(source).body)
     return found
+
+
+def imported_modules(source: str, module: str) -> set[str]:
+    """Every module an ``import`` statement of ``source`` names (see :func:`import_statements`);
+    ``from P import name`` counts both ``P`` and ``P.name`` (``name`` may be a submodule)."""
+    return {m for base, names in import_statements(source, module) for m in (base, *(f"{base}.{n}" for n in names))}
 
 
 def planner_imports_in(directory: Path, *, root: Path = REPO_ROOT) -> dict[str, list[str]]:
@@ -197,17 +211,171 @@ def test_the_schedule_name_scan_catches_an_injected_branch(tmp_path, line):
     assert schedule_name_branches(tmp_path) == ["engine.py:2"]
 
 
+# ---------------------------------------------------------------------------------------------
+# The rooms of gpp_deepspeed, lowest first: nn/ (torch-only building blocks) below frontend/ (capture,
+# tracing, meta, Hugging Face loading) below engine/. A lower room never imports a higher one, and no
+# module imports itself back through others (function-level imports count: a lazy import is still one).
+
+def package_modules(root: Path = REPO_ROOT) -> dict[str, Path]:
+    """``{module name: file}`` for every module of the ``gpp_deepspeed`` package under ``root``."""
+    out = {}
+    for path in sorted((root / "gpp_deepspeed").rglob("*.py")):
+        parts = path.relative_to(root).with_suffix("").parts
+        out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return out
+
+
+def import_graph(modules: dict[str, Path]) -> tuple[dict[str, set[str]], dict[str, set[str]]]:
+    """``(graph, outside)``: the ``modules`` each module imports (``from P import name`` imports
+    ``P.name`` where that is a module, else ``P``), and the other modules it names (torch, deepspeed...)."""
+    graph: dict[str, set[str]] = {}
+    outside: dict[str, set[str]] = {}
+    for module, path in modules.items():
+        name = f"{module}.__init__" if path.name == "__init__.py" else module
+        graph[module], outside[module] = set(), set()
+        for base, names in import_statements(path.read_text(), name):
+            if base.split(".")[0] != "gpp_deepspeed":
+                outside[module].add(base)
+                continue
+            for target in [f"{base}.{n}" for n in names] or [base]:
+                graph[module].add(target if target in modules else base)
+    return graph, outside
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every circle the depth-first search meets, each as the modules around it."""
+    cycles, state, path = [], {}, []
+
+    def visit(module: str) -> None:
+        state[module] = "open"
+        path.append(module)
+        for target in sorted(graph.get(module, ())):
+            if state.get(target) == "open":
+                cycles.append(path[path.index(target):] + [target])
+            elif target not in state:
+                visit(target)
+        path.pop()
+        state[module] = "done"
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module)
+    return cycles
+
+
+def reached_from(graph: dict[str, set[str]], room: str) -> set[str]:
+    """The modules that importing any module of ``room`` (a package) may run: what they import, and
+    so on, each with the packages above it (importing ``a.b.c`` runs ``a/__init__`` and ``a/b/__init__``)."""
+    todo = [m for m in graph if m == room or m.startswith(room + ".")]
+    seen: set[str] = set()
+    while todo:
+        module = todo.pop()
+        if module in seen:
+            continue
+        seen.add(module)
+        parts = module.split(".")
+        todo.extend(".".join(parts[:k]) for k in range(1, len(parts)))
+        todo.extend(graph.get(module, ()))
+    return seen & set(graph)
+
+
+def room_violations(root: Path, room: str, *, forbidden: tuple[str, ...],
+                    allowed_outside: tuple[str, ...] = ()) -> list[str]:
+    """What ``room`` reaches that it must not: modules of ``forbidden`` (packages, inside gpp_deepspeed
+    or outside it) imported by the room or by anything it imports, except outside modules listed in
+    ``allowed_outside``; each as ``"importer -> imported"``."""
+    graph, outside = import_graph(package_modules(root))
+    assert any(m.startswith(room) for m in graph), f"no module of {room} found: the scan would pass vacuously"
+
+    def is_forbidden(name: str) -> bool:
+        return name not in allowed_outside and any(name == f or name.startswith(f + ".") for f in forbidden)
+
+    return sorted(f"{m} -> {t}" for m in reached_from(graph, room)
+                  for t in graph[m] | outside[m] if is_forbidden(t))
+
+
+def test_no_import_circle_among_gpp_deepspeed_modules():
+    graph, _ = import_graph(package_modules())
+    assert len(graph) > 50, "too few modules found: the scan would pass vacuously"
+    assert import_cycles(graph) == []
+
+
+def test_the_front_end_never_reaches_the_engine_and_of_deepspeed_only_the_layer_spec_types():
+    # capture's layers are DeepSpeed LayerSpec / TiedLayerSpec objects (deepspeed.runtime.pipe.module):
+    # that module is the front end's only contact with DeepSpeed.
+    assert room_violations(REPO_ROOT, "gpp_deepspeed.frontend", forbidden=("gpp_deepspeed.engine", "deepspeed"),
+                           allowed_outside=("deepspeed.runtime.pipe.module", )) == []
+
+
+def test_the_torch_building_blocks_reach_neither_engine_nor_front_end_nor_deepspeed():
+    assert room_violations(REPO_ROOT, "gpp_deepspeed.nn", forbidden=(
+        "gpp_deepspeed.engine", "gpp_deepspeed.frontend", "gpp_deepspeed.spec", "deepspeed")) == []
+
+
+def test_the_torch_building_blocks_load_without_deepspeed():
+    loaded = loaded_heavy_modules("""
+        import sys
+        import gpp_deepspeed.nn
+        assert not any(m.startswith(("gpp_deepspeed.engine", "gpp_deepspeed.frontend")) for m in sys.modules)
+    """)
+    assert "torch" in loaded and "deepspeed" not in loaded
+
+
+def _write_package(root: Path, files: dict[str, str]) -> Path:
+    for name, text in {"gpp_deepspeed/__init__.py": "", **files}.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+    return root
+
+
+def test_the_circle_scan_finds_a_lazy_circle_and_passes_over_type_checking_imports(tmp_path):
+    root = _write_package(tmp_path, {
+        "gpp_deepspeed/frontend/__init__.py": "",
+        "gpp_deepspeed/frontend/capture.py": "def f():\n    from .pretrained import Info\n",
+        "gpp_deepspeed/frontend/pretrained.py": "from .capture import CapturedModel\n",
+        "gpp_deepspeed/frontend/hf.py": ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                                         "    from .pretrained import x\nfrom . import capture\n"),
+    })
+    graph, _ = import_graph(package_modules(root))
+    assert graph["gpp_deepspeed.frontend.hf"] == {"gpp_deepspeed.frontend.capture"}
+    assert import_cycles(graph) == [["gpp_deepspeed.frontend.capture", "gpp_deepspeed.frontend.pretrained",
+                                     "gpp_deepspeed.frontend.capture"]]
+
+
+@pytest.mark.parametrize("files, hit", [
+    ({"gpp_deepspeed/frontend/capture.py": "def f():\n    from ..engine.module import GraphPipelineModule\n"},
+     "gpp_deepspeed.frontend.capture -> gpp_deepspeed.engine.module"),
+    ({"gpp_deepspeed/frontend/capture.py": "from ..spec import X\n", "gpp_deepspeed/spec.py": "import deepspeed.comm\n"},
+     "gpp_deepspeed.spec -> deepspeed.comm"),
+    ({"gpp_deepspeed/frontend/capture.py": "from ..model import X\n", "gpp_deepspeed/model.py": "from .engine import flat\n"},
+     "gpp_deepspeed.model -> gpp_deepspeed.engine.flat"),
+])
+def test_the_room_scan_follows_imports_out_of_the_front_end(tmp_path, files, hit):
+    root = _write_package(tmp_path, {"gpp_deepspeed/frontend/__init__.py": "from .capture import X\n",
+                                     "gpp_deepspeed/engine/__init__.py": "", "gpp_deepspeed/engine/module.py": "",
+                                     "gpp_deepspeed/engine/flat.py": "", **files})
+    assert room_violations(root, "gpp_deepspeed.frontend", forbidden=("gpp_deepspeed.engine", "deepspeed"),
+                           allowed_outside=("deepspeed.runtime.pipe.module", )) == [hit]
+
+
+def test_no_submodule_shares_a_public_name_of_the_package():
+    # gpp_deepspeed.capture and gpp_deepspeed.initialize are functions: a submodule of the same name
+    # would replace the function on the package once imported.
+    import gpp_deepspeed
+
+    shadowing = [n for n in gpp_deepspeed.__all__ if f"gpp_deepspeed.{n}" in package_modules()]
+    assert shadowing == []
+
+
 def test_capture_and_initialize_stay_functions_after_their_modules_are_imported():
-    # Importing gpp_deepspeed.capture binds the submodule to the package's attribute of the same
-    # name; the documented gpp_deepspeed.capture(model) must still call the function.
     code = textwrap.dedent("""
         import json
-        from gpp_deepspeed.capture import CapturedModel
-        from gpp_deepspeed.initialize import initialize as from_module
+        from gpp_deepspeed.frontend.capture import CapturedModel
+        from gpp_deepspeed.engine.initialize import initialize as from_module
         import gpp_deepspeed
         print(json.dumps([callable(gpp_deepspeed.capture), gpp_deepspeed.capture.__module__,
                           gpp_deepspeed.initialize is from_module]))
     """)
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO_ROOT)
     assert proc.returncode == 0, proc.stderr
-    assert json.loads(proc.stdout.strip().splitlines()[-1]) == [True, "gpp_deepspeed.capture", True]
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == [True, "gpp_deepspeed.frontend.capture", True]

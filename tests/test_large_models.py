@@ -21,9 +21,9 @@ pytest.importorskip("transformers", reason="the [hf] extra (make test installs i
 
 from dist import launch  # noqa: E402
 from gpp_deepspeed import load_pretrained  # noqa: E402
-from gpp_deepspeed.capture import capture  # noqa: E402
+from gpp_deepspeed.frontend import capture  # noqa: E402
 from gpp_deepspeed.errors import CheckpointError, GPPConfigError, GraphError  # noqa: E402
-from gpp_deepspeed.meta import is_meta  # noqa: E402
+from gpp_deepspeed.frontend.meta import is_meta  # noqa: E402
 from llama_tiny import LM, STAGES, batches, capture_llama, config, eval_batch, train_reference  # noqa: E402
 
 WORKER = Path(__file__).resolve().parent / "workers" / "pretrained_cases.py"

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from gpp_deepspeed.engine.split_backward import backward_input
+from gpp_deepspeed.nn.split_backward import backward_input
 
 
 class Chain(nn.Module):

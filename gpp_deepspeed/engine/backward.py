@@ -11,7 +11,7 @@ the engine's dispatch table hands it the three backward instructions:
     (summed over the stages that read it). An asynchronous schedule's backward runs on its
     forward's weight version.
 ``I`` (:meth:`StageBackward.input`)
-    Gradients of the stage's inputs only (:func:`.split_backward.backward_input`), which the
+    Gradients of the stage's inputs only (:func:`gpp_deepspeed.nn.split_backward.backward_input`), which the
     following ``SEND_B`` actions send; what ``W`` needs stays in the buffer ``weight_grad``. On the
     output stage the loss is scaled exactly as ``DeepSpeedEngine.backward`` scales it.
 ``W`` (:meth:`StageBackward.weight`)
@@ -57,7 +57,7 @@ from ..errors import GPPConfigError, ScheduleError
 from ..schedule.ir import Buffer
 from . import compat
 from .flat import flatten
-from .split_backward import backward_input
+from ..nn.split_backward import backward_input
 
 __all__ = ["StageBackward", "check_split_backward_supported", "recompute", "use_split_backward_recompute",
            "reentrant_checkpointing"]

@@ -31,7 +31,8 @@ from ..graph.placement import Placement
 from ..graph.stages import Partition, StageSpec
 from ..partitioning import (PARTITION_METHODS, GraphPipeSearch, ResolvedPartition, parse_partition_method,
                             resolve_partition)
-from ..spec import LayerEntry, call_layer, normalize_layers, port_leaves, resolve
+from ..nn.dag import port_leaves, resolve, run_layers
+from ..spec import LayerEntry, normalize_layers
 from ..checkpoint import layer_model_file, layer_model_files
 from . import compat
 from .compat import broadcast_tied_weights, pipeline_grid
@@ -249,13 +250,15 @@ class GraphPipelineModule(PipelineModule):
     def _run(self, env: dict, local_idxs, micro_offset: int | None = None) -> None:
         # A recomputed chunk runs during a later backward: it seeds with the forward's micro_offset.
         micro_offset = self.micro_offset if micro_offset is None else micro_offset
-        for i in local_idxs:
-            entry = self._local_entries[i]
-            if self.seed_layers:
-                seed = self.base_seed * (micro_offset + 1) + i + compat.local_layer_bounds(self)[0]
-                (self.seed_fn or torch.manual_seed)(seed)
-            args = [resolve(env, TensorRef.parse(r)) for r in entry.inputs]
-            env[TensorRef(entry.name)] = call_layer(entry, self.forward_funcs[i], args)
+
+        def seeded_layers():   # each layer seeded as the interpreter reaches it
+            for i in local_idxs:
+                if self.seed_layers:
+                    seed = self.base_seed * (micro_offset + 1) + i + compat.local_layer_bounds(self)[0]
+                    (self.seed_fn or torch.manual_seed)(seed)
+                yield self._local_entries[i], self.forward_funcs[i]
+
+        run_layers(env, seeded_layers())
 
     def _run_checkpointed(self, env: dict) -> None:
         """Run chunks of ``activation_checkpoint_interval`` consecutive layers under the checkpoint

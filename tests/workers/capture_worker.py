@@ -53,7 +53,7 @@ def main():
     import deepspeed
     import gpp_deepspeed
     from gpp_deepspeed import GraphPipelineModule
-    from gpp_deepspeed.capture import capture
+    from gpp_deepspeed.frontend import capture
 
     out = Path(sys.argv[1])
     deepspeed.init_distributed(dist_backend="gloo")

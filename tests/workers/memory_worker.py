@@ -25,7 +25,7 @@ import deepspeed  # noqa: F401  (imported before the first reading: part of the 
 from transformers import LlamaConfig, LlamaForCausalLM
 import gpp_deepspeed
 from gpp_deepspeed import GraphLayerSpec, GraphPipelineModule
-from gpp_deepspeed.capture import capture
+from gpp_deepspeed.frontend import capture
 from gpp_deepspeed.engine.memory import process_peak_bytes
 
 VOCAB, HEADS, STAGES = 32000, 16, 4

@@ -117,7 +117,7 @@ class ScaledLM(nn.Module):
 
 def _meta_without_init():
     from transformers import LlamaForCausalLM
-    from gpp_deepspeed.capture import capture
+    from gpp_deepspeed.frontend import capture
     from llama_tiny import config, layer_names
     with torch.device("meta"):
         module = ScaledLM(LlamaForCausalLM(config()))

@@ -17,14 +17,14 @@ from deepspeed.runtime.config import DeepSpeedConfig
 from deepspeed.runtime import zero
 from deepspeed.constants import TORCH_DISTRIBUTED_DEFAULT_PORT
 
-from .config import CONFIG_KEY, load_config, parse_graph_pipeline_config
-from .engine.compat import configure_python_gc
-from .engine.engine import GraphPipelineEngine
-from .engine.module import GraphPipelineModule
-from .engine.shm import release_own_shm
-from .engine.topology import stage_batch_config
-from .errors import GPPConfigError
-from .spec import check_captured_rows
+from ..config import CONFIG_KEY, load_config, parse_graph_pipeline_config
+from .compat import configure_python_gc
+from .engine import GraphPipelineEngine
+from .module import GraphPipelineModule
+from .shm import release_own_shm
+from .topology import stage_batch_config
+from ..errors import GPPConfigError
+from ..spec import check_captured_rows
 
 __all__ = ["initialize"]
 

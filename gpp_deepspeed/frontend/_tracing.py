@@ -1,4 +1,4 @@
-"""The tracers behind :func:`~gpp_deepspeed.capture.capture`, and errors that point at the model.
+"""The tracers behind :func:`~gpp_deepspeed.capture`, and errors that point at the model.
 
 Glossary
 --------
@@ -43,7 +43,7 @@ import torch
 from torch import fx, nn
 from torch.fx.experimental.meta_tracer import MetaAttribute, MetaProxy, MetaTracer
 
-from .errors import GPPConfigError, GPPError, GraphError
+from ..errors import GPPConfigError, GPPError, GraphError
 from .meta import meta_copy
 
 __all__ = ["LeafTracer", "ShapeLeafTracer", "trace", "trace_with_shapes", "propagate_meta", "model_line", "META",

@@ -1,6 +1,6 @@
 """Keep the batch dimension of a shape-specialised capture symbolic.
 
-The shaped trace (:mod:`gpp_deepspeed._tracing`) writes every size it reads as a constant:
+The shaped trace (:mod:`gpp_deepspeed.frontend._tracing`) writes every size it reads as a constant:
 Llama's mask code becomes ``arange(4)`` and ``expand(4, -1, 6, 6)`` for a micro-batch of 4 rows.
 Tracing again at 5 and 6 rows shows which constants follow the rows: those that change, linearly,
 between three traces that are otherwise the same graph. Each function layer then computes them from
@@ -31,7 +31,7 @@ import torch
 from torch import fx
 
 from ._tracing import META
-from .errors import GraphError
+from ..errors import GraphError
 
 __all__ = ["BATCH_ARGS", "BATCH_DIM", "mark_batch", "batch_source", "substitute_batch"]
 

@@ -38,13 +38,13 @@ repeated call
     buffers is refused (each copy would update its own running statistics).
 
 The tracers themselves (leaves, the shape-specialised trace, forward hooks, errors that quote the
-model's own line) are in :mod:`gpp_deepspeed._tracing`.
+model's own line) are in :mod:`gpp_deepspeed.frontend._tracing`.
 
 Every layer is a :class:`CapturedLayerSpec` whose ``build()`` returns a *deep copy* of the captured
 submodule: models built from the list start from the module's current weights (nothing is
 re-initialised) and share no parameter with it or with each other. A module built on the meta device
 (``with torch.device("meta"): ...``) is captured without memory, and ``build()`` materialises only
-the layer it builds, by the model's own initialisation (:mod:`gpp_deepspeed.meta`) or from a
+the layer it builds, by the model's own initialisation (:mod:`gpp_deepspeed.frontend.meta`) or from a
 checkpoint (:func:`gpp_deepspeed.load_pretrained`), so each pipeline rank allocates only its stage.
 """
 
@@ -64,12 +64,13 @@ from typing import Any, Callable
 import torch
 from torch import fx, nn
 
+from ..errors import GPPConfigError, GraphError
+from ..graph.ir import TensorRef
+from ..spec import GraphLayerSpec
 from ._batch import BATCH_ARGS, BATCH_DIM, batch_source, mark_batch, substitute_batch
 from ._tracing import META, CacheArgumentError, LeafTracer, model_line, propagate_meta, trace, trace_with_shapes
-from .errors import GPPConfigError, GraphError
-from .graph.ir import TensorRef
+from .hf import HFModelInfo
 from .meta import ModuleInit, building_on_meta, check_initializable, is_meta, materialize, meta_copy
-from .spec import GraphLayerSpec
 from deepspeed.runtime.pipe.module import LayerSpec, TiedLayerSpec
 
 __all__ = ["CapturedLayerSpec", "CapturedTiedLayerSpec", "CapturedModel", "capture"]
@@ -83,7 +84,7 @@ class CapturedLayerSpec(GraphLayerSpec):
 
     ``prefix`` is the path of the layer's submodule in the captured module, with a trailing dot
     (``"model.layers.0."``), or ``""`` for a function layer, whose tensors carry their full paths. A
-    meta module is materialised by ``init`` when built (:mod:`gpp_deepspeed.meta`), or read from
+    meta module is materialised by ``init`` when built (:mod:`gpp_deepspeed.frontend.meta`), or read from
     ``weights`` (set by :func:`gpp_deepspeed.load_pretrained`).
     """
 
@@ -181,7 +182,7 @@ class CapturedModel:
 
     def graph_model(self, **kwargs: Any):
         """The single-device :class:`~gpp_deepspeed.GraphModel` of the captured layers."""
-        from .model import GraphModel
+        from ..model import GraphModel
         return GraphModel(self.layers, input_names=self.input_names, output=self.output, **kwargs)
 
     def stage_map(self, stages: Mapping[str, int], *, default: int | None = None) -> dict[str, int]:
@@ -251,13 +252,13 @@ def capture(module: nn.Module, *, input_names: Sequence[str] | None = None, laye
     check ``batch_size != position_ids.shape[0]``), ``example_inputs`` (one tensor per forward
     argument, in order: one micro-batch as one rank sees it) lets capture trace again on meta
     tensors of their shapes. The sizes the code reads are then constants, except the batch
-    dimension where they follow it linearly (see :mod:`gpp_deepspeed._batch`);
+    dimension where they follow it linearly (see :mod:`gpp_deepspeed.frontend._batch`);
     ``CapturedModel.input_shapes`` says which remain, and a micro-batch of another shape is refused
     naming both. With a plain trace, ``example_inputs`` only tell capture the dtypes of the values
     (so that an input read only for its dtype need not cross stages); nothing is specialised.
 
     A module on the meta device costs no memory here; each layer is materialised when built
-    (:mod:`gpp_deepspeed.meta`), by ``init_fn(submodule)`` when given (it fills one submodule's own
+    (:mod:`gpp_deepspeed.frontend.meta`), by ``init_fn(submodule)`` when given (it fills one submodule's own
     tensors), else by the Hugging Face model's ``_init_weights`` or the submodule's
     ``reset_parameters()``, unless :func:`gpp_deepspeed.load_pretrained` gives it a checkpoint.
     """
@@ -498,7 +499,6 @@ def _to_layers(module: nn.Module, graph: fx.Graph, placeholders: list[fx.Node],
     held = {prefixes[s.name] + n for s in specs for n, _ in s.module.named_parameters()}
     unused = tuple(n for n, _ in module.named_parameters() if not held & set(aliases.get(n, (n, ))))
     paths = {name_of[r]: str(r.target) for r in roots if r.op == "call_module"}
-    from .pretrained import HFModelInfo
     return CapturedModel(_tie_shared(specs, init), input_names, name_of[result], prefixes, aliases, unused,
                          paths=paths, hf=HFModelInfo.find(module))
 

@@ -1,8 +1,7 @@
-"""Hugging Face model directories in and out of a pipeline, one stage per rank, never the whole model.
+"""Hugging Face model directories into a pipeline, one stage per rank, never the whole model.
 
-A Hugging Face model directory holds ``config.json`` and the weights as safetensors: one
-``model.safetensors``, or shards with an index ``model.safetensors.index.json`` whose
-``weight_map`` names the shard of every tensor. ::
+A Hugging Face model directory holds ``config.json`` and the weights as safetensors (the format:
+:mod:`gpp_deepspeed.frontend.hf`). ::
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
@@ -12,12 +11,13 @@ A Hugging Face model directory holds ``config.json`` and the weights as safetens
     ...
     save_pretrained(engine, out_path, captured)             # each stage writes its own shards
 
+Saving is collective, so :func:`~gpp_deepspeed.save_pretrained` lives beside the engine
+(:mod:`gpp_deepspeed.engine.pretrained`).
+
 Glossary
 --------
 checkpoint name
-    A tensor's name in the directory: its name in the Hugging Face model (``model.layers.0.mlp.up_proj.weight``),
-    that is its name in the captured module without the path of the Hugging Face model inside it
-    (a wrapper's ``"m."``).
+    A tensor's name in the directory (:func:`~gpp_deepspeed.frontend.hf.checkpoint_name`).
 tied tensor
     One tensor under several names (an output projection tied to the token embedding). A directory
     holds it once, under the name the model's ``_tied_weights_keys`` maps the others to, and
@@ -37,78 +37,18 @@ import copy
 import dataclasses
 import json
 import os
-import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import nn
 
-from .errors import CheckpointError, GPPConfigError
+from ..errors import CheckpointError, GPPConfigError
+from .capture import CapturedModel
+from .hf import INDEX_FILE, WEIGHTS_FILE, HFModelInfo, checkpoint_name, local_state
 from .meta import is_meta, materialize, meta_copy
 
-__all__ = ["HFModelInfo", "PretrainedWeights", "load_pretrained", "save_pretrained", "INDEX_FILE", "WEIGHTS_FILE"]
-
-INDEX_FILE = "model.safetensors.index.json"
-WEIGHTS_FILE = "model.safetensors"
-_SHARD = "model-{idx:05d}-of-{num:05d}.safetensors"
-_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-           "BOOL": torch.bool}
-
-
-@dataclass(frozen=True)
-class HFModelInfo:
-    """The Hugging Face model inside a captured module.
-
-    ``prefix`` is its path there (``""`` when the captured module is the model, ``"m."`` in a
-    wrapper whose ``self.m`` it is); ``tied`` is its expanded ``_tied_weights_keys``,
-    ``{target name: source name}`` in checkpoint names.
-    """
-
-    prefix: str
-    class_name: str
-    config: Any
-    tied: dict[str, str]
-
-    @classmethod
-    def find(cls, module: nn.Module) -> "HFModelInfo | None":
-        """The outermost ``PreTrainedModel`` in ``module``, if there is exactly one."""
-        import sys
-        modeling = sys.modules.get("transformers.modeling_utils")
-        if modeling is None:
-            return None
-        found = [(n, m) for n, m in module.named_modules() if isinstance(m, modeling.PreTrainedModel)]
-        outer = [(n, m) for n, m in found if not any(o != n and (o == "" or n.startswith(o + ".")) for o, _ in found)]
-        if len(outer) != 1:
-            return None
-        name, model = outer[0]
-        return cls(prefix=f"{name}." if name else "", class_name=type(model).__name__, config=model.config,
-                   tied=dict(model.get_expanded_tied_weights_keys(all_submodels=True)))
-
-    def checkpoint_name(self, name: str) -> str | None:
-        """``name`` (in the captured module) in the directory, or None when it is outside the model."""
-        return name[len(self.prefix):] if name.startswith(self.prefix) else None
-
-
-def _checkpoint_name(hf: HFModelInfo | None, name: str) -> str | None:
-    return name if hf is None else hf.checkpoint_name(name)
-
-
-def _local_state(module: nn.Module, *, persistent_only: bool) -> dict[str, torch.Tensor]:
-    """``{name in module: tensor}`` for every parameter and (persistent) buffer, shared ones under each
-    of their names."""
-    out = {}
-    for prefix, sub in module.named_modules(remove_duplicate=False):
-        dot = f"{prefix}." if prefix else ""
-        for key, t in sub._parameters.items():
-            if t is not None:
-                out[dot + key] = t
-        for key, t in sub._buffers.items():
-            if t is not None and not (persistent_only and key in sub._non_persistent_buffers_set):
-                out[dot + key] = t
-    return out
+__all__ = ["PretrainedWeights", "load_pretrained"]
 
 
 @dataclass(frozen=True)
@@ -154,7 +94,7 @@ class PretrainedWeights:
     def source_of(self, name: str) -> str | None:
         """The checkpoint name that holds the captured module's tensor ``name`` (itself or a tied alias)."""
         for candidate in (name, *self.aliases.get(name, ())):
-            ckpt = _checkpoint_name(self.hf, candidate)
+            ckpt = checkpoint_name(self.hf, candidate)
             if ckpt is not None and ckpt in self.files:
                 return ckpt
         return None
@@ -164,7 +104,7 @@ class PretrainedWeights:
         missing and (with ``strict``) unexpected names, and shapes, naming the first few of each."""
         needed: dict[str, tuple[int, ...]] = {}
         for spec in _unique_specs(layers):
-            for local, t in _local_state(spec.module, persistent_only=True).items():
+            for local, t in local_state(spec.module, persistent_only=True).items():
                 needed[spec.module_path(local)] = tuple(t.shape)
         missing = [n for n in needed if self.source_of(n) is None]
         wrong = [f"{n}: checkpoint {list(self.shapes[self.source_of(n)])}, model {list(s)}"
@@ -175,7 +115,7 @@ class PretrainedWeights:
         if wrong:
             problems.append(f"{len(wrong)} tensor(s) of other shapes: {wrong[:4]}")
         if missing and strict:
-            named = [(_checkpoint_name(self.hf, n) or n) for n in missing]
+            named = [(checkpoint_name(self.hf, n) or n) for n in missing]
             problems.append(f"{len(missing)} tensor(s) of the model missing: {named[:4]}")
         if unexpected and strict:
             problems.append(f"{len(unexpected)} tensor(s) the model does not have: {unexpected[:4]}")
@@ -192,7 +132,7 @@ class PretrainedWeights:
         a new head under ``strict=False``) are initialised by the model's own initialisation."""
         if not is_meta(spec.module):   # a real module: its copy, overwritten with the directory's values
             module = copy.deepcopy(spec.module)
-            state = _local_state(module, persistent_only=True)
+            state = local_state(module, persistent_only=True)
             sources = {n: self.source_of(spec.module_path(n)) for n in state}
             values = self._read({s for s in sources.values() if s is not None})
             with torch.no_grad():
@@ -202,7 +142,7 @@ class PretrainedWeights:
             return module
         module = meta_copy(spec.module)
         sources: dict[int, tuple[str, torch.Tensor]] = {}
-        for local, t in _local_state(module, persistent_only=True).items():
+        for local, t in local_state(module, persistent_only=True).items():
             src = self.source_of(spec.module_path(local))
             if src is not None:
                 sources.setdefault(id(t), (src, t))
@@ -268,7 +208,7 @@ def _unique_specs(layers):
 
 
 def load_pretrained(captured, directory: str | os.PathLike, *, strict: bool = True):
-    """``captured`` (a :class:`~gpp_deepspeed.capture.CapturedModel`) with every layer reading its
+    """``captured`` (a :class:`~gpp_deepspeed.frontend.CapturedModel`) with every layer reading its
     tensors from the Hugging Face directory ``directory`` when built.
 
     Nothing is read now but the index and the safetensors headers, which are checked against every
@@ -279,7 +219,6 @@ def load_pretrained(captured, directory: str | os.PathLike, *, strict: bool = Tr
     initialisation (the captured module must then be on the meta device) and tensors it has but the
     model does not are ignored, as ``from_pretrained`` does with a warning.
     """
-    from .capture import CapturedModel
     if not isinstance(captured, CapturedModel):
         raise GPPConfigError(f"load_pretrained takes the CapturedModel that capture() returns, got "
                              f"{type(captured).__name__}")
@@ -294,109 +233,3 @@ def load_pretrained(captured, directory: str | os.PathLike, *, strict: bool = Tr
     return dataclasses.replace(captured, layers=layers)
 
 
-def save_pretrained(engine_or_module, directory: str | os.PathLike, captured, *, max_shard_bytes: int = 5 * 2**30,
-                    config: Any = None) -> dict[str, Any]:
-    """Write the pipeline's weights as a Hugging Face directory, every stage its own shards.
-
-    Collective: every rank calls it. The first rank of each stage (of the first data-parallel
-    replica) writes that stage's tensors to shard files of at most ``max_shard_bytes`` straight from
-    its parameters (no copy, no gathering); the ranks exchange only names and sizes, and rank 0
-    writes ``model.safetensors.index.json`` and ``config.json`` (``config``, else the captured Hugging
-    Face model's, with ``architectures`` set). A tied tensor is written once, under the name the
-    model's ``_tied_weights_keys`` maps the others to, by the first stage that holds it, so
-    ``AutoModelFor....from_pretrained(directory)`` loads the directory strictly and re-ties it.
-    Returns ``{"files": this rank's files, "bytes": bytes it wrote, "seconds": its writing time}``.
-    """
-    import torch.distributed as dist
-    from safetensors.torch import save_file
-    from .engine.module import GraphPipelineModule
-
-    module = getattr(engine_or_module, "module", engine_or_module)
-    if not isinstance(module, GraphPipelineModule):
-        raise GPPConfigError(f"save_pretrained takes a GraphPipelineEngine or GraphPipelineModule, got "
-                             f"{type(engine_or_module).__name__}")
-    hf = captured.hf
-    config = config if config is not None else (hf.config if hf is not None else None)
-    if config is None:
-        raise GPPConfigError("save_pretrained needs a Hugging Face config: the captured module holds no single "
-                             "PreTrainedModel, so pass config=")
-    start = time.perf_counter()
-    directory = Path(directory)
-    grid = module.mpu()   # the module's StageGrid (PipelineModule.mpu(), public)
-    writes = grid.replica_id == 0 and grid.is_stage_leader()
-    tensors = _stage_tensors(module, captured) if writes else {}
-    shards = _shards(tensors, max_shard_bytes)
-    counts = [None] * dist.get_world_size()
-    dist.all_gather_object(counts, len(shards))
-    total = sum(counts)
-    first = sum(counts[:dist.get_rank()])
-    weight_map, files, written = {}, [], 0
-    if writes:
-        directory.mkdir(parents=True, exist_ok=True)
-    for k, names in enumerate(shards):
-        file = _SHARD.format(idx=first + k + 1, num=total)
-        save_file({n: tensors[n] for n in names}, directory / file, metadata={"format": "pt"})
-        weight_map.update({n: file for n in names})
-        files.append(file)
-        written += sum(tensors[n].numel() * tensors[n].element_size() for n in names)
-    maps = [None] * dist.get_world_size()
-    dist.all_gather_object(maps, (weight_map, written))
-    if dist.get_rank() == 0:
-        merged = {n: f for m, _ in maps for n, f in m.items()}
-        directory.mkdir(parents=True, exist_ok=True)
-        index = {"metadata": {"total_size": sum(b for _, b in maps)}, "weight_map": dict(sorted(merged.items()))}
-        (directory / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
-        config = copy.deepcopy(config)
-        if hf is not None:
-            config.architectures = [hf.class_name]
-        config.save_pretrained(directory)
-    dist.barrier()
-    return {"files": files, "bytes": written, "seconds": time.perf_counter() - start}
-
-
-def _stage_tensors(module, captured) -> dict[str, torch.Tensor]:
-    """This stage's tensors by checkpoint name: each tied tensor once under its canonical name, and
-    not at all on a stage that holds a copy of another stage's tie (DeepSpeed's ``ds_pipe_replicated``)."""
-    hf = captured.hf
-    out: dict[str, torch.Tensor] = {}
-    seen: set[int] = set()
-    for spec, fn in zip((e.layer for e in module._local_entries), module.forward_funcs):
-        key = getattr(spec, "key", None) if getattr(spec, "tied_weight_attr", None) is not None else None
-        layer = module.tied_modules[key] if key is not None else fn
-        if not isinstance(layer, nn.Module) or not hasattr(spec, "module_path"):
-            continue
-        for local, t in _local_state(layer, persistent_only=True).items():
-            if id(t) in seen or getattr(t, "ds_pipe_replicated", False):
-                continue
-            seen.add(id(t))
-            name = _canonical(captured, spec.module_path(local))
-            if name is None:
-                raise GPPConfigError(f'tensor "{spec.module_path(local)}" of layer "{spec.name}" is outside the '
-                                     f"Hugging Face model (at \"{hf.prefix[:-1]}\"): a directory cannot hold it")
-            out[name] = t.detach().contiguous()
-    return out
-
-
-def _canonical(captured, name: str) -> str | None:
-    """The checkpoint name a tied tensor is saved under: of its names, the first that the model's
-    ``_tied_weights_keys`` does not map to another (Hugging Face's source of the tie)."""
-    hf = captured.hf
-    names = [c for c in (_checkpoint_name(hf, n) for n in captured.aliases.get(name, (name, ))) if c is not None]
-    if not names:
-        return None
-    targets = set(hf.tied) if hf is not None else set()
-    return next((n for n in names if n not in targets), names[0])
-
-
-def _shards(tensors: dict[str, torch.Tensor], max_bytes: int) -> list[list[str]]:
-    """Names in order, cut into consecutive groups of at most ``max_bytes`` (a larger tensor alone)."""
-    shards: list[list[str]] = []
-    size = 0
-    for name, t in tensors.items():
-        nbytes = t.numel() * t.element_size()
-        if not shards or size + nbytes > max_bytes:
-            shards.append([])
-            size = 0
-        shards[-1].append(name)
-        size += nbytes
-    return shards

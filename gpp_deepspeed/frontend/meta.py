@@ -17,7 +17,7 @@ meta module
 materialise
     Give a meta layer real tensors: allocate them on a device (parameters shared by several
     submodules stay shared) and fill them by an initialiser, or from a checkpoint
-    (:mod:`gpp_deepspeed.pretrained`).
+    (:mod:`gpp_deepspeed.frontend.pretrained`).
 initialiser
     What fills one submodule's own tensors (:class:`ModuleInit`), in this order of preference: the
     ``init_fn`` given to ``capture``; the ``_init_weights`` of the innermost Hugging Face
@@ -45,7 +45,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .errors import GPPConfigError
+from ..errors import GPPConfigError
 
 __all__ = ["ModuleInit", "is_meta", "meta_copy", "building_on_meta", "materialize", "uninitialized_tensors",
            "check_initializable"]

@@ -1,0 +1,78 @@
+"""The Hugging Face side of a captured module: the model inside it and the names its directory uses.
+
+A Hugging Face model directory holds ``config.json`` and the weights as safetensors: one
+``model.safetensors`` (:data:`WEIGHTS_FILE`), or shards with an index ``model.safetensors.index.json``
+(:data:`INDEX_FILE`) whose ``weight_map`` names the shard of every tensor. Loading reads it
+(:mod:`gpp_deepspeed.frontend.pretrained`), saving writes it (:mod:`gpp_deepspeed.engine.pretrained`);
+both name tensors by their *checkpoint name*: the name in the Hugging Face model
+(``model.layers.0.mlp.up_proj.weight``), that is the name in the captured module without the path
+of the Hugging Face model inside it (a wrapper's ``"m."``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["HFModelInfo", "checkpoint_name", "local_state", "INDEX_FILE", "WEIGHTS_FILE"]
+
+INDEX_FILE = "model.safetensors.index.json"
+WEIGHTS_FILE = "model.safetensors"
+
+
+@dataclass(frozen=True)
+class HFModelInfo:
+    """The Hugging Face model inside a captured module.
+
+    ``prefix`` is its path there (``""`` when the captured module is the model, ``"m."`` in a
+    wrapper whose ``self.m`` it is); ``tied`` is its expanded ``_tied_weights_keys``,
+    ``{target name: source name}`` in checkpoint names.
+    """
+
+    prefix: str
+    class_name: str
+    config: Any
+    tied: dict[str, str]
+
+    @classmethod
+    def find(cls, module: nn.Module) -> "HFModelInfo | None":
+        """The outermost ``PreTrainedModel`` in ``module``, if there is exactly one."""
+        import sys
+        modeling = sys.modules.get("transformers.modeling_utils")
+        if modeling is None:
+            return None
+        found = [(n, m) for n, m in module.named_modules() if isinstance(m, modeling.PreTrainedModel)]
+        outer = [(n, m) for n, m in found if not any(o != n and (o == "" or n.startswith(o + ".")) for o, _ in found)]
+        if len(outer) != 1:
+            return None
+        name, model = outer[0]
+        return cls(prefix=f"{name}." if name else "", class_name=type(model).__name__, config=model.config,
+                   tied=dict(model.get_expanded_tied_weights_keys(all_submodels=True)))
+
+    def checkpoint_name(self, name: str) -> str | None:
+        """``name`` (in the captured module) in the directory, or None when it is outside the model."""
+        return name[len(self.prefix):] if name.startswith(self.prefix) else None
+
+
+def checkpoint_name(hf: HFModelInfo | None, name: str) -> str | None:
+    """``name`` (in the captured module) in the directory: itself without a Hugging Face model, else
+    :meth:`HFModelInfo.checkpoint_name`."""
+    return name if hf is None else hf.checkpoint_name(name)
+
+
+def local_state(module: nn.Module, *, persistent_only: bool) -> dict[str, torch.Tensor]:
+    """``{name in module: tensor}`` for every parameter and (persistent) buffer, shared ones under each
+    of their names."""
+    out = {}
+    for prefix, sub in module.named_modules(remove_duplicate=False):
+        dot = f"{prefix}." if prefix else ""
+        for key, t in sub._parameters.items():
+            if t is not None:
+                out[dot + key] = t
+        for key, t in sub._buffers.items():
+            if t is not None and not (persistent_only and key in sub._non_persistent_buffers_set):
+                out[dot + key] = t
+    return out
