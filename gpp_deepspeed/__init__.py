@@ -13,8 +13,8 @@ The torch- and deepspeed-facing names load on first use, so the pure subpackages
 (``gpp_deepspeed.graph``, ``gpp_deepspeed.schedule``) import without torch or deepspeed.
 """
 
-from importlib import import_module
 
+from ._lazy import lazy_names
 from .errors import CheckpointError, GPPConfigError, GPPError, GraphError, PartitionError, ScheduleError
 
 __version__ = "0.1.0"
@@ -39,14 +39,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name):
-    if name in _LAZY:
-        value = getattr(import_module(_LAZY[name], __name__), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'gpp_deepspeed' has no attribute {name!r}")
-
-
-def __dir__():
-    return sorted(set(globals()) | set(__all__))
-
+__getattr__, __dir__ = lazy_names(__name__, _LAZY, __all__, globals_=globals())

@@ -600,17 +600,18 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--methods", type=_names, metavar="A,B", help="default: graphpipe and every baseline")
     p.set_defaults(run=_compare)
 
-    p = sub.add_parser("viz", parents=[common], help="draw a plan's DAGs and simulated schedule")
+    pictures = argparse.ArgumentParser(add_help=False)
+    pictures.add_argument("-o", "--output-dir", default=".", metavar="OUTDIR", help="folder to write into (default: .)")
+    pictures.add_argument("--format", choices=("png", "svg", "both"), default="png",
+                          help="picture format (default: png)")
+
+    p = sub.add_parser("viz", parents=[common, pictures], help="draw a plan's DAGs and simulated schedule")
     p.add_argument("plan", metavar="PLAN", help="plan written by gpp plan")
     p.add_argument("--costs", required=True, help="cost database to price it with")
-    p.add_argument("-o", "--output-dir", default=".", metavar="OUTDIR", help="folder to write into (default: .)")
-    p.add_argument("--format", choices=("png", "svg", "both"), default="png", help="picture format (default: png)")
     p.set_defaults(run=_viz)
 
-    p = sub.add_parser("viz-run", parents=[common], help="draw a real run's schedule from its traces")
+    p = sub.add_parser("viz-run", parents=[common, pictures], help="draw a real run's schedule from its traces")
     p.add_argument("trace_dir", metavar="TRACE_DIR", help="the run's graph_pipeline.trace_dir")
     p.add_argument("--step", type=int, help="training step to draw (default: the last one traced)")
-    p.add_argument("-o", "--output-dir", default=".", metavar="OUTDIR", help="folder to write into (default: .)")
-    p.add_argument("--format", choices=("png", "svg", "both"), default="png", help="picture format (default: png)")
     p.set_defaults(run=_viz_run)
     return parser

@@ -199,15 +199,15 @@ def draw_gantt(timeline: Timeline, path: str | Path, *, title: str | None = None
             bars = defaultdict(list)
             for a, start, end in timeline.spans[s]:
                 t0, dur = start * 1e3, (end - start) * 1e3
-                if a.kind in (K.FORWARD, K.BACKWARD, K.BACKWARD_INPUT, K.BACKWARD_WEIGHT):
+                if a.kind is K.FORWARD or a.kind.spec.backward:
                     bars[a.kind].append((t0, dur))
                     text = str(a.mb_idx)
                     if dur / span_ms * axis_in >= 0.06 + 0.07 * len(text):
                         ax.text(t0 + dur / 2, row, text, ha="center", va="center", fontsize=6.5, color="white")
-                elif a.kind in (K.REDUCE_GRAD, K.REDUCE_TIED, K.STEP):
+                elif a.kind.spec.collective:
                     bars["reduce"].append((t0, max(dur, span_ms * 1e-3)))
                 for op in a.transfers:  # a grouped transfer marks each of its sends and receives
-                    if op.kind in (K.SEND_F, K.SEND_B):
+                    if op.kind.spec.send and not op.kind.spec.layout:
                         sends.append((t0, row - 0.38))
                     else:
                         recvs.append((t0, row + 0.38))

@@ -12,8 +12,8 @@ same layer names. ::
 ``build_layers``, ``make_batch`` and ``loss_fn`` load torch on first use; the rest is pure.
 """
 
-from importlib import import_module
 
+from .._lazy import lazy_names
 from .analytic import (A100_80GB, DEFAULT_MICRO_BATCHES, DEVICES, H100_80GB, V100_SUMMIT, DeviceSpec,
                        analytic_costs, layer_flops, layer_ops, layer_stash_bytes, layer_times, optimizer_factor)
 from .builders import BUILDERS, TINY, candle_uno, dlrm, multimodal_transformer, sequential_transformer, tiny
@@ -30,13 +30,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name):
-    if name in _LAZY:
-        value = getattr(import_module(_LAZY[name], __name__), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'gpp_deepspeed.models' has no attribute {name!r}")
-
-
-def __dir__():
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_names(__name__, _LAZY, __all__, globals_=globals())

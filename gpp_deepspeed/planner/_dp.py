@@ -42,7 +42,7 @@ from typing import Callable, Sequence
 from .costs import StageCostModel
 from .sp import Leaf, Series
 
-__all__ = ["FeasibilityDP", "flatten", "work_fn"]
+__all__ = ["FeasibilityDP", "flatten", "narrow_bracket", "work_fn"]
 
 _MISSING = object()
 
@@ -580,3 +580,22 @@ def work_fn(cm: StageCostModel, shard: float) -> Callable[[int], float]:
         return w
 
     return work
+
+
+def narrow_bracket(attempt, bottleneck, lo: float, hi: float, best, *, rel_tol: float):
+    """Bisect ``[lo, hi]`` down to ``rel_tol``: the least ``tmax`` at which ``attempt(tmax)``
+    finds stages, and those stages (``best``, found at ``hi``). ``attempt`` fails below the
+    optimum and succeeds at or above it; a found plan's own ``bottleneck`` (at most the ``tmax``
+    that found it) closes the bracket from above.
+
+    >>> narrow_bracket(lambda t: t if t >= 3 else None, lambda s: s, 0.0, 8.0, 8.0, rel_tol=0.01)[0] >= 3
+    True
+    """
+    while hi - lo > rel_tol * hi:
+        mid = (lo + hi) / 2
+        found = attempt(mid)
+        if found is None:
+            lo = mid
+        else:
+            hi, best = min(mid, bottleneck(found)), found
+    return hi, best

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Sequence
 
 from ..errors import GPPConfigError
-from ._dp import flatten
+from ._dp import flatten, narrow_bracket
 from .costs import CommFit, CostDB, StageCostModel, micro_batch_sizes
 from .plan import Plan, PlanStage, SearchResult
 from .simulate import predict
@@ -402,14 +402,7 @@ def _graph_search(db: CostDB, cluster: Cluster, models: list[StageCostModel], b:
         best = attempt(hi)
     if best is None:
         return None, None, states
-    lo, hi = 0.0, min(hi, bottleneck(best))
-    while hi - lo > rel_tol * hi:
-        mid = (lo + hi) / 2
-        found = attempt(mid)
-        if found is None:
-            lo = mid
-        else:
-            hi, best = min(mid, bottleneck(found)), found
+    hi, best = narrow_bracket(attempt, bottleneck, 0.0, min(hi, bottleneck(best)), best, rel_tol=rel_tol)
     return hi, best, states
 
 

@@ -22,7 +22,7 @@ from typing import Callable, Sequence
 
 from ..errors import GPPConfigError, InfeasiblePlanError
 from ..schedule.registry import is_async
-from ._dp import FeasibilityDP, flatten, work_fn
+from ._dp import FeasibilityDP, flatten, narrow_bracket, work_fn
 from ._polish import polish
 from .costs import (NO_BOUNDARY, CommFit, CostDB, Hardware, LayerCost, StageCostModel, check_zero_stage,
                     micro_batch_sizes)
@@ -143,14 +143,7 @@ def _bisect(attempt: Callable, bottleneck: Callable, lo: float, ceiling: float, 
             return None, None
         else:
             lo, step = grown, 2 * step
-    while hi - lo > rel_tol * hi:
-        mid = (lo + hi) / 2
-        found = attempt(mid)
-        if found is None:
-            lo = mid
-        else:
-            hi, best = min(mid, bottleneck(found)), found
-    return hi, best
+    return narrow_bracket(attempt, bottleneck, lo, hi, best, rel_tol=rel_tol)
 
 
 def _slowest_layer(cm: StageCostModel, b: int, stage_devices: Sequence[int]) -> float:
