@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -72,8 +73,8 @@ def layer_rows(topology: str) -> list[dict]:
 
 def chain_units(topology: str, per_layer: int) -> list[tuple]:
     """Constructor arguments of the chain's stages, ``per_layer`` stages (a fraction each) per layer."""
-    nb = len(TOPOLOGIES[topology][0])
-    return [(DIM, nb, row["branch"], row["merge"] and part == 0, 1 / per_layer, row["source"], True)
+    num_branches = len(TOPOLOGIES[topology][0])
+    return [(DIM, num_branches, row["branch"], row["merge"] and part == 0, 1 / per_layer, row["source"], True)
             for row in layer_rows(topology) for part in range(per_layer)]
 
 
@@ -142,13 +143,13 @@ def build_ours(topology: str, unit, data):
     from gpp_deepspeed import GraphLayerSpec, GraphPipelineModule
 
     rows = layer_rows(topology)
-    nb = len(TOPOLOGIES[topology][0])
-    layers = [GraphLayerSpec(r["name"], unit, DIM, nb, r["branch"], r["merge"], 1.0, r["source"], False,
+    num_branches = len(TOPOLOGIES[topology][0])
+    layers = [GraphLayerSpec(r["name"], unit, DIM, num_branches, r["branch"], r["merge"], 1.0, r["source"], False,
                              inputs=r["inputs"]) for r in rows]
     mapping = {r["name"]: i for i, r in enumerate(rows)}
     built = {}
     for name in OURS:
-        module = GraphPipelineModule(layers, input_names=[f"x{b}" for b in range(nb)], num_stages=len(rows),
+        module = GraphPipelineModule(layers, input_names=[f"x{b}" for b in range(num_branches)], num_stages=len(rows),
                                      loss_fn=nn.MSELoss(), partition_method=mapping)
         cfg = _ds_config() | {"graph_pipeline": {"schedule": name, "print_stage_graph": False,
                                                   "print_idle_fractions": False}}
@@ -294,7 +295,8 @@ def _attempt(build):
         result, reason = build(), None
     except Exception as e:  # a peer's refusal: recorded in the table, not raised
         result, reason = None, str(e) if isinstance(e, RefusedError) else f"{type(e).__name__}: {e}".split("\n")[0]
-        traceback.print_exc()
+        if not isinstance(e, RefusedError):
+            traceback.print_exc()
     reasons = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(reasons, reason)
     reason = next((r for r in reasons if r is not None), None)
@@ -306,10 +308,10 @@ def build_all(topology: str):
     import torch
 
     unit = sleep_unit_class()
-    nb = len(TOPOLOGIES[topology][0])
+    num_branches = len(TOPOLOGIES[topology][0])
     gen = torch.Generator().manual_seed(0)
-    dag_data = [(tuple(torch.randn(MBS, DIM, generator=gen) for _ in range(nb)), torch.randn(MBS, DIM, generator=gen))
-                for _ in range(M)]
+    sample = lambda: torch.randn(MBS, DIM, generator=gen)  # noqa: E731
+    dag_data = [(tuple(sample() for _ in range(num_branches)), sample()) for _ in range(M)]
     chain_data = [(torch.cat(x, dim=1), y) for x, y in dag_data]
     batch = (torch.cat([x for x, _ in chain_data]), torch.cat([y for _, y in chain_data]))
     configs = {}
@@ -373,29 +375,30 @@ def main() -> None:
     path = ROOT / "benchmarks" / "results" / "peers.json"
     if args.table_only:
         saved = json.loads(path.read_text())
-        return write_table(saved["results"], saved["rounds"])
+        return write_table(saved["results"], saved["rounds"], saved.get("load_average", {}))
     sys.path.insert(0, str(ROOT / "tests"))
     from dist import launch
 
     tmp = ROOT / "benchmarks" / "results" / "tmp"
-    results = {}
+    results, loads = {}, {}
     for topology in args.topologies.split(","):
         out = tmp / f"peers_{topology}.json"
-        start = time.monotonic()
+        start, load = time.monotonic(), os.getloadavg()[0]
         # A round is ~12 steps of 2-4 s; starting 8 ranks and building 12 engines takes minutes on 2 cores.
         res = launch(RANKS, Path(__file__), "--worker", topology, "--rounds", str(rounds), "--out", str(out),
                      timeout=900 + 120 * rounds, log_dir=tmp / "logs" / f"peers_{topology}")
         if not res.ok:
             raise SystemExit(f"{topology} failed:\n{res.report()}")
         results[topology] = json.loads(out.read_text())
+        loads[topology] = (load, os.getloadavg()[0])
         for label, r in results[topology].items():
             if r.get("times"):
                 r["median_s"] = statistics.median(r["times"][1:] or r["times"])
             print(f"{topology:14s} {label:32s} " + (f"refused: {r['refused']}" if "refused" in r else
                   f"median {r['median_s'] * 1e3:7.1f} ms  peak in flight {max(r['in_flight'])}"), flush=True)
         print(f"{topology}: {time.monotonic() - start:.0f} s", flush=True)
-    path.write_text(json.dumps({"rounds": rounds, "results": results}, indent=1))
-    write_table(results, rounds)
+    path.write_text(json.dumps({"rounds": rounds, "load_average": loads, "results": results}, indent=1))
+    write_table(results, rounds, loads)
 
 
 def _fmt(x: float) -> str:
@@ -439,7 +442,8 @@ def detail_rows(results: dict) -> list[str]:
     for topology, by_label in results.items():
         for label, r in by_label.items():
             system, name = label.split("/")
-            head = f"| {TITLES.get(topology, topology)} | {system} | `{name}` | {2 if name in multi else 1} |"
+            per_rank = "-" if "refused" in r else 2 if name in multi else 1
+            head = f"| {TITLES.get(topology, topology)} | {system} | `{name}` | {per_rank} |"
             if "refused" in r:
                 rows.append(f"{head} refused: {r['refused'].replace('|', '/')} | | | | | |")
                 continue
@@ -451,12 +455,15 @@ def detail_rows(results: dict) -> list[str]:
     return rows
 
 
-def write_table(results: dict, rounds: int) -> None:
-    quiet = rounds >= 8
+def write_table(results: dict, rounds: int, loads: dict) -> None:
+    short = rounds < 8
+    load = "; ".join(f"{TITLES.get(t, t)} {a:.1f} and {b:.1f}" for t, (a, b) in loads.items())
+    load = f" One-minute load average at the start and end of each launch: {load}." if loads else ""
     text = ("## Against the best chain schedules (peers.py)\n\n"
             "`python benchmarks/peers.py` (issue 28). " +
-            ("" if quiet else f"**Noisy machine, short run ({rounds} rounds, other jobs running beside it): the "
-             "numbers only show that every peer runs; the quiet-machine run replaces them.** ") +
+            (f"**Noisy machine, short run ({rounds} rounds, other jobs running beside it): the numbers only "
+             "show that every peer runs; the quiet-machine run (`python benchmarks/peers.py`) replaces them.** "
+             if short else "") +
             f"{RANKS} gloo ranks, {M} micro-batches, sleeping layers (forward, input gradient and weight gradient "
             f"{T_F * 1e3:.0f} ms each; a branch's first layer has no input gradient). One launch per model trains "
             "every configuration in turn, one step each, round after round; each figure is the median step of "
@@ -467,7 +474,7 @@ def write_table(results: dict, rounds: int) -> None:
             "micro-batch activations a rank holds at once, in units of one layer's (a half-layer stage counts "
             "a half): ours from the instructions the engine ran, torch's from its schedule's `pipeline_order`, "
             "DeepSpeed's from its instruction schedule. \"Simulated\" is our schedule simulator's step for the "
-            "same sleeps. A ratio below 1 means ours is faster.\n\n"
+            f"same sleeps. A ratio below 1 means ours is faster.{load}\n\n"
             + "\n".join(summary_rows(results)) + "\n\n" + "\n".join(detail_rows(results)) + "\n")
     (ROOT / "benchmarks" / "results" / "peers.md").write_text(text)
     sys.path.insert(0, str(ROOT / "benchmarks"))
