@@ -35,6 +35,7 @@ bench: setup
 	$(PY) benchmarks/branch_scaling.py
 	$(PY) benchmarks/search_speed.py
 	$(PY) benchmarks/schedules.py
+	$(PY) benchmarks/peers.py
 	$(PY) benchmarks/async_convergence.py
 	$(PY) benchmarks/transport_costs.py
 	$(PY) benchmarks/planned_runs.py

@@ -1,0 +1,486 @@
+"""Our stage DAG against the best chain schedules of torch.distributed.pipelining and DeepSpeed.
+
+Issue 28's benchmark. One launch of 8 gloo ranks per topology trains the same sleeping layers as
+
+* ours: the stage DAG (one layer per stage, one stage per rank) with each synchronous schedule
+  (``1f1b``, ``zb1``, ``zb2``) on :class:`GraphPipelineModule` + ``gpp_deepspeed.initialize``;
+* torch 2.13: the layers as a chain of ``PipelineStage`` s for every schedule of
+  ``torch.distributed.pipelining.schedules.get_schedule_class``. The single-stage ones
+  (``GPipe``, ``1F1B``) get one layer per rank; the multi-stage ones (``Interleaved1F1B``,
+  ``LoopedBFS``, ``InterleavedZeroBubble``, ``ZBVZeroBubble``, ``DualPipeV``) two stages per rank,
+  so the chain has 16 virtual stages of half a layer each (looped placement, or the V for ZB-V and
+  DualPipeV);
+* DeepSpeed 0.19.8: ``PipelineModule`` + ``PipelineEngine`` (1F1B, one layer per rank) and
+  ``DualPipeVModule`` + ``DualPipeVEngine`` (16 half-layer stages in a V), both through
+  ``deepspeed.initialize``.
+
+A schedule that torch or DeepSpeed refuses for this setting is a row "refused: <why>", not a gap.
+
+Each layer is the sleeping layer of ``benchmarks/schedules.py``: its forward, input gradient and
+weight gradient each sleep their own time (20 ms here), the input-gradient sleep on the path to the
+input and the weight-gradient sleep on the path to the weight, so a split backward (torch's
+``I``/``W``, our ``zb1``/``zb2``) sleeps each in its own pass. A branch's first layer reads only the
+batch and has no input gradient to compute, on the DAG and on the chain alike. On the chain the
+activation is one tensor holding every branch side by side: a branch's layer works on its slice
+and passes the others on, the merge layer sums the slices.
+
+The engines train in turn, one step each, round after round, so the load of a shared machine falls
+on all alike; each row is the median step over the rounds after the first. "Peak in flight" is the
+most micro-batch activations a rank holds at once (forward run, its ``B`` or ``W`` not yet run), in
+units of one layer's activation (a half-layer stage counts a half): ours from the instructions the
+engine executed (``engine.last_timeline``), torch's from its schedule's ``pipeline_order``,
+DeepSpeed's from its instruction schedule. "Simulated" is our schedule simulator's step for ours.
+
+    python benchmarks/peers.py            # writes benchmarks/results/peers.{json,md} + docs table
+    python benchmarks/peers.py --quick    # 3 rounds: checks that every peer runs (minutes)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RANKS, M, DIM, MBS = 8, 16, 16, 2
+T_F = T_I = T_W = 0.020
+# name -> (layers of each branch, trunk layers); the trunk's first layer merges the branches. A chain
+# is one branch into a one-layer trunk. Every topology has 8 layers, one per rank on the DAG.
+TOPOLOGIES = {"two_branches": ((4, 2), 2), "four_branches": ((3, 1, 1, 1), 2), "chain": ((7, ), 1)}
+TITLES = {"two_branches": "two branches", "four_branches": "four branches", "chain": "chain"}
+OURS = ("1f1b", "zb1", "zb2")
+TORCH_V = ("ZBVZeroBubble", "DualPipeV")  # the schedules that place their stages in a V
+DEEPSPEED = ("PipelineEngine", "DualPipeVEngine")
+
+
+def layer_rows(topology: str) -> list[dict]:
+    """The topology's layers in chain order: name, inputs (DAG), branch (None in the trunk), merge, source."""
+    branches, trunk = TOPOLOGIES[topology]
+    rows = []
+    for b, length in enumerate(branches):
+        rows += [dict(name=f"b{b}_{i}", inputs=[f"b{b}_{i - 1}" if i else f"x{b}"], branch=b, merge=False,
+                      source=i == 0) for i in range(length)]
+    tails = [f"b{b}_{length - 1}" for b, length in enumerate(branches)]
+    rows += [dict(name=f"t{i}", inputs=tails if i == 0 else [f"t{i - 1}"], branch=None, merge=i == 0, source=False)
+             for i in range(trunk)]
+    return rows
+
+
+def chain_units(topology: str, per_layer: int) -> list[tuple]:
+    """Constructor arguments of the chain's stages, ``per_layer`` stages (a fraction each) per layer."""
+    num_branches = len(TOPOLOGIES[topology][0])
+    return [(DIM, num_branches, row["branch"], row["merge"] and part == 0, 1 / per_layer, row["source"], True)
+            for row in layer_rows(topology) for part in range(per_layer)]
+
+
+def _sleep_grad():
+    import torch
+
+    class SleepGrad(torch.autograd.Function):
+        """Identity; the backward sleeps ``seconds`` before passing the gradient on."""
+
+        @staticmethod
+        def forward(ctx, x, seconds):
+            ctx.seconds = seconds
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            if ctx.seconds:
+                time.sleep(ctx.seconds)
+            return grad, None
+
+    return SleepGrad
+
+
+def sleep_unit_class():
+    """``SleepUnit(dim, branches, branch, merge, fraction, source, chain)``: ``fraction`` of a layer
+    ``y = x + w`` sleeping ``T_F`` forward, ``T_I`` on the ``dx`` path (none for a source) and
+    ``T_W`` on the ``dw`` path. On the DAG it sums its inputs; on the chain it reads and writes its
+    branch's slice of the side-by-side activation (the merge sums the slices first)."""
+    import torch
+    from torch import nn
+
+    sleep_grad = _sleep_grad()
+
+    class SleepUnit(nn.Module):
+        def __init__(self, dim, branches, branch, merge, fraction, source, chain):
+            super().__init__()
+            self.weight = nn.Parameter(torch.zeros(dim))
+            self.branches, self.branch, self.merge, self.chain = branches, branch, merge, chain
+            self.t_f, self.t_i, self.t_w = T_F * fraction, 0.0 if source else T_I * fraction, T_W * fraction
+
+        def layer(self, x):
+            time.sleep(self.t_f)
+            return sleep_grad.apply(x, self.t_i) + sleep_grad.apply(self.weight, self.t_w)
+
+        def forward(self, *xs):
+            if not self.chain:
+                return self.layer(xs[0] if len(xs) == 1 else sum(xs))
+            x, = xs
+            if self.merge:
+                return self.layer(sum(x.chunk(self.branches, dim=1)))
+            if self.branch is None:
+                return self.layer(x)
+            parts = list(x.chunk(self.branches, dim=1))
+            parts[self.branch] = self.layer(parts[self.branch])
+            return torch.cat(parts, dim=1)
+
+    return SleepUnit
+
+
+# --------------------------------------------------------------------------------------------- ours
+
+def build_ours(topology: str, unit, data):
+    """Our engine on the stage DAG, one engine per synchronous schedule: name -> (step, engine)."""
+    from torch import nn
+    import gpp_deepspeed
+    from gpp_deepspeed import GraphLayerSpec, GraphPipelineModule
+
+    rows = layer_rows(topology)
+    num_branches = len(TOPOLOGIES[topology][0])
+    layers = [GraphLayerSpec(r["name"], unit, DIM, num_branches, r["branch"], r["merge"], 1.0, r["source"], False,
+                             inputs=r["inputs"]) for r in rows]
+    mapping = {r["name"]: i for i, r in enumerate(rows)}
+    built = {}
+    for name in OURS:
+        module = GraphPipelineModule(layers, input_names=[f"x{b}" for b in range(num_branches)], num_stages=len(rows),
+                                     loss_fn=nn.MSELoss(), partition_method=mapping)
+        cfg = _ds_config() | {"graph_pipeline": {"schedule": name, "print_stage_graph": False,
+                                                  "print_idle_fractions": False}}
+        engine, *_ = gpp_deepspeed.initialize(model=module, model_parameters=list(module.parameters()), config=cfg)
+        built[name] = (lambda engine=engine: engine.train_batch(data_iter=iter(data)), engine)
+    return built
+
+
+def ours_in_flight(engine) -> list[int]:
+    """Every rank's peak in-flight micro-batches in the engine's last batch (one layer per rank)."""
+    import torch
+    from gpp_deepspeed.schedule import peak_in_flight
+
+    gathered = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(gathered, peak_in_flight([a for a, _, _ in engine.last_timeline]))
+    return gathered
+
+
+def predicted(stage_graph, name: str) -> float:
+    """Our simulator's makespan for the schedule the engine runs, priced with the same sleeps."""
+    from gpp_deepspeed.schedule import ActionKind as K, build_program, simulate
+
+    times = {K.FORWARD: T_F, K.BACKWARD: T_I + T_W, K.BACKWARD_INPUT: T_I, K.BACKWARD_WEIGHT: T_W}
+    sources = {s for s in range(stage_graph.num_stages) if not stage_graph.preds(s)}  # no input gradient
+
+    def duration(a):
+        if a.stage_idx in sources and a.kind in (K.BACKWARD, K.BACKWARD_INPUT):
+            return times[a.kind] - T_I
+        return times.get(a.kind, 0.0)
+
+    return simulate(build_program(stage_graph, M, schedule=name).actions, duration=duration).makespan
+
+
+# -------------------------------------------------------------------------------------------- torch
+
+def torch_schedule_names() -> list[str]:
+    """Every name torch 2.13's ``get_schedule_class`` knows."""
+    from torch.distributed.pipelining import schedules
+
+    try:
+        schedules.get_schedule_class("?")
+    except ValueError as e:  # the message lists the valid names
+        return json.loads(str(e).split("options are ")[1].replace("'", '"'))
+    raise AssertionError("get_schedule_class accepted '?'")
+
+
+def build_torch(topology: str, name: str, unit, batch):
+    """One torch schedule over the chain: (step, pipeline_order, layers per stage)."""
+    import inspect
+    import torch
+    from torch import nn
+    from torch.distributed.pipelining import PipelineStage, schedules
+    from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
+
+    cls = schedules.get_schedule_class(name)
+    if inspect.isabstract(cls) or cls in (schedules.PipelineScheduleSingle, schedules.PipelineScheduleMulti):
+        raise RefusedError(f"`{cls.__name__}` is a base class: it runs an action list the user writes "
+                           "(no schedule of its own)")
+    multi = issubclass(cls, schedules.PipelineScheduleMulti)
+    units = chain_units(topology, 2 if multi else 1)
+    mapping = generate_stage_to_rank_mapping(RANKS, len(units), style="v" if name in TORCH_V else "loop")
+    rank = torch.distributed.get_rank()
+    mine = [s for s in range(len(units)) if mapping[s] == rank]
+    stages = [PipelineStage(unit(*units[s]), s, len(units), torch.device("cpu")) for s in mine]
+    schedule = cls(stages if multi else stages[0], M, loss_fn=nn.MSELoss())
+    params = [p for st in stages for p in st.submod.parameters()]
+    optimizer = torch.optim.SGD(params, lr=1e-3)
+    x, y = batch
+    args = (x, ) if 0 in mine else ()
+    target = y if len(units) - 1 in mine else None
+
+    def step():
+        schedule.step(*args, target=target)
+        optimizer.step()
+        optimizer.zero_grad()
+
+    return step, schedule.pipeline_order, 1 / (2 if multi else 1)
+
+
+def torch_in_flight(order, fraction: float) -> list[float]:
+    """Every rank's peak held activations in torch's action lists (``I`` keeps them for its ``W``)."""
+    peaks = []
+    for rank in sorted(order):
+        live = peak = 0.0
+        for action in order[rank]:
+            for a in (action.sub_actions or (action, )) if action is not None else ():
+                kind = a.computation_type.value
+                live += fraction if kind == "F" else -fraction if kind in ("B", "W") else 0.0
+                peak = max(peak, live)
+        peaks.append(peak)
+    return peaks
+
+
+# ---------------------------------------------------------------------------------------- deepspeed
+
+def build_deepspeed(topology: str, name: str, unit, data):
+    """DeepSpeed's PipelineEngine (one layer per rank) or DualPipeVEngine (two half-layer stages per rank)."""
+    from torch import nn
+    import deepspeed
+    from deepspeed.pipe import DualPipeVModule, LayerSpec, PipelineModule
+
+    dual = name == "DualPipeVEngine"
+    layers = [LayerSpec(unit, *args) for args in chain_units(topology, 2 if dual else 1)]
+    module = (DualPipeVModule if dual else PipelineModule)(layers, num_stages=RANKS, loss_fn=nn.MSELoss(),
+                                                           partition_method="uniform")
+    engine, *_ = deepspeed.initialize(model=module, model_parameters=list(module.parameters()), config=_ds_config())
+    return lambda: engine.train_batch(data_iter=iter(data))
+
+
+def deepspeed_in_flight(name: str) -> list[float]:
+    """Every rank's peak held activations in DeepSpeed's instruction schedule (its backward is whole)."""
+    from deepspeed.runtime.pipe import schedule as ds
+
+    dual = name == "DualPipeVEngine"
+    peaks = []
+    for rank in range(RANKS):
+        sched = (ds.DualPipeVSchedule if dual else ds.TrainSchedule)(micro_batches=M, stages=RANKS, stage_id=rank)
+        live = peak = 0.0
+        for cmd in (c for cmds in sched.steps() for c in cmds):
+            step = isinstance(cmd, ds.ForwardPass) - isinstance(cmd, ds.BackwardPass)
+            live += step * (0.5 if dual else 1.0)
+            peak = max(peak, live)
+        peaks.append(peak)
+    return peaks
+
+
+def _ds_config() -> dict:
+    return {"train_micro_batch_size_per_gpu": MBS, "gradient_accumulation_steps": M, "steps_per_print": 10**6,
+            "optimizer": {"type": "SGD", "params": {"lr": 1e-3}}}
+
+
+# ------------------------------------------------------------------------------------------- worker
+
+class RefusedError(Exception):
+    """A peer that does not apply to this setting (said as the reason in the table)."""
+
+
+def _attempt(build):
+    """``build()`` on every rank; (result, None) where all ranks built, else (None, the first rank's reason)."""
+    import torch
+
+    try:
+        result, reason = build(), None
+    except Exception as e:  # a peer's refusal: recorded in the table, not raised
+        result, reason = None, str(e) if isinstance(e, RefusedError) else f"{type(e).__name__}: {e}".split("\n")[0]
+        if not isinstance(e, RefusedError):
+            traceback.print_exc()
+    reasons = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(reasons, reason)
+    reason = next((r for r in reasons if r is not None), None)
+    return (None, reason) if reason is not None else (result, None)
+
+
+def build_all(topology: str):
+    """Every configuration of the launch: label -> (step or None, metadata with in-flight or the refusal)."""
+    import torch
+
+    unit = sleep_unit_class()
+    num_branches = len(TOPOLOGIES[topology][0])
+    gen = torch.Generator().manual_seed(0)
+    sample = lambda: torch.randn(MBS, DIM, generator=gen)  # noqa: E731
+    dag_data = [(tuple(sample() for _ in range(num_branches)), sample()) for _ in range(M)]
+    chain_data = [(torch.cat(x, dim=1), y) for x, y in dag_data]
+    batch = (torch.cat([x for x, _ in chain_data]), torch.cat([y for _, y in chain_data]))
+    configs = {}
+    for name, (step, engine) in build_ours(topology, unit, dag_data).items():
+        configs[f"ours/{name}"] = (step, {"engine": engine})
+    for name in torch_schedule_names():
+        built, reason = _attempt(lambda: build_torch(topology, name, unit, batch))
+        meta = {"refused": reason} if reason else {"in_flight": torch_in_flight(built[1], built[2])}
+        configs[f"torch/{name}"] = (built and built[0], meta)
+    for name in DEEPSPEED:
+        step, reason = _attempt(lambda: build_deepspeed(topology, name, unit, chain_data))
+        meta = {"refused": reason} if reason else {"in_flight": deepspeed_in_flight(name)}
+        configs[f"deepspeed/{name}"] = (step, meta)
+    return configs
+
+
+def worker(topology: str, rounds: int, out: str) -> None:
+    import torch
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    configs = build_all(topology)
+    times = {label: [] for label, (step, _) in configs.items() if step is not None}
+    for r in range(rounds):
+        for label in times:
+            step, meta = configs[label]
+            torch.distributed.barrier()
+            start = time.perf_counter()
+            step()
+            torch.distributed.barrier()
+            times[label].append(time.perf_counter() - start)
+        if torch.distributed.get_rank() == 0:
+            print(f"round {r}: " + " ".join(f"{k}={v[-1] * 1e3:.0f}" for k, v in times.items()), flush=True)
+    results = {}
+    for label, (step, meta) in configs.items():
+        engine = meta.pop("engine", None)
+        if engine is not None:  # ours: from the instructions it ran, and the simulator
+            meta["in_flight"] = ours_in_flight(engine)
+            meta["predicted"] = predicted(engine.stage_graph, label.split("/")[1])
+            meta["depth"] = engine.stage_graph.pipeline_depth
+        results[label] = {**meta, "times": times.get(label)}
+    if torch.distributed.get_rank() == 0:
+        Path(out).write_text(json.dumps(results))
+    torch.distributed.destroy_process_group()
+
+
+# --------------------------------------------------------------------------------------------- main
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="our stage DAG against torch's and DeepSpeed's chain schedules")
+    parser.add_argument("--rounds", type=int, default=8, help="rounds (one step of every engine each)")
+    parser.add_argument("--quick", action="store_true", help="3 rounds: a check that every peer runs")
+    parser.add_argument("--topologies", default=",".join(TOPOLOGIES))
+    parser.add_argument("--table-only", action="store_true", help="rewrite the table from results/peers.json")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    rounds = 3 if args.quick else args.rounds
+    if args.worker:
+        return worker(args.worker, rounds, args.out)
+    path = ROOT / "benchmarks" / "results" / "peers.json"
+    if args.table_only:
+        saved = json.loads(path.read_text())
+        return write_table(saved["results"], saved["rounds"], saved.get("load_average", {}))
+    sys.path.insert(0, str(ROOT / "tests"))
+    from dist import launch
+
+    tmp = ROOT / "benchmarks" / "results" / "tmp"
+    results, loads = {}, {}
+    for topology in args.topologies.split(","):
+        out = tmp / f"peers_{topology}.json"
+        start, load = time.monotonic(), os.getloadavg()[0]
+        # A round is ~12 steps of 2-4 s; starting 8 ranks and building 12 engines takes minutes on 2 cores.
+        res = launch(RANKS, Path(__file__), "--worker", topology, "--rounds", str(rounds), "--out", str(out),
+                     timeout=900 + 120 * rounds, log_dir=tmp / "logs" / f"peers_{topology}")
+        if not res.ok:
+            raise SystemExit(f"{topology} failed:\n{res.report()}")
+        results[topology] = json.loads(out.read_text())
+        loads[topology] = (load, os.getloadavg()[0])
+        for label, r in results[topology].items():
+            if r.get("times"):
+                r["median_s"] = statistics.median(r["times"][1:] or r["times"])
+            print(f"{topology:14s} {label:32s} " + (f"refused: {r['refused']}" if "refused" in r else
+                  f"median {r['median_s'] * 1e3:7.1f} ms  peak in flight {max(r['in_flight'])}"), flush=True)
+        print(f"{topology}: {time.monotonic() - start:.0f} s", flush=True)
+    path.write_text(json.dumps({"rounds": rounds, "load_average": loads, "results": results}, indent=1))
+    write_table(results, rounds, loads)
+
+
+def _fmt(x: float) -> str:
+    return f"{x:g}" if x != int(x) else str(int(x))
+
+
+def _best(by_label: dict, system: str) -> tuple[str, dict] | None:
+    ran = [(label, r) for label, r in by_label.items() if label.startswith(system + "/") and "median_s" in r]
+    return min(ran, key=lambda lr: lr[1]["median_s"]) if ran else None
+
+
+def summary_rows(results: dict) -> list[str]:
+    """Per topology: each system's best, and our best over the best peer (below 1: we are faster)."""
+    rows = ["| model | DAG depth (chain) | ours: best | torch: best chain schedule | DeepSpeed: best "
+            "| our best / best peer | ours at <= the best peer's peak in flight / best peer |",
+            "|---|---|---|---|---|---|---|"]
+    for topology, by_label in results.items():
+        best = {s: _best(by_label, s) for s in ("ours", "torch", "deepspeed")}
+        cell = {s: f"`{b[0].split('/')[1]}` {b[1]['median_s'] * 1e3:,.0f} ms (peak {_fmt(max(b[1]['in_flight']))})"
+                if b else "none ran" for s, b in best.items()}
+        peers = [b for s, b in best.items() if s != "ours" and b]
+        ratio = lean = "n/a"
+        if best["ours"] and peers:
+            peer = min(peers, key=lambda lr: lr[1]["median_s"])
+            ratio = f"{best['ours'][1]['median_s'] / peer[1]['median_s']:.3f}"
+            cap = max(peer[1]["in_flight"])
+            within = [r for label, r in by_label.items()
+                      if label.startswith("ours/") and "median_s" in r and max(r["in_flight"]) <= cap]
+            lean = f"{min(r['median_s'] for r in within) / peer[1]['median_s']:.3f}" if within else "none within"
+        depth = next(r["depth"] for label, r in by_label.items() if label.startswith("ours/") and "depth" in r)
+        rows.append(f"| {TITLES.get(topology, topology)} | {depth} ({RANKS}) | {cell['ours']} | {cell['torch']} "
+                    f"| {cell['deepspeed']} | {ratio} | {lean} |")
+    return rows
+
+
+def detail_rows(results: dict) -> list[str]:
+    rows = ["| model | system | schedule | stages per rank | median step (ms) | best step (ms) | simulated (ms) "
+            "| median / simulated | peak in flight, max over ranks | per rank |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
+    multi = {"Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV", "DualPipeVEngine"}
+    for topology, by_label in results.items():
+        for label, r in by_label.items():
+            system, name = label.split("/")
+            per_rank = "-" if "refused" in r else 2 if name in multi else 1
+            head = f"| {TITLES.get(topology, topology)} | {system} | `{name}` | {per_rank} |"
+            if "refused" in r:
+                rows.append(f"{head} refused: {r['refused'].replace('|', '/')} | | | | | |")
+                continue
+            sim = r.get("predicted")
+            simulated = f"{sim * 1e3:,.0f} | {r['median_s'] / sim:.3f}" if sim else " | "
+            rows.append(f"{head} {r['median_s'] * 1e3:,.0f} | {min(r['times'][1:] or r['times']) * 1e3:,.0f} | "
+                        f"{simulated} | "
+                        f"{_fmt(max(r['in_flight']))} | {' '.join(map(_fmt, r['in_flight']))} |")
+    return rows
+
+
+def write_table(results: dict, rounds: int, loads: dict) -> None:
+    short = rounds < 8
+    load = "; ".join(f"{TITLES.get(t, t)} {a:.1f} and {b:.1f}" for t, (a, b) in loads.items())
+    load = f" One-minute load average at the start and end of each launch: {load}." if loads else ""
+    text = ("## Against the best chain schedules (peers.py)\n\n"
+            "`python benchmarks/peers.py` (issue 28). " +
+            (f"**Noisy machine, short run ({rounds} rounds, other jobs running beside it): the numbers only "
+             "show that every peer runs; the quiet-machine run (`python benchmarks/peers.py`) replaces them.** "
+             if short else "") +
+            f"{RANKS} gloo ranks, {M} micro-batches, sleeping layers (forward, input gradient and weight gradient "
+            f"{T_F * 1e3:.0f} ms each; a branch's first layer has no input gradient). One launch per model trains "
+            "every configuration in turn, one step each, round after round; each figure is the median step of "
+            f"rounds 2..{rounds}. Ours runs the stage DAG (one layer per stage and rank); torch "
+            "(`torch.distributed.pipelining`, 2.13) and DeepSpeed (0.19.8) run the same layers as a chain: one "
+            "layer per rank for single-stage schedules, two half-layer stages per rank for the multi-stage ones "
+            "(looped placement, a V for `ZBVZeroBubble` and both DualPipeVs). \"Peak in flight\" is the most "
+            "micro-batch activations a rank holds at once, in units of one layer's (a half-layer stage counts "
+            "a half): ours from the instructions the engine ran, torch's from its schedule's `pipeline_order`, "
+            "DeepSpeed's from its instruction schedule. \"Simulated\" is our schedule simulator's step for the "
+            f"same sleeps. A ratio below 1 means ours is faster.{load}\n\n"
+            + "\n".join(summary_rows(results)) + "\n\n" + "\n".join(detail_rows(results)) + "\n")
+    (ROOT / "benchmarks" / "results" / "peers.md").write_text(text)
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import report
+    report.main()
+
+
+if __name__ == "__main__":
+    main()
