@@ -1,4 +1,5 @@
-"""The DeepSpeed side: the pipeline module, the engine, their instructions and transfers.
+"""The DeepSpeed side: ``initialize``, the pipeline module, the engine and its rooms (instructions,
+buffers, transfers, backward, ZeRO), ``save_pretrained``.
 
 The only package of gpp_deepspeed that imports deepspeed's runtime. Importing it bounds every wait
 on a torch extension build lock in this process (:mod:`.startup`), so that a script's own

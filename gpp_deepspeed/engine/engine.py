@@ -6,22 +6,27 @@ aggregation and checkpoints are DeepSpeed's. What changes:
 
 * "first stage" means "reads graph inputs from the batch" (there may be several), and "last
   stage" means the output stage, which reads labels and computes the loss;
-* transfers go along stage edges between any two stages (:mod:`.transfers` on :mod:`.p2p`), several
-  tensors per edge;
-* every buffer keeps its own loss and output gradients, because stages run out of lock-step;
-* every batch runs a :class:`~gpp_deepspeed.schedule.Program`, this stage's action list of it,
-  validated (deadlock under NCCL's rendezvous semantics, buffer reuse, release points) before it
-  runs; it decides the buffer slot of every micro-batch, when buffers are freed (the release
-  actions) and which transfers are posted together. What a schedule is (its generator, whether it
-  splits the backward or never drains) is its registry entry, :data:`gpp_deepspeed.schedule.SCHEDULES`.
-* an asynchronous schedule keeps the pipeline full across ``train_batch`` calls: each call's program
-  comes from the same :class:`~gpp_deepspeed.schedule.ProgramFactory` (by the batch count that
-  :mod:`.asynchronous` keeps), forwards run on weight versions (:mod:`.weights`) and :meth:`flush`
-  drains.
+* every batch runs a :class:`~gpp_deepspeed.schedule.Program`, this stage's action list of it, from
+  the schedule's :class:`~gpp_deepspeed.schedule.ProgramFactory` (validated once per shape: deadlock
+  under NCCL's rendezvous semantics, buffer reuse, release points); the program decides the
+  buffer slot of every micro-batch, when buffers are freed and which transfers are posted
+  together. The engine only executes it, one instruction per action (:mod:`.instructions`).
 
-Buffers per micro-batch slot: ``loaded`` (graph inputs read from the batch), ``received``
-(``{TensorRef: value}`` from other stages), ``inputs`` (the flat tuple given to the stage's forward),
-``outputs``, ``grads`` (``{(port, tensor): summed gradient}``) and ``losses``.
+The engine owns one object per job (``docs/architecture.md``, "The engine's rooms"):
+
+``pipe_buffers``
+    :class:`~.buffers.StageBuffers`, what the stage holds per micro-batch slot;
+``transfers``
+    :class:`~.transfers.StageTransfers`, the stage's edges and peers, every transfer action;
+``stage_backward``
+    :class:`~.backward.StageBackward`, ``B``, ``I``, ``W`` and the parameter-gradient bracket;
+``zero``
+    :class:`~.zero.StageZero`, what ZeRO-2/3 add to a stage;
+``_async``
+    :class:`~.asynchronous.AsyncPipeline`, an asynchronous schedule's batch count and weight
+    versions (:mod:`.weights`); :meth:`flush` drains it.
+
+The ``LOAD`` handler and the data loader are :mod:`.data`.
 """
 
 from __future__ import annotations
