@@ -19,6 +19,7 @@ one-to-one to an instruction, with the buffer slot the schedule gave its micro-b
 
 from __future__ import annotations
 
+import functools
 import time
 
 from deepspeed.runtime.pipe import schedule as ds
@@ -94,6 +95,16 @@ INSTRUCTION_OF: dict[K, type[ds.PipeInstruction]] = {
 
 def to_instruction(action: Action, slot_of: dict[int, int]) -> ds.PipeInstruction:
     """The DeepSpeed instruction that executes ``action``; ``slot_of`` maps micro-batches to buffers."""
+    slots = tuple(slot_of[j] if not action.kind.spec.version else None for j in action.mb_idxs)
+    return _instruction(action, slots)
+
+
+@functools.lru_cache(maxsize=8192)
+def _instruction(action: Action, slots: tuple) -> ds.PipeInstruction:
+    """The instruction of ``action`` whose micro-batches (``action.mb_idxs``) sit in ``slots``: made
+    once, then the same object every batch (handlers only read an instruction's arguments), which
+    keeps building instructions out of the cost of an action."""
+    slot_of = dict(zip(action.mb_idxs, slots))
     cls = INSTRUCTION_OF[action.kind]
     if action.kind.is_transfer:
         return Transfers((op.kind, slot_of[op.mb_idx], op.peer) for op in action.parts)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import re
+import functools
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
@@ -80,20 +81,7 @@ class TensorRef:
             return text
         if not isinstance(text, str) or not text:
             raise GraphError(f"an input reference must be a non-empty string, got {text!r}")
-        cut = min((i for i in (text.find(":"), text.find(".")) if i >= 0), default=len(text))
-        node, rest = text[:cut], text[cut:]
-        if not node:
-            raise GraphError(f'bad input reference "{text}": it names no layer or graph input before "{rest[:1]}"')
-        steps: list[int | str] = []
-        pos = 0
-        while pos < len(rest):
-            m = _STEP_RE.match(rest, pos)
-            if not m:
-                raise GraphError(f'bad input reference "{text}": expected "name", "name:i" (an integer i) or '
-                                 '"name.key", steps chained as in "enc.hidden_states:-1"')
-            steps.append(int(m.group(1)[1:]) if m.group(1) else m.group(2)[1:])
-            pos = m.end()
-        return cls(node, tuple(steps))
+        return _parse_ref(cls, text)
 
     def __str__(self) -> str:
         return self.node + "".join(f":{p}" if isinstance(p, int) else f".{p}" for p in self.path)
@@ -280,3 +268,23 @@ def _branch_order(graph: LayerGraph) -> tuple[str, ...]:
             done.add(name)
             order.append(name)
     return tuple(order)
+
+
+@functools.lru_cache(maxsize=4096)
+def _parse_ref(cls, text: str) -> TensorRef:
+    """:meth:`TensorRef.parse` of a string, made once: the interpreter parses every layer's input
+    references at every call."""
+    cut = min((i for i in (text.find(":"), text.find(".")) if i >= 0), default=len(text))
+    node, rest = text[:cut], text[cut:]
+    if not node:
+        raise GraphError(f'bad input reference "{text}": it names no layer or graph input before "{rest[:1]}"')
+    steps: list[int | str] = []
+    pos = 0
+    while pos < len(rest):
+        m = _STEP_RE.match(rest, pos)
+        if not m:
+            raise GraphError(f'bad input reference "{text}": expected "name", "name:i" (an integer i) or '
+                             '"name.key", steps chained as in "enc.hidden_states:-1"')
+        steps.append(int(m.group(1)[1:]) if m.group(1) else m.group(2)[1:])
+        pos = m.end()
+    return cls(node, tuple(steps))
