@@ -1,0 +1,276 @@
+"""Several stages per rank on a stage DAG: folds and the compute order of each rank.
+
+A *fold* places the stages of a stage DAG on fewer pipeline ranks than stages (Megatron's virtual
+stages, "model chunks"): each rank runs one list of actions across its stages. This module is the
+schedule side of it, pure like the rest of :mod:`gpp_deepspeed.schedule`: which stage goes where,
+and the order in which each rank runs its stages' forwards and backwards. The engine does not run
+folded programs yet (a rank builds one stage); the planner and the simulator can price them.
+
+Glossary
+--------
+fold
+    :class:`Fold`: ``rank_of[s]`` is the pipeline rank that runs stage ``s``.
+looped placement
+    Stage ``s`` of a chain of ``v p`` stages on rank ``s mod p`` (Megatron's interleaved 1F1B,
+    Narayanan et al., SC'21, Sec. 2.2; torch's ``ScheduleInterleaved1F1B``).
+V placement
+    Rank ``r`` of ``p`` holds stages ``r`` and ``2 p - 1 - r``, an early and a late one (ZB-V, Qi
+    et al., "Pipeline Parallelism with Controllable Memory", arXiv 2405.15362; DualPipeV).
+
+The compute order of every rank comes from one greedy list schedule over the simulated clock (the
+rule :func:`~gpp_deepspeed.schedule.zero_bubble.zb2` applies to one stage per rank, here to ranks
+holding several): a free rank runs, of its stages' actions whose inputs have arrived, a backward
+first (``B``, or ``I`` when the backward is split: it frees memory and unblocks the ranks before
+it), the oldest micro-batch first and the later stage of the DAG first; else a forward under its
+stage's cap of micro-batches in flight, the oldest micro-batch first and the later stage first;
+else (split backward) its oldest deferred ``W``. Every order it returns is one the simulator ran,
+so it cannot deadlock with asynchronous sends; the lowering passes then make it NCCL-safe as for
+any schedule.
+
+Where it stands (``tests/test_virtual_stages.py``; unit ``F = I = W``, 16 micro-batches, a chain of
+8 half-stages on 4 ranks, whose ideal is 48): with one stage per rank and a fused backward it is
+exactly 1F1B; in a V with the split backward (ZB-V's placement) 51.0, against 57.0 for 1F1B on the
+same layers as 4 whole stages; looped with the split backward 49.5. Looped with a fused backward it
+takes 56.5, worse than Megatron's interleaved order (52.5): the greedy rule does not yet reproduce
+Megatron's grouping of ``p`` micro-batches per chunk, and ranks hold up to 1.5x 1F1B's activations
+(the cap lets a rank continue a micro-batch it has started). Those two are what is left before an
+engine runs these orders.
+
+Representative use::
+
+    fold = Fold.looped(num_stages=8, num_ranks=4)
+    order = rank_orders(StageGraph.chain(8), 16, fold, split_backward=False)   # {rank: [Action, ...]}
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable
+
+from ..errors import ScheduleError
+from ..graph.stages import StageGraph
+from ..schedule.ir import Action, ActionKind as K
+from ..schedule.zero_bubble import unit_split_duration
+
+__all__ = ["Fold", "rank_orders", "rank_in_flight", "rank_makespan"]
+
+
+@dataclass(frozen=True, slots=True)
+class Fold:
+    """Stage ``s`` runs on pipeline rank ``rank_of[s]``; every rank ``0 .. R-1`` runs at least one.
+
+    >>> Fold.looped(num_stages=6, num_ranks=3).stages_of(1)
+    (1, 4)
+    >>> Fold.v_shape(num_stages=6).stages_of(0)
+    (0, 5)
+    """
+
+    rank_of: tuple[int, ...]
+
+    def __post_init__(self):
+        ranks = set(self.rank_of)
+        if not self.rank_of or ranks != set(range(len(ranks))):
+            raise ScheduleError(f"a fold must place its stages on ranks 0..R-1, each holding one or more; got "
+                                f"{list(self.rank_of)}")
+
+    @property
+    def num_ranks(self) -> int:
+        return max(self.rank_of) + 1
+
+    def stages_of(self, rank: int) -> tuple[int, ...]:
+        return tuple(s for s, r in enumerate(self.rank_of) if r == rank)
+
+    @classmethod
+    def looped(cls, *, num_stages: int, num_ranks: int) -> "Fold":
+        """Stage ``s`` on rank ``s mod R`` (stages numbered in a topological order)."""
+        return cls(tuple(s % num_ranks for s in range(num_stages)))
+
+    @classmethod
+    def v_shape(cls, *, num_stages: int) -> "Fold":
+        """Rank ``r`` holds stages ``r`` and ``2R - 1 - r`` (``num_stages = 2R``)."""
+        if num_stages % 2:
+            raise ScheduleError(f"a V places two stages per rank: {num_stages} stages do not pair up")
+        half = num_stages // 2
+        return cls(tuple(s if s < half else num_stages - 1 - s for s in range(num_stages)))
+
+
+def rank_orders(stage_graph: StageGraph, num_microbatches: int, fold: Fold, *, split_backward: bool,
+                duration: Callable[[Action], float] | None = None,
+                max_in_flight: dict[int, int] | None = None) -> dict[int, list[Action]]:
+    """The compute order of every rank of ``fold`` (see the module docstring).
+
+    ``duration`` prices compute actions (default: unit ``F``, ``I``, ``W``, ``B = I + W``);
+    ``max_in_flight`` caps each rank's micro-batches in flight, counted once per stage that holds
+    one (default :func:`rank_in_flight`).
+
+    >>> orders = rank_orders(StageGraph.chain(4), 4, Fold.looped(num_stages=4, num_ranks=2), split_backward=False)
+    >>> [str(a) for a in orders[0][:6]]
+    ['0F0', '0F1', '2F0', '2F1', '0F2', '2B0']
+    """
+    if len(fold.rank_of) != stage_graph.num_stages:
+        raise ScheduleError(f"the fold places {len(fold.rank_of)} stages, the stage graph has "
+                            f"{stage_graph.num_stages}")
+    dur = duration or (lambda a: unit_split_duration(a.kind))
+    state = _RankState(stage_graph, num_microbatches, fold, split_backward)
+    caps = {r: (max_in_flight or {}).get(r, rank_in_flight(stage_graph, fold, r)) for r in range(fold.num_ranks)}
+    while state.active():
+        now = min(state.clock[r] for r in state.active())
+        for r in (t for t in state.active() if state.clock[t] == now):
+            action = state.choose(r, caps)
+            if action is not None:
+                state.run(r, action, dur)
+                break
+        else:
+            state.advance(now)
+    return state.order
+
+
+def rank_in_flight(stage_graph: StageGraph, fold: Fold, rank: int) -> int:
+    """Micro-batches of one stage that ``rank`` may hold at once, over its stages: the sum of its
+    stages' depths less one per extra stage. One stage per rank: its depth, 1F1B's bound. Looped
+    placement of ``v = 2`` chunks on a chain of ``p`` ranks: ``3p - 2r - 1``, Megatron's warm-up
+    ``2(p - r - 1) + (v - 1)p`` plus one. V placement: ``2p`` on every rank, ZB-V's bound (the
+    activations of ``p`` micro-batches of a whole rank's layers, as 1F1B's first stage holds).
+
+    >>> [rank_in_flight(StageGraph.chain(8), Fold.looped(num_stages=8, num_ranks=4), r) for r in range(4)]
+    [11, 9, 7, 5]
+    >>> {rank_in_flight(StageGraph.chain(8), Fold.v_shape(num_stages=8), r) for r in range(4)}
+    {8}
+    """
+    stages = fold.stages_of(rank)
+    return sum(stage_graph.depth(s) for s in stages) - (len(stages) - 1)
+
+
+def rank_makespan(orders: dict[int, list[Action]], stage_graph: StageGraph,
+                  duration: Callable[[Action], float] | None = None) -> float:
+    """When the last rank finishes ``orders`` with free, instant messages: each action starts when
+    its rank is free and what it reads has been computed (``F`` after its predecessors' ``F``, a
+    backward after its successors' input gradients or, on the output stage, its own ``F``, ``W``
+    after its ``I``). Raises :class:`ScheduleError` if the orders deadlock.
+
+    >>> orders = rank_orders(StageGraph.chain(2), 2, Fold((0, 0)), split_backward=False)
+    >>> rank_makespan(orders, StageGraph.chain(2))
+    12.0
+    """
+    dur = duration or (lambda a: unit_split_duration(a.kind))
+    split = any(a.kind is K.BACKWARD_INPUT for acts in orders.values() for a in acts)
+    back = K.BACKWARD_INPUT if split else K.BACKWARD
+
+    def needs(a: Action) -> list[tuple]:
+        if a.kind is K.FORWARD:
+            return [(K.FORWARD, p, a.mb_idx) for p in stage_graph.preds(a.stage_idx)]
+        if a.kind is K.BACKWARD_WEIGHT:
+            return [(K.BACKWARD_INPUT, a.stage_idx, a.mb_idx)]
+        return [(K.FORWARD, a.stage_idx, a.mb_idx)] + [(back, t, a.mb_idx) for t in stage_graph.succs(a.stage_idx)]
+
+    end: dict[tuple, float] = {}
+    pc = {r: 0 for r in orders}
+    clock = {r: 0.0 for r in orders}
+    progress = True
+    while progress:
+        progress = False
+        for r, actions in orders.items():
+            while pc[r] < len(actions):
+                a = actions[pc[r]]
+                need = [end.get(k) for k in needs(a)]
+                if None in need:
+                    break
+                end[(a.kind, a.stage_idx, a.mb_idx)] = clock[r] = max([clock[r], *need]) + dur(a)
+                pc[r] += 1
+                progress = True
+    stuck = [f"rank {r} at {orders[r][pc[r]]}" for r in orders if pc[r] < len(orders[r])]
+    if stuck:
+        raise ScheduleError("the rank orders deadlock: " + ", ".join(stuck))
+    return max(clock.values(), default=0.0)
+
+
+class _RankState:
+    """Book-keeping of :func:`rank_orders`'s simulated run: what each rank and stage has done."""
+
+    def __init__(self, stage_graph: StageGraph, num_mb: int, fold: Fold, split: bool):
+        self.graph, self.num_mb, self.fold, self.split = stage_graph, num_mb, fold, split
+        stages = range(stage_graph.num_stages)
+        self.clock = {r: 0.0 for r in range(fold.num_ranks)}
+        self.next_f = {s: 0 for s in stages}
+        self.next_b = {s: 0 for s in stages}
+        self.in_flight: dict[int, int] = {s: 0 for s in stages}
+        self.deferred: dict[int, deque[int]] = {s: deque() for s in stages}
+        self.f_end: dict[tuple[int, int], float] = {}
+        self.b_end: dict[tuple[int, int], float] = {}
+        self.order: dict[int, list[Action]] = {r: [] for r in range(fold.num_ranks)}
+        # Later stages first: a rank that can feed the output does so before starting new work.
+        self.preference = {r: sorted(fold.stages_of(r), key=lambda s: stage_graph.depth(s))
+                           for r in range(fold.num_ranks)}
+
+    def active(self) -> list[int]:
+        return [r for r in self.order if any(self.next_b[s] < self.num_mb or self.deferred[s]
+                                             for s in self.fold.stages_of(r))]
+
+    def forward_ready(self, s: int) -> float | None:
+        j = self.next_f[s]
+        if j >= self.num_mb:
+            return None
+        times = [self.f_end.get((p, j)) for p in self.graph.preds(s)]
+        return None if None in times else max(times, default=0.0)
+
+    def backward_ready(self, s: int) -> float | None:
+        j = self.next_b[s]
+        if j >= self.next_f[s]:
+            return None
+        succs = self.graph.succs(s)
+        times = [self.b_end.get((t, j)) for t in succs] if succs else [self.f_end[(s, j)]]
+        return None if None in times else max(times)
+
+    def choose(self, r: int, caps: dict[int, int]) -> Action | None:
+        now = self.clock[r]
+        back = K.BACKWARD_INPUT if self.split else K.BACKWARD
+        group = self.fold.num_ranks
+        ready = [(self.next_b[s] // group, i, self.next_b[s], s) for i, s in enumerate(self.preference[r])
+                 if (t := self.backward_ready(s)) is not None and t <= now]
+        if ready:
+            *_, s = min(ready)
+            return Action(s, back, self.next_b[s])
+        room = sum(self.in_flight[s] for s in self.preference[r]) < caps[r]
+        # Over the cap a rank still runs a forward of a micro-batch it has already started on
+        # another of its stages: it adds no new micro-batch and leads to backwards, which free
+        # memory (refusing it can deadlock a rank holding a stage and one after it).
+        started = max((self.next_f[s] - 1 for s in self.preference[r] if self.next_f[s]), default=-1)
+        ready = [(self.next_f[s] // group, -i, self.next_f[s], s) for i, s in enumerate(self.preference[r])
+                 if (room or self.next_f[s] <= started) and (t := self.forward_ready(s)) is not None and t <= now]
+        if ready:
+            *_, s = min(ready)
+            return Action(s, K.FORWARD, self.next_f[s])
+        waiting = [(self.deferred[s][0], s) for s in self.preference[r] if self.deferred[s]]
+        if waiting:
+            j, s = min(waiting)
+            return Action(s, K.BACKWARD_WEIGHT, j)
+        return None
+
+    def run(self, r: int, action: Action, dur: Callable[[Action], float]) -> None:
+        end = self.clock[r] + dur(action)
+        s, j = action.stage_idx, action.mb_idx
+        if action.kind is K.FORWARD:
+            self.f_end[(s, j)] = end
+            self.next_f[s] += 1
+            self.in_flight[s] += 1
+        elif action.kind is K.BACKWARD_WEIGHT:
+            self.deferred[s].popleft()
+            self.in_flight[s] -= 1
+        else:
+            self.b_end[(s, j)] = end
+            self.next_b[s] += 1
+            if self.split:
+                self.deferred[s].append(j)
+            else:
+                self.in_flight[s] -= 1
+        self.order[r].append(action)
+        self.clock[r] = end
+
+    def advance(self, now: float) -> None:
+        later = [t for r in self.active() for s in self.fold.stages_of(r)
+                 for t in (self.clock[r], self.backward_ready(s), self.forward_ready(s)) if t is not None and t > now]
+        if not later:
+            raise ScheduleError(f"the folded schedule cannot make progress at time {now}: every rank waits")
+        for r in self.active():
+            self.clock[r] = max(self.clock[r], min(later))

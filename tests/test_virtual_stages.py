@@ -1,0 +1,82 @@
+"""Several stages per rank, the schedule side (gpp_deepspeed.experimental.virtual): folds, and the
+compute order of each rank, against 1F1B and a replay of the orders (pure Python, no processes)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from gpp_deepspeed.errors import ScheduleError
+from gpp_deepspeed.experimental.virtual import Fold, rank_in_flight, rank_makespan, rank_orders
+from gpp_deepspeed.graph import StageGraph
+from gpp_deepspeed.graph.stages import StageEdge
+from gpp_deepspeed.schedule import one_f_one_b
+
+FULL = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
+HALF = {k: v / 2 for k, v in FULL.items()}   # a stage of half the layers
+
+
+def priced(table):
+    return lambda a: table.get(a.kind.value, 0.0)
+
+
+def test_a_fold_must_use_every_rank_from_zero():
+    with pytest.raises(ScheduleError, match="ranks 0..R-1"):
+        Fold((0, 2))
+    with pytest.raises(ScheduleError, match="do not pair up"):
+        Fold.v_shape(num_stages=5)
+
+
+@pytest.mark.parametrize("num_stages", [2, 4, 6])
+def test_one_stage_per_rank_with_a_fused_backward_is_1f1b(num_stages):
+    graph = StageGraph.chain(num_stages)
+    orders = rank_orders(graph, 8, Fold(tuple(range(num_stages))), split_backward=False, duration=priced(FULL))
+    assert orders == one_f_one_b(graph, 8)
+
+
+def _random_dag(rng, num_stages):
+    edges = {(s, s + 1) for s in range(num_stages - 1) if rng.random() < 0.6}
+    edges |= {(s, t) for s in range(num_stages) for t in range(s + 2, num_stages) if rng.random() < 0.25}
+    for s in range(num_stages - 1):       # every stage reaches the output (the last one)
+        if not any(a == s for a, _ in edges):
+            edges.add((s, num_stages - 1))
+    return StageGraph(num_stages=num_stages, edges=tuple(StageEdge(s, t, ()) for s, t in sorted(edges)),
+                      output_stage=num_stages - 1)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_rank_orders_of_random_folds_of_random_dags_run_every_action_once_without_deadlock(seed):
+    rng = random.Random(seed)
+    num_stages = rng.randint(2, 7)
+    graph = _random_dag(rng, num_stages)
+    num_ranks = rng.randint(1, num_stages)
+    rank_of = [rng.randrange(num_ranks) for _ in range(num_stages)]
+    rank_of[:num_ranks] = range(num_ranks)   # every rank holds a stage
+    fold, split, num_mb = Fold(tuple(rank_of)), bool(seed % 2), rng.randint(1, 6)
+    orders = rank_orders(graph, num_mb, fold, split_backward=split)
+    kinds = ("F", "I", "W") if split else ("F", "B")
+    for s in range(num_stages):
+        ran = [str(a) for a in orders[fold.rank_of[s]] if a.stage_idx == s]
+        assert sorted(ran) == sorted(f"{s}{k}{j}" for k in kinds for j in range(num_mb))
+    assert rank_makespan(orders, graph) > 0   # the replay raises on a deadlock
+
+
+def test_v_placement_with_a_split_backward_beats_1f1b_on_the_same_layers():
+    # ZB-V (arXiv 2405.15362): 4 ranks, each an early and a late half of a chain of 8 half-stages,
+    # against 1F1B on 4 whole stages; 16 micro-batches, T_F = T_I = T_W.
+    halves, whole = StageGraph.chain(8), StageGraph.chain(4)
+    zbv = rank_orders(halves, 16, Fold.v_shape(num_stages=8), split_backward=True, duration=priced(HALF))
+    ideal = 16 * 3.0
+    v_time = rank_makespan(zbv, halves, priced(HALF))
+    f1b_time = rank_makespan(one_f_one_b(whole, 16), whole, priced(FULL))
+    assert ideal <= v_time < f1b_time == ideal + 3 * 3.0
+
+
+def test_the_in_flight_bound_of_a_rank_is_1f1b_with_one_stage_megatrons_when_looped_and_zbvs_in_a_v():
+    chain = StageGraph.chain(8)
+    assert [rank_in_flight(chain, Fold(tuple(range(8))), r) for r in range(8)] == [8 - r for r in range(8)]
+    p = 4
+    assert [rank_in_flight(chain, Fold.looped(num_stages=8, num_ranks=p), r) for r in range(p)] == \
+        [2 * (p - r - 1) + p + 1 for r in range(p)]
+    assert {rank_in_flight(chain, Fold.v_shape(num_stages=8), r) for r in range(p)} == {2 * p}
