@@ -8,7 +8,7 @@ import random
 import pytest
 
 from gpp_deepspeed.errors import ScheduleError
-from gpp_deepspeed.experimental.virtual import Fold, rank_in_flight, rank_makespan, rank_orders
+from gpp_deepspeed.experimental.virtual import Fold, interleaved_1f1b, rank_in_flight, rank_makespan, rank_orders
 from gpp_deepspeed.graph import StageGraph
 from gpp_deepspeed.graph.stages import StageEdge
 from gpp_deepspeed.schedule import one_f_one_b
@@ -80,3 +80,20 @@ def test_the_in_flight_bound_of_a_rank_is_1f1b_with_one_stage_megatrons_when_loo
     assert [rank_in_flight(chain, Fold.looped(num_stages=8, num_ranks=p), r) for r in range(p)] == \
         [2 * (p - r - 1) + p + 1 for r in range(p)]
     assert {rank_in_flight(chain, Fold.v_shape(num_stages=8), r) for r in range(p)} == {2 * p}
+
+
+@pytest.mark.parametrize("p", [2, 4])
+def test_interleaved_1f1b_on_a_looped_chain_has_megatrons_bubble(p):
+    # Narayanan et al., SC'21, Sec. 2.2: v chunks per rank cut 1F1B's bubble (p - 1)(t_f + t_b) by v.
+    chain, m = StageGraph.chain(2 * p), 16
+    orders = interleaved_1f1b(chain, m, Fold.looped(num_stages=2 * p, num_ranks=p))
+    assert rank_makespan(orders, chain, priced(HALF)) == m * 3.0 + (p - 1) * 3.0 / 2
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_interleaved_1f1b_on_random_dags_never_deadlocks(seed):
+    rng = random.Random(seed)
+    graph = _random_dag(rng, rng.randint(3, 7))
+    fold = Fold.looped(num_stages=graph.num_stages, num_ranks=rng.randint(1, graph.num_stages - 1))
+    orders = interleaved_1f1b(graph, rng.randint(2, 8), fold)
+    assert rank_makespan(orders, graph) > 0

@@ -28,13 +28,14 @@ so it cannot deadlock with asynchronous sends; the lowering passes then make it 
 any schedule.
 
 Where it stands (``tests/test_virtual_stages.py``; unit ``F = I = W``, 16 micro-batches, a chain of
-8 half-stages on 4 ranks, whose ideal is 48): with one stage per rank and a fused backward it is
-exactly 1F1B; in a V with the split backward (ZB-V's placement) 51.0, against 57.0 for 1F1B on the
-same layers as 4 whole stages; looped with the split backward 49.5. Looped with a fused backward it
-takes 56.5, worse than Megatron's interleaved order (52.5): the greedy rule does not yet reproduce
-Megatron's grouping of ``p`` micro-batches per chunk, and ranks hold up to 1.5x 1F1B's activations
-(the cap lets a rank continue a micro-batch it has started). Those two are what is left before an
-engine runs these orders.
+8 half-stages on 4 ranks, whose ideal is 48): with one stage per rank and a fused backward the
+greedy order is exactly 1F1B; in a V with the split backward (ZB-V's placement) it takes 51.0,
+against 57.0 for 1F1B on the same layers as 4 whole stages, looped with the split backward 50.0.
+With a fused backward, :func:`interleaved_1f1b` gives Megatron's 52.5 exactly (the greedy order
+takes 59.5; on a DAG, where Megatron's order may deadlock, it falls back to the greedy one). The
+greedy orders hold up to 1.4x 1F1B's activations on the busiest rank (5.5 whole-layer
+micro-batches against 4: a rank always continues a micro-batch it has started, so as never to
+deadlock). Bounding that, and an engine that runs these orders, are what is left.
 
 Representative use::
 
@@ -53,7 +54,7 @@ from ..graph.stages import StageGraph
 from ..schedule.ir import Action, ActionKind as K
 from ..schedule.zero_bubble import unit_split_duration
 
-__all__ = ["Fold", "rank_orders", "rank_in_flight", "rank_makespan"]
+__all__ = ["Fold", "rank_orders", "interleaved_1f1b", "rank_in_flight", "rank_makespan"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,6 +186,17 @@ def rank_makespan(orders: dict[int, list[Action]], stage_graph: StageGraph,
     return max(clock.values(), default=0.0)
 
 
+def nx_descendants(stage_graph: StageGraph, s: int) -> set[int]:
+    """Every stage after ``s`` on some path to the output."""
+    seen, todo = set(), list(stage_graph.succs(s))
+    while todo:
+        t = todo.pop()
+        if t not in seen:
+            seen.add(t)
+            todo += stage_graph.succs(t)
+    return seen
+
+
 class _RankState:
     """Book-keeping of :func:`rank_orders`'s simulated run: what each rank and stage has done."""
 
@@ -199,6 +211,9 @@ class _RankState:
         self.f_end: dict[tuple[int, int], float] = {}
         self.b_end: dict[tuple[int, int], float] = {}
         self.order: dict[int, list[Action]] = {r: [] for r in range(fold.num_ranks)}
+        # The stages of its own rank a micro-batch passes through from each stage on (itself included).
+        reach = {s: {s} | nx_descendants(stage_graph, s) for s in stages}
+        self.visits = {s: sum(fold.rank_of[t] == fold.rank_of[s] for t in reach[s]) for s in stages}
         # Later stages first: a rank that can feed the output does so before starting new work.
         self.preference = {r: sorted(fold.stages_of(r), key=lambda s: stage_graph.depth(s))
                            for r in range(fold.num_ranks)}
@@ -231,13 +246,14 @@ class _RankState:
         if ready:
             *_, s = min(ready)
             return Action(s, back, self.next_b[s])
-        room = sum(self.in_flight[s] for s in self.preference[r]) < caps[r]
-        # Over the cap a rank still runs a forward of a micro-batch it has already started on
-        # another of its stages: it adds no new micro-batch and leads to backwards, which free
-        # memory (refusing it can deadlock a rank holding a stage and one after it).
+        held = sum(self.in_flight[s] for s in self.preference[r])
+        # A micro-batch a rank has started on one stage goes on to its other stages: continuing it
+        # is always allowed (refusing could deadlock), and starting a new one needs room for every
+        # stage of the rank it will pass through, so that the cap holds.
         started = max((self.next_f[s] - 1 for s in self.preference[r] if self.next_f[s]), default=-1)
         ready = [(self.next_f[s] // group, -i, self.next_f[s], s) for i, s in enumerate(self.preference[r])
-                 if (room or self.next_f[s] <= started) and (t := self.forward_ready(s)) is not None and t <= now]
+                 if (self.next_f[s] <= started or held + self.visits[s] <= caps[r])
+                 and (t := self.forward_ready(s)) is not None and t <= now]
         if ready:
             *_, s = min(ready)
             return Action(s, K.FORWARD, self.next_f[s])
@@ -274,3 +290,48 @@ class _RankState:
             raise ScheduleError(f"the folded schedule cannot make progress at time {now}: every rank waits")
         for r in self.active():
             self.clock[r] = max(self.clock[r], min(later))
+
+
+def interleaved_1f1b(stage_graph: StageGraph, num_microbatches: int, fold: Fold) -> dict[int, list[Action]]:
+    """Megatron's interleaved 1F1B order on every rank of ``fold`` (Narayanan et al., SC'21,
+    Sec. 2.2; torch's ``ScheduleInterleaved1F1B``), a fused backward.
+
+    A rank's forwards go through its stages (in stage order: its "chunks") ``R`` micro-batches at a
+    time, ``R`` the number of ranks: micro-batches ``0..R-1`` on its first stage, the same on its
+    second, ..., then micro-batches ``R..2R-1``; its backwards go the same way with the stages
+    reversed. It runs :func:`rank_in_flight` ``- 1`` forwards first (Megatron's warm-up,
+    ``2(p - r - 1) + (v - 1)p`` on a chain), then alternates one forward and one backward, then
+    drains. On a chain in looped placement this is Megatron's schedule action for action. On a
+    DAG that order can deadlock (a rank waiting on a branch another rank runs later): then the
+    ranks run :func:`rank_orders`' greedy order instead, which cannot.
+
+    >>> orders = interleaved_1f1b(StageGraph.chain(4), 4, Fold.looped(num_stages=4, num_ranks=2))
+    >>> " ".join(str(a) for a in orders[1])
+    '1F0 1F1 3F0 3B0 3F1 3B1 1F2 1B0 1F3 1B1 3F2 3B2 3F3 3B3 1B2 1B3'
+    """
+    num_ranks, num_mb = fold.num_ranks, num_microbatches
+    orders: dict[int, list[Action]] = {}
+    for r in range(num_ranks):
+        stages = fold.stages_of(r)
+        forwards = _chunk_order(stages, num_mb, num_ranks, K.FORWARD)
+        backwards = _chunk_order(stages[::-1], num_mb, num_ranks, K.BACKWARD)
+        warmup = min(rank_in_flight(stage_graph, fold, r) - 1, len(forwards))
+        order = forwards[:warmup]
+        for f, b in zip(forwards[warmup:], backwards):
+            order += [f, b]
+        order += backwards[len(forwards) - warmup:]
+        orders[r] = order
+    try:
+        rank_makespan(orders, stage_graph)
+    except ScheduleError:
+        return rank_orders(stage_graph, num_microbatches, fold, split_backward=False)
+    return orders
+
+
+def _chunk_order(stages, num_mb: int, group: int, kind: K) -> list[Action]:
+    """``kind`` of every micro-batch on ``stages``: ``group`` micro-batches per stage at a time."""
+    out = []
+    for first in range(0, num_mb, group):
+        for s in stages:
+            out += [Action(s, kind, j) for j in range(first, min(first + group, num_mb))]
+    return out
