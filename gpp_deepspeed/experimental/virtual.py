@@ -107,7 +107,7 @@ def rank_orders(stage_graph: StageGraph, num_microbatches: int, fold: Fold, *, s
 
     >>> orders = rank_orders(StageGraph.chain(4), 4, Fold.looped(num_stages=4, num_ranks=2), split_backward=False)
     >>> [str(a) for a in orders[0][:6]]
-    ['0F0', '0F1', '2F0', '2F1', '0F2', '2B0']
+    ['0F0', '0F1', '2F0', '2F1', '2B0', '0F2']
     """
     if len(fold.rank_of) != stage_graph.num_stages:
         raise ScheduleError(f"the fold places {len(fold.rank_of)} stages, the stage graph has "
