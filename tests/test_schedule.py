@@ -110,11 +110,22 @@ def test_action_str_and_parse_of_grouped_transfers_and_releases():
     assert str(Action(3, K.RELEASE_IN, 2)) == "3RELEASE_IN2" and Action.parse("3RELEASE_OUT2").kind is K.RELEASE_OUT
 
 
-@pytest.mark.parametrize("bad", ["(1SEND_F1@2)P2P", "(1SEND_F1@2;2RECV_B0@1)P2P", "(1F1;1RECV_B0@2)P2P", "1P2P",
+@pytest.mark.parametrize("bad", ["(1SEND_F1@2)P2P", "(1F1;1RECV_B0@2)P2P", "1P2P",
                                  "(1SEND_F1@2;1RECV_B0@2)", "1RELEASE_IN"])
 def test_action_parse_rejects_malformed_groups_and_releases(bad):
     with pytest.raises(ScheduleError):
         Action.parse(bad)
+
+
+def test_a_group_may_hold_several_stages_transfers_but_a_stage_program_refuses_another_stages():
+    # A rank holding stages 1 and 2 posts their transfers together; a program of one stage per
+    # rank must not: the validator names the stranger.
+    group = Action.parse("(1SEND_F1@2;2RECV_B0@1)P2P")
+    assert Action.parse(str(group)) == group
+    program = build_program(StageGraph.chain(3), 2, schedule="1f1b")
+    actions = {**program.actions, 1: [group, *program.actions[1]]}
+    with pytest.raises(ScheduleError, match="stage 1 slot 0 holds 2RECV_B0@1, an action of stage 2"):
+        validate_schedule(actions, StageGraph.chain(3), 2, train=True)
 
 
 def test_format_schedule_prints_one_line_per_stage():

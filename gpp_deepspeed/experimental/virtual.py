@@ -24,8 +24,11 @@ first (``B``, or ``I`` when the backward is split: it frees memory and unblocks 
 it), the oldest micro-batch first and the later stage of the DAG first; else a forward under its
 stage's cap of micro-batches in flight, the oldest micro-batch first and the later stage first;
 else (split backward) its oldest deferred ``W``. Every order it returns is one the simulator ran,
-so it cannot deadlock with asynchronous sends; the lowering passes then make it NCCL-safe as for
-any schedule.
+so it cannot deadlock with asynchronous sends. :func:`fold_program` then lowers it into one list of
+actions per rank across its stages (an edge inside a rank is a hand-over, not a message; one
+``LOAD`` per micro-batch and one step per rank), grouped and ordered for NCCL's rendezvous
+semantics and checked by the simulator in that mode; with free messages it takes exactly the
+compute makespan of its orders (tested on random folds of random DAGs).
 
 Where it stands (``tests/test_virtual_stages.py``; unit ``F = I = W``, 16 micro-batches, a chain of
 8 half-stages on 4 ranks, whose ideal is 48): with one stage per rank and a fused backward the
@@ -35,7 +38,9 @@ With a fused backward, :func:`interleaved_1f1b` gives Megatron's 52.5 exactly (t
 takes 59.5; on a DAG, where Megatron's order may deadlock, it falls back to the greedy one). The
 greedy orders hold up to 1.4x 1F1B's activations on the busiest rank (5.5 whole-layer
 micro-batches against 4: a rank always continues a micro-batch it has started, so as never to
-deadlock). Bounding that, and an engine that runs these orders, are what is left.
+deadlock). Bounding that, the validator's per-rank checks (buffer slots and releases per stage of a rank), and
+an engine that runs these programs (a rank building several stages, the hand-over) are what is
+left.
 
 Representative use::
 
@@ -54,7 +59,7 @@ from ..graph.stages import StageGraph
 from ..schedule.ir import Action, ActionKind as K
 from ..schedule.zero_bubble import unit_split_duration
 
-__all__ = ["Fold", "rank_orders", "interleaved_1f1b", "rank_in_flight", "rank_makespan"]
+__all__ = ["Fold", "rank_orders", "interleaved_1f1b", "fold_program", "rank_in_flight", "rank_makespan"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -335,3 +340,68 @@ def _chunk_order(stages, num_mb: int, group: int, kind: K) -> list[Action]:
         for s in stages:
             out += [Action(s, kind, j) for j in range(first, min(first + group, num_mb))]
     return out
+
+
+def fold_program(stage_graph: StageGraph, num_microbatches: int, fold: Fold, orders: dict[int, list[Action]],
+                 *, duration: Callable[[Action], float] | None = None) -> dict[int, list[Action]]:
+    """Every rank's one list of actions across its stages, lowered for a synchronous batch.
+
+    Each stage is lowered as a stage of its own is (``LOAD``, the transfers of its edges,
+    ``merge_backward``, releases); each rank then runs its stages' compute in ``orders``, every
+    compute action bringing the receives and loads that precede it on its stage and the sends and
+    releases that follow it. What changes on a rank holding several stages:
+
+    * an edge between two stages of one rank sends nothing: the consumer runs after the producer
+      on the same rank and reads its tensors there (a local hand-over), so neither its activation
+      nor its gradient transfer is in the program;
+    * a micro-batch is loaded once per rank, before the first of its stages that reads the batch;
+    * the batch ends once per rank (``WAIT_SENDS``, ``REDUCE_TIED``, ``REDUCE_GRAD``, ``STEP``).
+
+    The transfers are then grouped and ordered for rendezvous semantics as for any schedule
+    (:func:`~gpp_deepspeed.schedule.lowering.group_for_rendezvous`), so the simulator's rendezvous
+    mode (NCCL) accepts the result: it raises :class:`ScheduleError` otherwise.
+
+    A V on four stages: rank 1 holds stages 1 and 2, whose edge is a hand-over on the rank.
+
+    >>> chain, fold = StageGraph.chain(4), Fold.v_shape(num_stages=4)
+    >>> program = fold_program(chain, 1, fold, interleaved_1f1b(chain, 1, fold))
+    >>> " ".join(str(a) for a in program[1])
+    '1RECV_F0@0 1F0 2F0 (2SEND_F0@3;2RECV_B0@3)P2P 2B0 2RELEASE_OUT0 2RELEASE_IN0 1B0 1RELEASE_OUT0 1SEND_B0@0 1RELEASE_IN0 1WAIT_SENDS 1REDUCE_TIED 1REDUCE_GRAD 1STEP'
+    """
+    from ..schedule.lowering import add_load, add_release, add_send_recv, group_for_rendezvous, merge_backward
+    from ..schedule.validate import simulate
+
+    merged = {s for s in range(stage_graph.num_stages) if not stage_graph.grad_preds(s)}
+    orders = {r: [Action(a.stage_idx, K.BACKWARD, a.mb_idx) if a.kind is K.BACKWARD_WEIGHT and a.stage_idx in merged
+                  else a for a in acts if not (a.kind is K.BACKWARD_INPUT and a.stage_idx in merged)]
+              for r, acts in orders.items()}
+    compute = {s: [a for r in sorted(orders) for a in orders[r] if a.stage_idx == s]
+               for s in range(stage_graph.num_stages)}
+    local = lambda a: a.kind.has_peer and fold.rank_of[a.stage_idx] == fold.rank_of[a.peer]  # noqa: E731
+    per_stage = add_release(merge_backward(add_send_recv(add_load(compute, stage_graph), stage_graph), stage_graph))
+    before: dict[Action, list[Action]] = {}
+    after: dict[Action, list[Action]] = {}
+    for acts in per_stage.values():
+        pending, last = [], None
+        for a in acts:
+            if a.kind is K.FORWARD or a.kind.spec.backward:
+                before[a], after[a], pending, last = pending, [], [], a
+            elif a.kind.spec.send or a.kind.is_release:
+                after[last].append(a)          # a send or a release follows what it reads
+            else:
+                pending.append(a)              # a receive or a load precedes what needs it
+    lists: dict[int, list[Action]] = {}
+    for r, acts in orders.items():
+        loaded: set[int] = set()
+        out: list[Action] = []
+        for c in acts:
+            for a in (*before[c], c, *after[c]):
+                if local(a) or (a.kind is K.LOAD and a.mb_idx in loaded):
+                    continue
+                loaded |= {a.mb_idx} if a.kind is K.LOAD else set()
+                out.append(a)
+        first = fold.stages_of(r)[0]
+        lists[r] = out + [Action(first, k) for k in (K.WAIT_SENDS, K.REDUCE_TIED, K.REDUCE_GRAD, K.STEP)]
+    grouped = group_for_rendezvous(lists, duration=duration)
+    simulate(grouped, mode="rendezvous")
+    return grouped

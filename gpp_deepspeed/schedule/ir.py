@@ -296,10 +296,12 @@ class Action:
         if self.kind is ActionKind.P2P:
             if len(self.ops) < 2:
                 raise ScheduleError(f"a grouped transfer needs at least two transfers, got {list(self.ops)}")
-            bad = [op for op in self.ops if not op.kind.has_peer or op.stage_idx != self.stage_idx]
+            # Transfers of several stages may be grouped: a rank holding several stages posts them
+            # together; in a program of one stage per rank the validator refuses another stage's op.
+            bad = [op for op in self.ops if not op.kind.has_peer]
             if bad:
-                raise ScheduleError(f"a grouped transfer of stage {self.stage_idx} holds {bad}: only transfers of "
-                                    "that stage can be grouped")
+                raise ScheduleError(f"a grouped transfer of stage {self.stage_idx} holds {bad}: only single "
+                                    "transfers can be grouped")
             if self.mb_idx is not None or self.peer is not None:
                 raise ScheduleError("a grouped transfer has no micro-batch or peer of its own")
             return
