@@ -32,15 +32,16 @@ compute makespan of its orders (tested on random folds of random DAGs).
 
 Where it stands (``tests/test_virtual_stages.py``; unit ``F = I = W``, 16 micro-batches, a chain of
 8 half-stages on 4 ranks, whose ideal is 48): with one stage per rank and a fused backward the
-greedy order is exactly 1F1B; in a V with the split backward (ZB-V's placement) it takes 51.0,
-against 57.0 for 1F1B on the same layers as 4 whole stages, looped with the split backward 50.0.
-With a fused backward, :func:`interleaved_1f1b` gives Megatron's 52.5 exactly (the greedy order
-takes 59.5; on a DAG, where Megatron's order may deadlock, it falls back to the greedy one). The
-greedy orders hold up to 1.4x 1F1B's activations on the busiest rank (5.5 whole-layer
-micro-batches against 4: a rank always continues a micro-batch it has started, so as never to
-deadlock). Bounding that, the validator's per-rank checks (buffer slots and releases per stage of a rank), and
-an engine that runs these programs (a rank building several stages, the hand-over) are what is
-left.
+greedy order is exactly 1F1B; in a V with the split backward (ZB-V's placement) it takes 51.5 while
+every rank holds at most 4 whole-layer micro-batches, 1F1B's peak, against 57.0 for 1F1B on the
+same layers as 4 whole stages (ZB-V's claim: less bubble at 1F1B's memory). With a fused backward,
+:func:`interleaved_1f1b` gives Megatron's 52.5 exactly (on a DAG, where Megatron's order may
+deadlock, it falls back to the greedy order, which is poor there: 68.5). A rank's cap is
+:func:`rank_in_flight`; a micro-batch reserves its units on a rank when it first reaches it, and
+where that could deadlock (a micro-batch entering one rank at two stages of a DAG) the cap is
+relaxed for micro-batches already begun there. Left: the validator's per-rank checks (buffer slots
+and releases per stage of a rank), and an engine that runs these programs (a rank building several
+stages, the hand-over).
 
 Representative use::
 
@@ -112,14 +113,20 @@ def rank_orders(stage_graph: StageGraph, num_microbatches: int, fold: Fold, *, s
 
     >>> orders = rank_orders(StageGraph.chain(4), 4, Fold.looped(num_stages=4, num_ranks=2), split_backward=False)
     >>> [str(a) for a in orders[0][:6]]
-    ['0F0', '0F1', '2F0', '2F1', '2B0', '0F2']
+    ['0F0', '0F1', '2F0', '2B0', '2F1', '0F2']
     """
     if len(fold.rank_of) != stage_graph.num_stages:
         raise ScheduleError(f"the fold places {len(fold.rank_of)} stages, the stage graph has "
                             f"{stage_graph.num_stages}")
     dur = duration or (lambda a: unit_split_duration(a.kind))
-    state = _RankState(stage_graph, num_microbatches, fold, split_backward)
     caps = {r: (max_in_flight or {}).get(r, rank_in_flight(stage_graph, fold, r)) for r in range(fold.num_ranks)}
+    try:
+        return _greedy(_RankState(stage_graph, num_microbatches, fold, split_backward, strict=True), caps, dur)
+    except ScheduleError:
+        return _greedy(_RankState(stage_graph, num_microbatches, fold, split_backward, strict=False), caps, dur)
+
+
+def _greedy(state: "_RankState", caps: dict[int, int], dur: Callable[[Action], float]) -> dict[int, list[Action]]:
     while state.active():
         now = min(state.clock[r] for r in state.active())
         for r in (t for t in state.active() if state.clock[t] == now):
@@ -205,8 +212,8 @@ def nx_descendants(stage_graph: StageGraph, s: int) -> set[int]:
 class _RankState:
     """Book-keeping of :func:`rank_orders`'s simulated run: what each rank and stage has done."""
 
-    def __init__(self, stage_graph: StageGraph, num_mb: int, fold: Fold, split: bool):
-        self.graph, self.num_mb, self.fold, self.split = stage_graph, num_mb, fold, split
+    def __init__(self, stage_graph: StageGraph, num_mb: int, fold: Fold, split: bool, strict: bool):
+        self.graph, self.num_mb, self.fold, self.split, self.strict = stage_graph, num_mb, fold, split, strict
         stages = range(stage_graph.num_stages)
         self.clock = {r: 0.0 for r in range(fold.num_ranks)}
         self.next_f = {s: 0 for s in stages}
@@ -218,7 +225,9 @@ class _RankState:
         self.order: dict[int, list[Action]] = {r: [] for r in range(fold.num_ranks)}
         # The stages of its own rank a micro-batch passes through from each stage on (itself included).
         reach = {s: {s} | nx_descendants(stage_graph, s) for s in stages}
-        self.visits = {s: sum(fold.rank_of[t] == fold.rank_of[s] for t in reach[s]) for s in stages}
+        self.rank_reach = {s: frozenset(t for t in reach[s] if fold.rank_of[t] == fold.rank_of[s]) for s in stages}
+        self.reserved = {r: 0 for r in range(fold.num_ranks)}
+        self.covered: dict[tuple[int, int], set[int]] = {}    # (rank, micro-batch) -> stages reserved
         # Later stages first: a rank that can feed the output does so before starting new work.
         self.preference = {r: sorted(fold.stages_of(r), key=lambda s: stage_graph.depth(s))
                            for r in range(fold.num_ranks)}
@@ -251,13 +260,14 @@ class _RankState:
         if ready:
             *_, s = min(ready)
             return Action(s, back, self.next_b[s])
-        held = sum(self.in_flight[s] for s in self.preference[r])
-        # A micro-batch a rank has started on one stage goes on to its other stages: continuing it
-        # is always allowed (refusing could deadlock), and starting a new one needs room for every
-        # stage of the rank it will pass through, so that the cap holds.
-        started = max((self.next_f[s] - 1 for s in self.preference[r] if self.next_f[s]), default=-1)
+        # A micro-batch reserves, when it first reaches a stage of the rank, one unit for every stage
+        # of the rank it will pass through from there (each freed by that stage's backward): its
+        # later forwards on the rank then always go ahead, and the rank never holds more than its cap.
+        # Where that deadlocks (two stages of one rank that a micro-batch enters apart, on a DAG),
+        # ``strict`` is off: a micro-batch begun on the rank goes ahead on any of its stages.
         ready = [(self.next_f[s] // group, -i, self.next_f[s], s) for i, s in enumerate(self.preference[r])
-                 if (self.next_f[s] <= started or held + self.visits[s] <= caps[r])
+                 if (self.reserved[r] + len(self._unreserved(r, s)) <= caps[r]
+                     or not self.strict and (r, self.next_f[s]) in self.covered)
                  and (t := self.forward_ready(s)) is not None and t <= now]
         if ready:
             *_, s = min(ready)
@@ -268,16 +278,23 @@ class _RankState:
             return Action(s, K.BACKWARD_WEIGHT, j)
         return None
 
+    def _unreserved(self, r: int, s: int) -> frozenset[int]:
+        """The stages of rank ``r`` that stage ``s``'s next forward would newly reserve."""
+        return self.rank_reach[s] - self.covered.get((r, self.next_f[s]), set())
+
     def run(self, r: int, action: Action, dur: Callable[[Action], float]) -> None:
         end = self.clock[r] + dur(action)
         s, j = action.stage_idx, action.mb_idx
         if action.kind is K.FORWARD:
+            self.reserved[r] += len(self._unreserved(r, s))
+            self.covered.setdefault((r, j), set()).update(self.rank_reach[s])
             self.f_end[(s, j)] = end
             self.next_f[s] += 1
             self.in_flight[s] += 1
         elif action.kind is K.BACKWARD_WEIGHT:
             self.deferred[s].popleft()
             self.in_flight[s] -= 1
+            self.reserved[r] -= 1
         else:
             self.b_end[(s, j)] = end
             self.next_b[s] += 1
@@ -285,6 +302,7 @@ class _RankState:
                 self.deferred[s].append(j)
             else:
                 self.in_flight[s] -= 1
+                self.reserved[r] -= 1
         self.order[r].append(action)
         self.clock[r] = end
 
