@@ -136,3 +136,20 @@ def test_folded_programs_of_random_dags_run_under_nccl_semantics_and_take_their_
     timeline = simulate(program, duration=priced(FULL))
     end = max(e for spans in timeline.spans.values() for _, _, e in spans)
     assert end == rank_makespan(orders, graph, priced(FULL))
+
+
+def test_a_folded_program_with_a_hand_over_out_of_order_or_a_release_missing_is_refused():
+    from gpp_deepspeed.experimental.virtual import fold_program, validate_folded
+
+    chain, fold = StageGraph.chain(4), Fold.v_shape(num_stages=4)   # rank 1 holds stages 1 and 2
+    program = fold_program(chain, 2, fold, rank_orders(chain, 2, fold, split_backward=False))
+    validate_folded(program, chain, 2, fold)
+    rank1 = program[1]
+    first, second = (rank1.index(next(a for a in rank1 if str(a) == t)) for t in ("1F0", "2F0"))
+    swapped = list(rank1)
+    swapped[first], swapped[second] = swapped[second], swapped[first]
+    with pytest.raises(ScheduleError, match=r"runs 2F0 before 1F0"):
+        validate_folded({**program, 1: swapped}, chain, 2, fold)
+    without = [a for a in rank1 if str(a) != "2RELEASE_IN0"]
+    with pytest.raises(ScheduleError, match="2RELEASE_IN0"):
+        validate_folded({**program, 1: without}, chain, 2, fold)

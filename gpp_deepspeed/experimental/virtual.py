@@ -39,9 +39,9 @@ same layers as 4 whole stages (ZB-V's claim: less bubble at 1F1B's memory). With
 deadlock, it falls back to the greedy order, which is poor there: 68.5). A rank's cap is
 :func:`rank_in_flight`; a micro-batch reserves its units on a rank when it first reaches it, and
 where that could deadlock (a micro-batch entering one rank at two stages of a DAG) the cap is
-relaxed for micro-batches already begun there. Left: the validator's per-rank checks (buffer slots
-and releases per stage of a rank), and an engine that runs these programs (a rank building several
-stages, the hand-over).
+relaxed for micro-batches already begun there. :func:`validate_folded` checks a folded program rank
+by rank. Left: an engine that runs these programs (a rank building several stages, the hand-over
+as an action of its own), and a planner that chooses the fold.
 
 Representative use::
 
@@ -60,7 +60,8 @@ from ..graph.stages import StageGraph
 from ..schedule.ir import Action, ActionKind as K
 from ..schedule.zero_bubble import unit_split_duration
 
-__all__ = ["Fold", "rank_orders", "interleaved_1f1b", "fold_program", "rank_in_flight", "rank_makespan"]
+__all__ = ["Fold", "rank_orders", "interleaved_1f1b", "fold_program", "validate_folded", "rank_in_flight",
+           "rank_makespan"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -377,7 +378,8 @@ def fold_program(stage_graph: StageGraph, num_microbatches: int, fold: Fold, ord
 
     The transfers are then grouped and ordered for rendezvous semantics as for any schedule
     (:func:`~gpp_deepspeed.schedule.lowering.group_for_rendezvous`), so the simulator's rendezvous
-    mode (NCCL) accepts the result: it raises :class:`ScheduleError` otherwise.
+    mode (NCCL) accepts the result, and :func:`validate_folded` checks it: it raises
+    :class:`ScheduleError` otherwise.
 
     A V on four stages: rank 1 holds stages 1 and 2, whose edge is a hand-over on the rank.
 
@@ -386,8 +388,7 @@ def fold_program(stage_graph: StageGraph, num_microbatches: int, fold: Fold, ord
     >>> " ".join(str(a) for a in program[1])
     '1RECV_F0@0 1F0 2F0 (2SEND_F0@3;2RECV_B0@3)P2P 2B0 2RELEASE_OUT0 2RELEASE_IN0 1B0 1RELEASE_OUT0 1SEND_B0@0 1RELEASE_IN0 1WAIT_SENDS 1REDUCE_TIED 1REDUCE_GRAD 1STEP'
     """
-    from ..schedule.lowering import add_load, add_release, add_send_recv, group_for_rendezvous, merge_backward
-    from ..schedule.validate import simulate
+    from ..schedule.lowering import add_load, add_send_recv, group_for_rendezvous, merge_backward
 
     merged = {s for s in range(stage_graph.num_stages) if not stage_graph.grad_preds(s)}
     orders = {r: [Action(a.stage_idx, K.BACKWARD, a.mb_idx) if a.kind is K.BACKWARD_WEIGHT and a.stage_idx in merged
@@ -396,7 +397,7 @@ def fold_program(stage_graph: StageGraph, num_microbatches: int, fold: Fold, ord
     compute = {s: [a for r in sorted(orders) for a in orders[r] if a.stage_idx == s]
                for s in range(stage_graph.num_stages)}
     local = lambda a: a.kind.has_peer and fold.rank_of[a.stage_idx] == fold.rank_of[a.peer]  # noqa: E731
-    per_stage = add_release(merge_backward(add_send_recv(add_load(compute, stage_graph), stage_graph), stage_graph))
+    per_stage = merge_backward(add_send_recv(add_load(compute, stage_graph), stage_graph), stage_graph)
     before: dict[Action, list[Action]] = {}
     after: dict[Action, list[Action]] = {}
     for acts in per_stage.values():
@@ -404,8 +405,8 @@ def fold_program(stage_graph: StageGraph, num_microbatches: int, fold: Fold, ord
         for a in acts:
             if a.kind is K.FORWARD or a.kind.spec.backward:
                 before[a], after[a], pending, last = pending, [], [], a
-            elif a.kind.spec.send or a.kind.is_release:
-                after[last].append(a)          # a send or a release follows what it reads
+            elif a.kind.spec.send:
+                after[last].append(a)          # a send follows what it reads
             else:
                 pending.append(a)              # a receive or a load precedes what needs it
     lists: dict[int, list[Action]] = {}
@@ -420,6 +421,79 @@ def fold_program(stage_graph: StageGraph, num_microbatches: int, fold: Fold, ord
                 out.append(a)
         first = fold.stages_of(r)[0]
         lists[r] = out + [Action(first, k) for k in (K.WAIT_SENDS, K.REDUCE_TIED, K.REDUCE_GRAD, K.STEP)]
-    grouped = group_for_rendezvous(lists, duration=duration)
-    simulate(grouped, mode="rendezvous")
-    return grouped
+    lowered = _add_releases(group_for_rendezvous(lists, duration=duration))
+    validate_folded(lowered, stage_graph, num_microbatches, fold)
+    return lowered
+
+
+def _add_releases(lists: dict[int, list[Action]]) -> dict[int, list[Action]]:
+    """:func:`~gpp_deepspeed.schedule.lowering.add_release` on a rank's list of several stages:
+    each release of a stage's micro-batch right after the last action of the rank that uses what it
+    frees, once the transfers have their final places."""
+    from ..schedule.ir import RELEASES
+
+    out = {}
+    for r, actions in lists.items():
+        last: dict[tuple[int, K, int], int] = {}    # (stage, release kind, micro-batch) -> last use
+        for i, a in enumerate(actions):
+            for op in a.parts:
+                for release in RELEASES:
+                    if op.mb_idx is not None and not op.kind.spec.version and release.spec.frees & op.kind.spec.touches:
+                        last[(op.stage_idx, release, op.mb_idx)] = i
+        after: dict[int, list[Action]] = {}
+        for (s, release, j), at in last.items():
+            after.setdefault(at, []).append(Action(s, release, j))
+        out[r] = [x for i, a in enumerate(actions)
+                  for x in (a, *sorted(after.get(i, ()), key=lambda x: (x.stage_idx, RELEASES.index(x.kind))))]
+    return out
+
+
+def validate_folded(program: dict[int, list[Action]], stage_graph: StageGraph, num_microbatches: int,
+                    fold: Fold) -> None:
+    """Check a folded program (:func:`fold_program`) rank by rank; raise :class:`ScheduleError`.
+
+    * Each stage's actions, taken out of its rank's list, pass the validator's checks of a stage
+      (:func:`~gpp_deepspeed.schedule.validate.check_lists`: one forward and one backward of every
+      micro-batch, a transfer on every edge between ranks, every release, buffer slots) against the
+      stage graph without its edges inside a rank.
+    * On an edge inside a rank, the consumer's forward comes after the producer's, and the
+      producer's backward after the consumer's (``I`` when split): the hand-over is in order.
+    * The whole program runs under NCCL's rendezvous semantics
+      (:func:`~gpp_deepspeed.schedule.validate.simulate`).
+    """
+    from dataclasses import replace
+
+    from ..schedule.lowering import assign_buffers
+    from ..schedule.validate import check_lists, simulate
+
+    for r, actions in program.items():
+        strangers = [op for a in actions for op in a.parts if fold.rank_of[op.stage_idx] != r]
+        if strangers:
+            raise ScheduleError(f"rank {r} runs {strangers[0]}, an action of a stage of rank "
+                                f"{fold.rank_of[strangers[0].stage_idx]}")
+    per_stage: dict[int, list[Action]] = {s: [] for s in range(stage_graph.num_stages)}
+    for actions in program.values():
+        for a in actions:
+            mine: dict[int, list[Action]] = {}
+            for op in a.parts:
+                mine.setdefault(op.stage_idx, []).append(op)
+            for s, ops in mine.items():
+                per_stage[s].append(ops[0] if len(ops) == 1 else Action.group(ops))
+    between = replace(stage_graph, edges=tuple(e for e in stage_graph.edges
+                                               if fold.rank_of[e.src] != fold.rank_of[e.dst]))
+    check_lists(per_stage, between, num_microbatches, train=True, slots=assign_buffers(per_stage))
+    for e in stage_graph.edges:
+        r = fold.rank_of[e.src]
+        if r != fold.rank_of[e.dst]:
+            continue
+        where = {(op.kind, op.stage_idx, op.mb_idx): i for i, a in enumerate(program[r]) for op in a.parts}
+        for j in range(num_microbatches):
+            f = (where[(K.FORWARD, e.src, j)], where[(K.FORWARD, e.dst, j)])
+            if f[0] > f[1]:
+                raise ScheduleError(f"rank {r} runs {Action(e.dst, K.FORWARD, j)} before {Action(e.src, K.FORWARD, j)}, "
+                                    "whose outputs it reads on the same rank")
+            back = lambda s: where.get((K.BACKWARD, s, j), where.get((K.BACKWARD_INPUT, s, j)))  # noqa: E731
+            if e.grad and back(e.src) < back(e.dst):
+                raise ScheduleError(f"rank {r} runs the backward of micro-batch {j} on stage {e.src} before stage "
+                                    f"{e.dst}'s, whose input gradient it reads on the same rank")
+    simulate(program, mode="rendezvous")
