@@ -153,3 +153,38 @@ def test_a_folded_program_with_a_hand_over_out_of_order_or_a_release_missing_is_
     without = [a for a in rank1 if str(a) != "2RELEASE_IN0"]
     with pytest.raises(ScheduleError, match="2RELEASE_IN0"):
         validate_folded({**program, 1: without}, chain, 2, fold)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_fold_search_finds_what_a_brute_force_over_every_map_of_stages_to_ranks_finds(seed):
+    import itertools
+
+    from gpp_deepspeed.experimental.virtual import interleaved_1f1b, search_fold
+
+    rng = random.Random(seed)
+    graph = _random_dag(rng, rng.randint(3, 6)) if seed else StageGraph.chain(6)
+    num_ranks = rng.randint((graph.num_stages + 1) // 2, graph.num_stages - 1) if seed else 3
+    work = {s: rng.choice([0.5, 1.0, 1.5]) for s in range(graph.num_stages)}
+    unit = lambda a: work[a.stage_idx] * {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}.get(a.kind.value, 0.0)  # noqa: E731
+    activation = {s: rng.choice([1.0, 2.0]) for s in range(graph.num_stages)}
+    memory = 12.0
+    found = search_fold(graph, 6, num_ranks=num_ranks, duration=unit, activation=activation, memory=memory)
+
+    def peak(actions):
+        live = best = 0.0
+        for a in actions:
+            live += activation[a.stage_idx] * (a.kind is K.FORWARD)
+            live -= activation[a.stage_idx] * (a.kind in (K.BACKWARD, K.BACKWARD_WEIGHT))
+            best = max(best, live)
+        return best
+
+    best = None
+    for rank_of in itertools.product(range(num_ranks), repeat=graph.num_stages):
+        if set(rank_of) != set(range(num_ranks)) or max(rank_of.count(r) for r in range(num_ranks)) > 2:
+            continue
+        fold = Fold(rank_of)
+        for orders in (interleaved_1f1b(graph, 6, fold), rank_orders(graph, 6, fold, split_backward=True, duration=unit)):
+            if max(peak(orders[r]) for r in orders) <= memory:
+                time = rank_makespan(orders, graph, unit)
+                best = time if best is None else min(best, time)
+    assert found.makespan == best and max(found.peak) <= memory

@@ -41,7 +41,7 @@ deadlock, it falls back to the greedy order, which is poor there: 68.5). A rank'
 where that could deadlock (a micro-batch entering one rank at two stages of a DAG) the cap is
 relaxed for micro-batches already begun there. :func:`validate_folded` checks a folded program rank
 by rank. Left: an engine that runs these programs (a rank building several stages, the hand-over
-as an action of its own), and a planner that chooses the fold.
+as an action of its own), and GraphPipe's planner calling :func:`search_fold` with its stage costs.
 
 Representative use::
 
@@ -60,8 +60,8 @@ from ..graph.stages import StageGraph
 from ..schedule.ir import Action, ActionKind as K
 from ..schedule.zero_bubble import unit_split_duration
 
-__all__ = ["Fold", "rank_orders", "interleaved_1f1b", "fold_program", "validate_folded", "rank_in_flight",
-           "rank_makespan"]
+__all__ = ["Fold", "FoldChoice", "search_fold", "rank_orders", "interleaved_1f1b", "fold_program", "validate_folded",
+           "rank_in_flight", "rank_makespan"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -497,3 +497,92 @@ def validate_folded(program: dict[int, list[Action]], stage_graph: StageGraph, n
                 raise ScheduleError(f"rank {r} runs the backward of micro-batch {j} on stage {e.src} before stage "
                                     f"{e.dst}'s, whose input gradient it reads on the same rank")
     simulate(program, mode="rendezvous")
+
+
+@dataclass(frozen=True, slots=True)
+class FoldChoice:
+    """A fold, the schedule its ranks run (``"interleaved"``: :func:`interleaved_1f1b`; ``"zbv"``:
+    :func:`rank_orders` with the split backward), its compute makespan and each rank's peak
+    activation memory (the sum of its stages' in-flight micro-batches, each weighted by the stage's
+    activation size)."""
+
+    fold: Fold
+    schedule: str
+    makespan: float
+    peak: tuple[float, ...]
+
+
+def search_fold(stage_graph: StageGraph, num_microbatches: int, *, num_ranks: int,
+                duration: Callable[[Action], float], activation: dict[int, float] | None = None,
+                memory: float | None = None, max_stages_per_rank: int = 2) -> FoldChoice:
+    """The fastest fold of ``stage_graph`` onto ``num_ranks`` ranks and its schedule.
+
+    Every way of grouping the stages into ``num_ranks`` non-empty groups of at most
+    ``max_stages_per_rank`` (each grouping once: ranks are numbered by their first stage), each
+    under both schedules, priced by :func:`rank_makespan` with ``duration`` (the stages' compute),
+    keeping each rank's peak activation memory (``activation[s]`` per micro-batch in flight on
+    stage ``s``, default 1) within ``memory``. Raises :class:`ScheduleError` when no fold fits.
+
+    >>> chain = StageGraph.chain(4)
+    >>> unit = lambda a: {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}.get(a.kind.value, 0.0)
+    >>> best = search_fold(chain, 8, num_ranks=2, duration=unit)
+    >>> best.schedule, best.fold.stages_of(0), best.makespan
+    ('zbv', (0, 3), 50.0)
+    """
+    best: FoldChoice | None = None
+    for rank_of in _groupings(stage_graph.num_stages, num_ranks, max_stages_per_rank):
+        choice = _price_fold(stage_graph, num_microbatches, Fold(rank_of), duration, activation, memory)
+        if choice is not None and (best is None or choice.makespan < best.makespan):
+            best = choice
+    if best is None:
+        raise ScheduleError(f"no fold of {stage_graph.num_stages} stages onto {num_ranks} ranks, at most "
+                            f"{max_stages_per_rank} a rank, keeps every rank's activations within {memory}")
+    return best
+
+
+def _price_fold(stage_graph, num_mb, fold, duration, activation, memory) -> FoldChoice | None:
+    """The faster of the fold's two schedules that fits ``memory`` (None: neither does)."""
+    best = None
+    for name, orders in (("interleaved", interleaved_1f1b(stage_graph, num_mb, fold)),
+                         ("zbv", rank_orders(stage_graph, num_mb, fold, split_backward=True, duration=duration))):
+        peak = tuple(_rank_peak(orders[r], activation) for r in sorted(orders))
+        if memory is not None and max(peak) > memory:
+            continue
+        makespan = rank_makespan(orders, stage_graph, duration)
+        if best is None or makespan < best.makespan:
+            best = FoldChoice(fold=fold, schedule=name, makespan=makespan, peak=peak)
+    return best
+
+
+def _rank_peak(actions: list[Action], activation: dict[int, float] | None) -> float:
+    live = peak = 0.0
+    for a in actions:
+        size = (activation or {}).get(a.stage_idx, 1.0)
+        if a.kind is K.FORWARD:
+            live += size
+            peak = max(peak, live)
+        elif a.kind.spec.ends_backward:
+            live -= size
+    return peak
+
+
+def _groupings(num_stages: int, num_ranks: int, cap: int):
+    """Every map of stages to ranks ``0..R-1`` with every rank used and at most ``cap`` stages a
+    rank, each grouping once (a restricted growth string: stage ``s`` opens rank ``max + 1`` or joins
+    one already open)."""
+    rank_of = [0] * num_stages
+    sizes = [0] * num_ranks
+
+    def grow(s: int, opened: int):
+        if num_stages - s < num_ranks - opened:
+            return
+        if s == num_stages:
+            yield tuple(rank_of)
+            return
+        for r in range(min(opened + 1, num_ranks)):
+            if sizes[r] < cap:
+                rank_of[s], sizes[r] = r, sizes[r] + 1
+                yield from grow(s + 1, max(opened, r + 1))
+                sizes[r] -= 1
+
+    yield from grow(0, 0)
