@@ -3,13 +3,15 @@
 A *fold* places the stages of a stage DAG on fewer pipeline ranks than stages (Megatron's virtual
 stages, "model chunks"): each rank runs one list of actions across its stages. This module is the
 schedule side of it, pure like the rest of :mod:`gpp_deepspeed.schedule`: which stage goes where,
-and the order in which each rank runs its stages' forwards and backwards. The engine does not run
-folded programs yet (a rank builds one stage); the planner and the simulator can price them.
+the order in which each rank runs its stages' forwards and backwards, the program of each rank, its
+checks and the choice of a fold. The engine does not run folded programs yet (a rank builds one
+stage); nothing in the package calls this module.
 
 Glossary
 --------
 fold
-    :class:`Fold`: ``rank_of[s]`` is the pipeline rank that runs stage ``s``.
+    :class:`~gpp_deepspeed.schedule.greedy.Fold`: ``rank_of[s]`` is the pipeline rank that runs
+    stage ``s``.
 looped placement
     Stage ``s`` of a chain of ``v p`` stages on rank ``s mod p`` (Megatron's interleaved 1F1B,
     Narayanan et al., SC'21, Sec. 2.2; torch's ``ScheduleInterleaved1F1B``).
@@ -17,14 +19,9 @@ V placement
     Rank ``r`` of ``p`` holds stages ``r`` and ``2 p - 1 - r``, an early and a late one (ZB-V, Qi
     et al., "Pipeline Parallelism with Controllable Memory", arXiv 2405.15362; DualPipeV).
 
-The compute order of every rank comes from one greedy list schedule over the simulated clock (the
-rule :func:`~gpp_deepspeed.schedule.zero_bubble.zb2` applies to one stage per rank, here to ranks
-holding several): a free rank runs, of its stages' actions whose inputs have arrived, a backward
-first (``B``, or ``I`` when the backward is split: it frees memory and unblocks the ranks before
-it), the oldest micro-batch first and the later stage of the DAG first; else a forward under its
-stage's cap of micro-batches in flight, the oldest micro-batch first and the later stage first;
-else (split backward) its oldest deferred ``W``. Every order it returns is one the simulator ran,
-so it cannot deadlock with asynchronous sends. :func:`fold_program` then lowers it into one list of
+Each rank's compute order is :func:`~gpp_deepspeed.schedule.greedy.rank_orders` (the greedy list
+schedule that ``zb2`` runs with one stage per rank) or :func:`interleaved_1f1b` (Megatron's).
+:func:`fold_program` then lowers it into one list of
 actions per rank across its stages (an edge inside a rank is a hand-over, not a message; one
 ``LOAD`` per micro-batch and one step per rank), grouped and ordered for NCCL's rendezvous
 semantics and checked by the simulator in that mode; with free messages it takes exactly the
@@ -51,269 +48,60 @@ Representative use::
 
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass
 from typing import Callable
 
 from ..errors import ScheduleError
 from ..graph.stages import StageGraph
 from ..schedule.ir import Action, ActionKind as K
-from ..schedule.zero_bubble import unit_split_duration
+from ..schedule.greedy import Fold, rank_in_flight, rank_orders, unit_split_duration
 
 __all__ = ["Fold", "FoldChoice", "search_fold", "rank_orders", "interleaved_1f1b", "fold_program", "validate_folded",
            "rank_in_flight", "rank_makespan"]
 
 
-@dataclass(frozen=True, slots=True)
-class Fold:
-    """Stage ``s`` runs on pipeline rank ``rank_of[s]``; every rank ``0 .. R-1`` runs at least one.
-
-    >>> Fold.looped(num_stages=6, num_ranks=3).stages_of(1)
-    (1, 4)
-    >>> Fold.v_shape(num_stages=6).stages_of(0)
-    (0, 5)
-    """
-
-    rank_of: tuple[int, ...]
-
-    def __post_init__(self):
-        ranks = set(self.rank_of)
-        if not self.rank_of or ranks != set(range(len(ranks))):
-            raise ScheduleError(f"a fold must place its stages on ranks 0..R-1, each holding one or more; got "
-                                f"{list(self.rank_of)}")
-
-    @property
-    def num_ranks(self) -> int:
-        return max(self.rank_of) + 1
-
-    def stages_of(self, rank: int) -> tuple[int, ...]:
-        return tuple(s for s, r in enumerate(self.rank_of) if r == rank)
-
-    @classmethod
-    def looped(cls, *, num_stages: int, num_ranks: int) -> "Fold":
-        """Stage ``s`` on rank ``s mod R`` (stages numbered in a topological order)."""
-        return cls(tuple(s % num_ranks for s in range(num_stages)))
-
-    @classmethod
-    def v_shape(cls, *, num_stages: int) -> "Fold":
-        """Rank ``r`` holds stages ``r`` and ``2R - 1 - r`` (``num_stages = 2R``)."""
-        if num_stages % 2:
-            raise ScheduleError(f"a V places two stages per rank: {num_stages} stages do not pair up")
-        half = num_stages // 2
-        return cls(tuple(s if s < half else num_stages - 1 - s for s in range(num_stages)))
-
-
-def rank_orders(stage_graph: StageGraph, num_microbatches: int, fold: Fold, *, split_backward: bool,
-                duration: Callable[[Action], float] | None = None,
-                max_in_flight: dict[int, int] | None = None) -> dict[int, list[Action]]:
-    """The compute order of every rank of ``fold`` (see the module docstring).
-
-    ``duration`` prices compute actions (default: unit ``F``, ``I``, ``W``, ``B = I + W``);
-    ``max_in_flight`` caps each rank's micro-batches in flight, counted once per stage that holds
-    one (default :func:`rank_in_flight`).
-
-    >>> orders = rank_orders(StageGraph.chain(4), 4, Fold.looped(num_stages=4, num_ranks=2), split_backward=False)
-    >>> [str(a) for a in orders[0][:6]]
-    ['0F0', '0F1', '2F0', '2B0', '2F1', '0F2']
-    """
-    if len(fold.rank_of) != stage_graph.num_stages:
-        raise ScheduleError(f"the fold places {len(fold.rank_of)} stages, the stage graph has "
-                            f"{stage_graph.num_stages}")
-    dur = duration or (lambda a: unit_split_duration(a.kind))
-    caps = {r: (max_in_flight or {}).get(r, rank_in_flight(stage_graph, fold, r)) for r in range(fold.num_ranks)}
-    try:
-        return _greedy(_RankState(stage_graph, num_microbatches, fold, split_backward, strict=True), caps, dur)
-    except ScheduleError:
-        return _greedy(_RankState(stage_graph, num_microbatches, fold, split_backward, strict=False), caps, dur)
-
-
-def _greedy(state: "_RankState", caps: dict[int, int], dur: Callable[[Action], float]) -> dict[int, list[Action]]:
-    while state.active():
-        now = min(state.clock[r] for r in state.active())
-        for r in (t for t in state.active() if state.clock[t] == now):
-            action = state.choose(r, caps)
-            if action is not None:
-                state.run(r, action, dur)
-                break
-        else:
-            state.advance(now)
-    return state.order
-
-
-def rank_in_flight(stage_graph: StageGraph, fold: Fold, rank: int) -> int:
-    """Micro-batches of one stage that ``rank`` may hold at once, over its stages: the sum of its
-    stages' depths less one per extra stage. One stage per rank: its depth, 1F1B's bound. Looped
-    placement of ``v = 2`` chunks on a chain of ``p`` ranks: ``3p - 2r - 1``, Megatron's warm-up
-    ``2(p - r - 1) + (v - 1)p`` plus one. V placement: ``2p`` on every rank, ZB-V's bound (the
-    activations of ``p`` micro-batches of a whole rank's layers, as 1F1B's first stage holds).
-
-    >>> [rank_in_flight(StageGraph.chain(8), Fold.looped(num_stages=8, num_ranks=4), r) for r in range(4)]
-    [11, 9, 7, 5]
-    >>> {rank_in_flight(StageGraph.chain(8), Fold.v_shape(num_stages=8), r) for r in range(4)}
-    {8}
-    """
-    stages = fold.stages_of(rank)
-    return sum(stage_graph.depth(s) for s in stages) - (len(stages) - 1)
-
-
 def rank_makespan(orders: dict[int, list[Action]], stage_graph: StageGraph,
                   duration: Callable[[Action], float] | None = None) -> float:
-    """When the last rank finishes ``orders`` with free, instant messages: each action starts when
-    its rank is free and what it reads has been computed (``F`` after its predecessors' ``F``, a
-    backward after its successors' input gradients or, on the output stage, its own ``F``, ``W``
-    after its ``I``). Raises :class:`ScheduleError` if the orders deadlock.
+    """When the last rank finishes ``orders`` with free, instant messages: the simulator's
+    makespan (:func:`~gpp_deepspeed.schedule.validate.simulate`, asynchronous sends) of the ranks'
+    lists with a message on every stage edge, one rank's own included, so that every action waits
+    for what it reads. Raises :class:`ScheduleError` if the orders deadlock.
 
     >>> orders = rank_orders(StageGraph.chain(2), 2, Fold((0, 0)), split_backward=False)
     >>> rank_makespan(orders, StageGraph.chain(2))
     12.0
     """
-    dur = duration or (lambda a: unit_split_duration(a.kind))
-    split = any(a.kind is K.BACKWARD_INPUT for acts in orders.values() for a in acts)
-    back = K.BACKWARD_INPUT if split else K.BACKWARD
+    from ..schedule.validate import simulate
 
-    def needs(a: Action) -> list[tuple]:
-        if a.kind is K.FORWARD:
-            return [(K.FORWARD, p, a.mb_idx) for p in stage_graph.preds(a.stage_idx)]
-        if a.kind is K.BACKWARD_WEIGHT:
-            return [(K.BACKWARD_INPUT, a.stage_idx, a.mb_idx)]
-        return [(K.FORWARD, a.stage_idx, a.mb_idx)] + [(back, t, a.mb_idx) for t in stage_graph.succs(a.stage_idx)]
-
-    end: dict[tuple, float] = {}
-    pc = {r: 0 for r in orders}
-    clock = {r: 0.0 for r in orders}
-    progress = True
-    while progress:
-        progress = False
-        for r, actions in orders.items():
-            while pc[r] < len(actions):
-                a = actions[pc[r]]
-                need = [end.get(k) for k in needs(a)]
-                if None in need:
-                    break
-                end[(a.kind, a.stage_idx, a.mb_idx)] = clock[r] = max([clock[r], *need]) + dur(a)
-                pc[r] += 1
-                progress = True
-    stuck = [f"rank {r} at {orders[r][pc[r]]}" for r in orders if pc[r] < len(orders[r])]
-    if stuck:
-        raise ScheduleError("the rank orders deadlock: " + ", ".join(stuck))
-    return max(clock.values(), default=0.0)
+    per_stage = _lowered_stages({s: [a for r in sorted(orders) for a in orders[r] if a.stage_idx == s]
+                                 for s in range(stage_graph.num_stages)}, stage_graph, load=False)
+    timeline = simulate(_interleave(per_stage, orders), duration=duration or (lambda a: unit_split_duration(a.kind)))
+    return max((end for spans in timeline.spans.values() for _, _, end in spans), default=0.0)
 
 
-def nx_descendants(stage_graph: StageGraph, s: int) -> set[int]:
-    """Every stage after ``s`` on some path to the output."""
-    seen, todo = set(), list(stage_graph.succs(s))
-    while todo:
-        t = todo.pop()
-        if t not in seen:
-            seen.add(t)
-            todo += stage_graph.succs(t)
-    return seen
+def _lowered_stages(compute, stage_graph: StageGraph, *, load: bool = True):
+    """Each stage's compute order with its loads and the transfers of its edges."""
+    from ..schedule.lowering import add_load, add_send_recv
+
+    return add_send_recv(add_load(compute, stage_graph) if load else compute, stage_graph)
 
 
-class _RankState:
-    """Book-keeping of :func:`rank_orders`'s simulated run: what each rank and stage has done."""
-
-    def __init__(self, stage_graph: StageGraph, num_mb: int, fold: Fold, split: bool, strict: bool):
-        self.graph, self.num_mb, self.fold, self.split, self.strict = stage_graph, num_mb, fold, split, strict
-        stages = range(stage_graph.num_stages)
-        self.clock = {r: 0.0 for r in range(fold.num_ranks)}
-        self.next_f = {s: 0 for s in stages}
-        self.next_b = {s: 0 for s in stages}
-        self.in_flight: dict[int, int] = {s: 0 for s in stages}
-        self.deferred: dict[int, deque[int]] = {s: deque() for s in stages}
-        self.f_end: dict[tuple[int, int], float] = {}
-        self.b_end: dict[tuple[int, int], float] = {}
-        self.order: dict[int, list[Action]] = {r: [] for r in range(fold.num_ranks)}
-        # The stages of its own rank a micro-batch passes through from each stage on (itself included).
-        reach = {s: {s} | nx_descendants(stage_graph, s) for s in stages}
-        self.rank_reach = {s: frozenset(t for t in reach[s] if fold.rank_of[t] == fold.rank_of[s]) for s in stages}
-        self.reserved = {r: 0 for r in range(fold.num_ranks)}
-        self.covered: dict[tuple[int, int], set[int]] = {}    # (rank, micro-batch) -> stages reserved
-        # Later stages first: a rank that can feed the output does so before starting new work.
-        self.preference = {r: sorted(fold.stages_of(r), key=lambda s: stage_graph.depth(s))
-                           for r in range(fold.num_ranks)}
-
-    def active(self) -> list[int]:
-        return [r for r in self.order if any(self.next_b[s] < self.num_mb or self.deferred[s]
-                                             for s in self.fold.stages_of(r))]
-
-    def forward_ready(self, s: int) -> float | None:
-        j = self.next_f[s]
-        if j >= self.num_mb:
-            return None
-        times = [self.f_end.get((p, j)) for p in self.graph.preds(s)]
-        return None if None in times else max(times, default=0.0)
-
-    def backward_ready(self, s: int) -> float | None:
-        j = self.next_b[s]
-        if j >= self.next_f[s]:
-            return None
-        succs = self.graph.succs(s)
-        times = [self.b_end.get((t, j)) for t in succs] if succs else [self.f_end[(s, j)]]
-        return None if None in times else max(times)
-
-    def choose(self, r: int, caps: dict[int, int]) -> Action | None:
-        now = self.clock[r]
-        back = K.BACKWARD_INPUT if self.split else K.BACKWARD
-        group = self.fold.num_ranks
-        ready = [(self.next_b[s] // group, i, self.next_b[s], s) for i, s in enumerate(self.preference[r])
-                 if (t := self.backward_ready(s)) is not None and t <= now]
-        if ready:
-            *_, s = min(ready)
-            return Action(s, back, self.next_b[s])
-        # A micro-batch reserves, when it first reaches a stage of the rank, one unit for every stage
-        # of the rank it will pass through from there (each freed by that stage's backward): its
-        # later forwards on the rank then always go ahead, and the rank never holds more than its cap.
-        # Where that deadlocks (two stages of one rank that a micro-batch enters apart, on a DAG),
-        # ``strict`` is off: a micro-batch begun on the rank goes ahead on any of its stages.
-        ready = [(self.next_f[s] // group, -i, self.next_f[s], s) for i, s in enumerate(self.preference[r])
-                 if (self.reserved[r] + len(self._unreserved(r, s)) <= caps[r]
-                     or not self.strict and (r, self.next_f[s]) in self.covered)
-                 and (t := self.forward_ready(s)) is not None and t <= now]
-        if ready:
-            *_, s = min(ready)
-            return Action(s, K.FORWARD, self.next_f[s])
-        waiting = [(self.deferred[s][0], s) for s in self.preference[r] if self.deferred[s]]
-        if waiting:
-            j, s = min(waiting)
-            return Action(s, K.BACKWARD_WEIGHT, j)
-        return None
-
-    def _unreserved(self, r: int, s: int) -> frozenset[int]:
-        """The stages of rank ``r`` that stage ``s``'s next forward would newly reserve."""
-        return self.rank_reach[s] - self.covered.get((r, self.next_f[s]), set())
-
-    def run(self, r: int, action: Action, dur: Callable[[Action], float]) -> None:
-        end = self.clock[r] + dur(action)
-        s, j = action.stage_idx, action.mb_idx
-        if action.kind is K.FORWARD:
-            self.reserved[r] += len(self._unreserved(r, s))
-            self.covered.setdefault((r, j), set()).update(self.rank_reach[s])
-            self.f_end[(s, j)] = end
-            self.next_f[s] += 1
-            self.in_flight[s] += 1
-        elif action.kind is K.BACKWARD_WEIGHT:
-            self.deferred[s].popleft()
-            self.in_flight[s] -= 1
-            self.reserved[r] -= 1
-        else:
-            self.b_end[(s, j)] = end
-            self.next_b[s] += 1
-            if self.split:
-                self.deferred[s].append(j)
+def _interleave(per_stage, orders: dict[int, list[Action]], *, skip=lambda a: False) -> dict[int, list[Action]]:
+    """Each rank's list: its compute in ``orders``, every compute action bringing from its stage's
+    list (``per_stage``) the receives and loads before it and the sends after it (``skip``: what
+    to leave out)."""
+    before: dict[Action, list[Action]] = {}
+    after: dict[Action, list[Action]] = {}
+    for acts in per_stage.values():
+        pending, last = [], None
+        for a in acts:
+            if a.kind is K.FORWARD or a.kind.spec.backward:
+                before[a], after[a], pending, last = pending, [], [], a
+            elif a.kind.spec.send:
+                after[last].append(a)          # a send follows what it reads
             else:
-                self.in_flight[s] -= 1
-                self.reserved[r] -= 1
-        self.order[r].append(action)
-        self.clock[r] = end
-
-    def advance(self, now: float) -> None:
-        later = [t for r in self.active() for s in self.fold.stages_of(r)
-                 for t in (self.clock[r], self.backward_ready(s), self.forward_ready(s)) if t is not None and t > now]
-        if not later:
-            raise ScheduleError(f"the folded schedule cannot make progress at time {now}: every rank waits")
-        for r in self.active():
-            self.clock[r] = max(self.clock[r], min(later))
+                pending.append(a)              # a receive or a load precedes what needs it
+    return {r: [a for c in acts for a in (*before[c], c, *after[c]) if not skip(a)] for r, acts in orders.items()}
 
 
 def interleaved_1f1b(stage_graph: StageGraph, num_microbatches: int, fold: Fold) -> dict[int, list[Action]]:
@@ -388,7 +176,7 @@ def fold_program(stage_graph: StageGraph, num_microbatches: int, fold: Fold, ord
     >>> " ".join(str(a) for a in program[1])
     '1RECV_F0@0 1F0 2F0 (2SEND_F0@3;2RECV_B0@3)P2P 2B0 2RELEASE_OUT0 2RELEASE_IN0 1B0 1RELEASE_OUT0 1SEND_B0@0 1RELEASE_IN0 1WAIT_SENDS 1REDUCE_TIED 1REDUCE_GRAD 1STEP'
     """
-    from ..schedule.lowering import add_load, add_send_recv, group_for_rendezvous, merge_backward
+    from ..schedule.lowering import group_for_rendezvous, merge_backward
 
     merged = {s for s in range(stage_graph.num_stages) if not stage_graph.grad_preds(s)}
     orders = {r: [Action(a.stage_idx, K.BACKWARD, a.mb_idx) if a.kind is K.BACKWARD_WEIGHT and a.stage_idx in merged
@@ -396,31 +184,21 @@ def fold_program(stage_graph: StageGraph, num_microbatches: int, fold: Fold, ord
               for r, acts in orders.items()}
     compute = {s: [a for r in sorted(orders) for a in orders[r] if a.stage_idx == s]
                for s in range(stage_graph.num_stages)}
-    local = lambda a: a.kind.has_peer and fold.rank_of[a.stage_idx] == fold.rank_of[a.peer]  # noqa: E731
-    per_stage = merge_backward(add_send_recv(add_load(compute, stage_graph), stage_graph), stage_graph)
-    before: dict[Action, list[Action]] = {}
-    after: dict[Action, list[Action]] = {}
-    for acts in per_stage.values():
-        pending, last = [], None
-        for a in acts:
-            if a.kind is K.FORWARD or a.kind.spec.backward:
-                before[a], after[a], pending, last = pending, [], [], a
-            elif a.kind.spec.send:
-                after[last].append(a)          # a send follows what it reads
-            else:
-                pending.append(a)              # a receive or a load precedes what needs it
-    lists: dict[int, list[Action]] = {}
-    for r, acts in orders.items():
-        loaded: set[int] = set()
-        out: list[Action] = []
-        for c in acts:
-            for a in (*before[c], c, *after[c]):
-                if local(a) or (a.kind is K.LOAD and a.mb_idx in loaded):
-                    continue
-                loaded |= {a.mb_idx} if a.kind is K.LOAD else set()
-                out.append(a)
-        first = fold.stages_of(r)[0]
-        lists[r] = out + [Action(first, k) for k in (K.WAIT_SENDS, K.REDUCE_TIED, K.REDUCE_GRAD, K.STEP)]
+    per_stage = merge_backward(_lowered_stages(compute, stage_graph), stage_graph)
+    loaded: set[tuple[int, int]] = set()
+
+    def skip(a: Action) -> bool:
+        if a.kind.has_peer and fold.rank_of[a.stage_idx] == fold.rank_of[a.peer]:
+            return True                        # a hand-over inside the rank: no message
+        if a.kind is K.LOAD:                   # one load of a micro-batch per rank
+            key = (fold.rank_of[a.stage_idx], a.mb_idx)
+            if key in loaded:
+                return True
+            loaded.add(key)
+        return False
+
+    lists = {r: acts + [Action(fold.stages_of(r)[0], k) for k in (K.WAIT_SENDS, K.REDUCE_TIED, K.REDUCE_GRAD, K.STEP)]
+             for r, acts in _interleave(per_stage, orders, skip=skip).items()}
     lowered = _add_releases(group_for_rendezvous(lists, duration=duration))
     validate_folded(lowered, stage_graph, num_microbatches, fold)
     return lowered

@@ -53,8 +53,8 @@ from __future__ import annotations
 from collections import deque
 from typing import Callable
 
-from ..errors import ScheduleError
 from ..graph.stages import StageGraph
+from .greedy import Fold, rank_orders, unit_split_duration
 from .ir import Action, ActionKind as K, Schedule
 
 __all__ = ["zb1", "zb2", "peak_in_flight", "unit_split_duration"]
@@ -96,11 +96,6 @@ def zb1(stage_graph: StageGraph, num_microbatches: int) -> Schedule:
     return schedule
 
 
-def unit_split_duration(kind: K) -> float:
-    """``T_F = T_I = T_W = 1``: the paper's setting for the closed forms; ``B = I + W``."""
-    return {K.FORWARD: 1.0, K.BACKWARD_INPUT: 1.0, K.BACKWARD_WEIGHT: 1.0, K.BACKWARD: 2.0}.get(kind, 0.0)
-
-
 def zb2(stage_graph: StageGraph, num_microbatches: int, *,
         duration: Callable[[Action], float] | None = None, max_in_flight: dict[int, int] | None = None) -> Schedule:
     """Compute order of the ZB-H2-like greedy schedule (see the module docstring).
@@ -111,98 +106,12 @@ def zb2(stage_graph: StageGraph, num_microbatches: int, *,
     >>> zb2(StageGraph.chain(2), 3)[0]
     [0F0, 0F1, 0F2, 0I0, 0W0, 0I1, 0W1, 0I2, 0W2]
     """
-    dur = duration or (lambda a: unit_split_duration(a.kind))
-    num_mb, num_stages = num_microbatches, stage_graph.num_stages
     top = _pipeline_depth(stage_graph)
+    num_stages = stage_graph.num_stages
     caps = {s: max(1, (max_in_flight or {}).get(s, 2 * top - 1)) for s in range(num_stages)}
-    state = _GreedyState(stage_graph, num_mb)
-    while state.active():
-        # Only the stages at the earliest clock may act: everything that ends before it is known.
-        now = min(state.clock[t] for t in state.active())
-        for s in sorted((t for t in state.active() if state.clock[t] == now), key=lambda t: -stage_graph.depth(t)):
-            action = _greedy_choice(state, s, caps[s])
-            if action is not None:
-                state.run(s, action, dur)
-                break
-        else:
-            state.advance(now)
-    return state.order
-
-
-def _greedy_choice(state: "_GreedyState", s: int, cap: int) -> Action | None:
-    """What a free stage runs now: a ready ``I``, else a ready ``F`` under the cap, else a ``W``."""
-    now = state.clock[s]
-    ready_i = state.input_grad_ready(s)
-    if ready_i is not None and ready_i <= now:
-        return Action(s, K.BACKWARD_INPUT, state.next_i[s])
-    ready_f = state.forward_ready(s)
-    if ready_f is not None and ready_f <= now and len(state.in_flight[s]) < cap:
-        return Action(s, K.FORWARD, state.next_f[s])
-    if state.deferred[s]:
-        return Action(s, K.BACKWARD_WEIGHT, state.deferred[s][0])
-    return None
-
-
-class _GreedyState:
-    """Book-keeping of :func:`zb2`'s simulated run: what each stage has done and when."""
-
-    def __init__(self, stage_graph: StageGraph, num_mb: int):
-        self.graph, self.num_mb = stage_graph, num_mb
-        stages = range(stage_graph.num_stages)
-        self.clock = {s: 0.0 for s in stages}
-        self.next_f = {s: 0 for s in stages}
-        self.next_i = {s: 0 for s in stages}
-        self.in_flight: dict[int, set[int]] = {s: set() for s in stages}
-        self.deferred: dict[int, deque[int]] = {s: deque() for s in stages}
-        self.f_end: dict[tuple[int, int], float] = {}
-        self.i_end: dict[tuple[int, int], float] = {}
-        self.order: Schedule = {s: [] for s in stages}
-
-    def active(self) -> list[int]:
-        return [s for s in self.order if self.next_i[s] < self.num_mb or self.deferred[s]]
-
-    def forward_ready(self, s: int) -> float | None:
-        """When the inputs of the stage's next forward are all there (None: not known yet)."""
-        j = self.next_f[s]
-        if j >= self.num_mb:
-            return None
-        times = [self.f_end.get((p, j)) for p in self.graph.preds(s)]
-        return None if None in times else max(times, default=0.0)
-
-    def input_grad_ready(self, s: int) -> float | None:
-        """When the output gradients of the stage's next ``I`` are all there (None: not known yet)."""
-        j = self.next_i[s]
-        if j >= self.next_f[s]:
-            return None
-        succs = self.graph.succs(s)
-        times = [self.i_end.get((t, j)) for t in succs] if succs else [self.f_end[(s, j)]]
-        return None if None in times else max(times)
-
-    def run(self, s: int, action: Action, dur: Callable[[Action], float]) -> None:
-        end = self.clock[s] + dur(action)
-        j = action.mb_idx
-        if action.kind is K.FORWARD:
-            self.f_end[(s, j)] = end
-            self.next_f[s] += 1
-            self.in_flight[s].add(j)
-        elif action.kind is K.BACKWARD_INPUT:
-            self.i_end[(s, j)] = end
-            self.next_i[s] += 1
-            self.deferred[s].append(j)
-        else:
-            self.deferred[s].popleft()
-            self.in_flight[s].discard(j)
-        self.order[s].append(action)
-        self.clock[s] = end
-
-    def advance(self, now: float) -> None:
-        """Every stage at ``now`` waits: move them to the next moment something can change."""
-        later = [t for s in self.active() for t in (self.clock[s], self.input_grad_ready(s), self.forward_ready(s))
-                 if t is not None and t > now]
-        if not later:
-            raise ScheduleError(f"zb2 cannot make progress at time {now}: every stage waits")
-        for s in self.active():
-            self.clock[s] = max(self.clock[s], min(later))
+    # One stage per rank: the greedy list schedule of schedule/greedy.py, each stage its own rank.
+    return rank_orders(stage_graph, num_microbatches, Fold(tuple(range(num_stages))), split_backward=True,
+                       duration=duration, max_in_flight=caps)
 
 
 def peak_in_flight(actions: list[Action]) -> int:
