@@ -164,6 +164,28 @@ def main():
                       + (f"  {d['per_action_us']:7.1f} us/action" if d["per_action_us"] else ""), flush=True)
             results[kind] = data
     (ROOT / "benchmarks" / "results" / "overhead.json").write_text(json.dumps(results, indent=1))
+    write_section(results, args.rounds)
+
+
+def write_section(results, rounds):
+    """``benchmarks/results/overhead.md``, the section of docs/benchmarks.md (benchmarks/report.py)."""
+    lines = ["## Cost per action: ours, DeepSpeed's and torch's pipeline runtimes (overhead.py)", "",
+             f"`python benchmarks/overhead.py` (issue 28, point 5). Two gloo ranks, a 2-stage chain of four 8x8 "
+             f"linear layers, {M} micro-batches of {MBS} rows, every engine in one launch, one step each per round, "
+             f"{rounds} rounds; medians after the first round. `tiny`: no compute (a step is the runtime's own "
+             "work and the messages); `sleep`: each layer's forward sleeps 5 ms and its backward 10 ms. Actions: "
+             "the instructions rank 0 ran in a step (ours counts loads and releases; torch's runtime its "
+             "communication actions).", "",
+             "| model | engine | median step (ms) | actions on rank 0 | step / actions (us) | step / DeepSpeed's |",
+             "|---|---|---|---|---|---|"]
+    for kind, data in results.items():
+        ds = data["deepspeed"]["median_ms"]
+        for name in ENGINES:
+            d = data[name]
+            per = f"{d['per_action_us']:.0f}" if d["per_action_us"] else ""
+            lines.append(f"| {kind} | {name} | {d['median_ms']:.1f} | {d['actions'] or ''} | {per} | "
+                         f"{d['median_ms'] / ds:.3f} |")
+    (ROOT / "benchmarks" / "results" / "overhead.md").write_text("\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":
