@@ -351,3 +351,35 @@ def test_capture_layers_train_pipelined_like_the_module(tmp_path):
             torch.testing.assert_close(value, state[name], rtol=1e-5, atol=1e-6, msg=name)
             seen.add(name)
     assert seen == set(state)
+
+
+class CastBetween(nn.Module):
+    """The issue's two-line repro: the glue ``.to(torch.float32)`` becomes a layer named ``to``."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(3, 3)
+        self.b = nn.Linear(3, 2)
+
+    def forward(self, x):
+        return self.b(self.a(x).to(torch.float32))
+
+
+def test_capture_layers_named_like_module_attributes_build_save_and_load(tmp_path):
+    from gpp_deepspeed import GraphLayerSpec, GraphModel
+    module = CastBetween()
+    captured = capture(module)
+    assert [s.name for s in captured.layers] == ["a", "to", "b"]
+    model = captured.graph_model()
+    x, = _inputs(3)
+    torch.testing.assert_close(model(x), module(x), rtol=0, atol=0)
+    model.save_pipeline_checkpoint(str(tmp_path), "t")
+    again = captured.graph_model()
+    again.load_pipeline_checkpoint(str(tmp_path), "t")
+    torch.testing.assert_close(again(x), module(x), rtol=0, atol=0)
+    # Names a user gives: any attribute of nn.Module or ModuleDict is a layer name like another.
+    names = ["train", "forward", "eval", "float", "keys", "update"]
+    specs = [GraphLayerSpec(n, nn.Linear, 3, 3, inputs=[prev]) for prev, n in zip(["x", *names], names)]
+    model = GraphModel(specs, input_names=["x"])
+    assert sorted(model.state_dict()) == sorted(f"layers.{n}.{p}" for n in names for p in ("weight", "bias"))
+    assert model(x).shape == (5, 3) and model.train() is model

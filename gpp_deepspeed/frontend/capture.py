@@ -66,6 +66,7 @@ from torch import fx, nn
 
 from ..errors import GPPConfigError, GraphError
 from ..graph.ir import TensorRef
+from ..nn.layer_dict import LayerDict
 from ..spec import GraphLayerSpec
 from ._batch import BATCH_ARGS, BATCH_DIM, batch_source, mark_batch, substitute_batch
 from ._tracing import META, CacheArgumentError, LeafTracer, model_line, propagate_meta, trace, trace_with_shapes
@@ -540,7 +541,7 @@ def _tie_shared(specs: list[CapturedLayerSpec], init: ModuleInit | None = None) 
         if len(tie) == 1:
             out.append(spec)
             continue
-        holder = nn.ModuleDict({m.name: m.module for m in tie})
+        holder = LayerDict({m.name: m.module for m in tie})
         named = dict(holder.named_parameters(remove_duplicate=False))
         users = {}
         for name, p in named.items():
