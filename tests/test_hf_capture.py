@@ -31,8 +31,8 @@ WORLD_SIZE = 3
 TRAINED = ["clip", "clip_frozen", "structured", "gpt2", "ved", "bert", "t5", "llama", "llava"]
 
 
-def _captured_equals_module(name: str):
-    case = CASES[name]
+def _captured_equals_module(name: str, cases=CASES):
+    case = cases[name]
     module = case.model()
     captured = case.capture(module)
     model = captured.graph_model()
@@ -288,11 +288,11 @@ def trained_wide(tmp_path_factory):
     return out
 
 
-def _trained_like_the_module(out: Path, name: str, world_size: int):
-    losses, state = train_module(CASES[name])
-    unused = set(CASES[name].capture(CASES[name].model()).unused)   # never trained, in neither run
+def _trained_like_the_module(out: Path, name: str, world_size: int, cases=CASES):
+    losses, state = train_module(cases[name])
+    unused = set(cases[name].capture(cases[name].model()).unused)   # never trained, in neither run
     ranks = [torch.load(out / f"{name}.rank{r}.pt") for r in range(world_size)]
-    assert sorted({r["stage"] for r in ranks}) == list(range(CASES[name].stages))
+    assert sorted({r["stage"] for r in ranks}) == list(range(cases[name].stages))
     seen = set()
     for res in ranks:
         assert res["losses"] == pytest.approx(losses, rel=1e-5)
