@@ -535,3 +535,21 @@ def test_capture_sizes_a_leaf_that_cannot_run_on_meta_on_tiny_cpu_inputs():
     with pytest.raises(GraphError, match=r'test_capture.py:\d+: if h.dtype == torch.float16:.*output of submodule '
                                          r'"a", which could be run neither on meta tensors nor on tiny CPU inputs'):
         capture(module, example_inputs=(x, ))
+
+
+class UnusedSecondCall(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.a(x)
+        self.a(h)            # computed and never read
+        return self.b(h)
+
+
+def test_capture_warning_about_unused_calls_names_the_unused_call_not_a_used_module():
+    with pytest.warns(UserWarning, match=r"leaves out the calls of submodules \['a \(its call \(at .*test_capture.py:"
+                                         r"\d+: self.a\(h\)"):
+        captured = capture(UnusedSecondCall())
+    assert captured.unused == ()   # a's weights are read by its first call

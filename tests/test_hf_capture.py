@@ -107,7 +107,7 @@ def test_hf_capture_llava_runs_its_vision_tower_beside_the_text_embedding():
 
 def test_hf_capture_llava_leaves_out_the_vision_layer_whose_output_it_does_not_read():
     case = CASES["llava"]
-    with pytest.warns(UserWarning, match=r"leaves out submodules \['llava.model.vision_tower.encoder.layers.1', "
+    with pytest.warns(UserWarning, match=r"leaves out the calls of submodules \['llava.model.vision_tower.encoder.layers.1', "
                                          r"'llava.model.vision_tower.post_layernorm'\]"):
         captured = case.capture(case.model())
     assert captured.unused[0] == "llava.model.vision_tower.encoder.layers.1.self_attn.k_proj.weight"

@@ -285,10 +285,10 @@ def capture(module: nn.Module, *, input_names: Sequence[str] | None = None, laye
     placeholders = _strip_concrete(graph, module, concrete_args or {})
     dropped = _drop_dead_calls(graph)
     if dropped:
-        warnings.warn(f"capture leaves out submodules {dropped[:6]} whose results the output of "
-                      f"{type(module).__name__} does not depend on (their parameters get no gradient in the module "
-                      "either); they are not part of the pipeline nor of its checkpoints (CapturedModel.unused)",
-                      stacklevel=2)
+        warnings.warn(f"capture leaves out the calls of submodules {dropped[:6]} whose results the output of "
+                      f"{type(module).__name__} does not depend on; parameters that only those calls read get no "
+                      "gradient in the module either, and are not part of the pipeline nor of its checkpoints "
+                      "(CapturedModel.unused)", stacklevel=2)
     if input_names is None:
         input_names = [str(p.target) for p in placeholders]
     elif isinstance(input_names, str) or len(input_names) != len(placeholders):
@@ -365,9 +365,13 @@ def _drop_dead_calls(graph: fx.Graph) -> list[str]:
             live.add(node)
             stack.extend(node.all_input_nodes)
     dead = [n for n in graph.nodes if n not in live and n.op != "placeholder"]
+    used = {str(n.target) for n in live if n.op == "call_module"}
+    # A submodule whose other call is used is named by the unused call's line: its weights stay.
+    names = [str(n.target) if str(n.target) not in used else f"{n.target} (its call{model_line(n)})"
+             for n in dead if n.op == "call_module"]
     for node in reversed(dead):
         graph.erase_node(node)
-    return list(dict.fromkeys(str(n.target) for n in dead if n.op == "call_module"))
+    return list(dict.fromkeys(names))
 
 
 def _is_pure(node: fx.Node) -> bool:
