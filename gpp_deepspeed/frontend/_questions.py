@@ -18,10 +18,14 @@ known value
 device question
     Control flow on ``x.device`` (``if x.device.type == "mps"``): the device is the rank's at run
     time, never the capture's (meta in the shaped trace), so it is refused, naming the line.
+sizing unaided
+    An op that torch's ``MetaTracer`` cannot size is run on the known values of its arguments
+    (its ``torch.where`` override takes no Python number).
 sizing on the CPU
     A leaf that cannot run on meta tensors (it calls ``.item()``: transformers' ``padding_mask.all()``)
     is run once on a CPU copy of it, zero weights and inputs of ones of the known shapes and dtypes,
-    only to learn its output's shapes and dtypes; that copy is then dropped.
+    only to learn its output's shapes and dtypes; that copy is then dropped. A question about the
+    output of a leaf that neither sizes is refused, saying so (:func:`refuse_unsized`).
 """
 
 from __future__ import annotations
@@ -38,7 +42,8 @@ import torch
 from torch import fx, nn
 from torch.utils._pytree import tree_map
 
-__all__ = ["META", "UnansweredError", "known_value", "tensor_checks_answered", "refuse_device_branch", "size_on_cpu"]
+__all__ = ["META", "UnansweredError", "known_value", "tensor_checks_answered", "refuse_device_branch", "refuse_unsized",
+           "size_on_cpu", "size_unaided"]
 
 # node.meta key of the value a node had in the shaped trace (a meta tensor, or a structure of them)
 META = "gpp_meta_value"
@@ -159,6 +164,47 @@ def refuse_device_branch(node: fx.Node) -> None:
                 "whole, it runs as it is), or fix the branch with concrete_args")
         # A tensor made on a device (torch.arange(n, device=x.device)) has the same shape anywhere.
         stack.extend(a for a in n.all_input_nodes if a.op != "call_module" and _tensor_node(a) is not True)
+
+
+def refuse_unsized(node: fx.Node, unsized: dict[str, str]) -> None:
+    """Raise :class:`UnansweredError` if the condition ``node`` depends on the output of a leaf that
+    could not be sized (``unsized``: its path -> why): its shapes and dtypes are unknown for that
+    reason, not because the condition reads tensor values."""
+    seen, stack = set(), [node]
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n.op == "call_module" and n.target in unsized:
+            raise UnansweredError(
+                f'control flow on the output of submodule "{n.target}", which could be run neither on meta '
+                f"tensors nor on tiny CPU inputs of its input shapes ({unsized[n.target]}), so its "
+                "shapes and dtypes are unknown",
+                f'name submodules inside "{n.target}" in layers= (so it is traced through), or make it '
+                "runnable on CPU tensors of those shapes")
+        stack.extend(n.all_input_nodes)
+
+
+def size_unaided(proxy: fx.Proxy, kind: str, target, args, kwargs) -> None:
+    """Size an op by itself on the known values of its arguments where torch's ``MetaTracer``
+    could not (its override of ``torch.where`` takes no Python number: transformers' eager mask
+    fills with ``torch.finfo(dtype).min``)."""
+    def known(value):
+        if _original_isinstance(value, fx.Proxy):
+            value = known_value(value)
+            if value is None:
+                raise LookupError
+        return value
+
+    try:
+        args, kwargs = fx.node.map_aggregate(args, known), fx.node.map_aggregate(kwargs, known)
+        if "device" in kwargs:
+            kwargs["device"] = "meta"
+        out = target(*args, **kwargs) if kind == "call_function" else getattr(args[0], target)(*args[1:], **kwargs)
+    except Exception:
+        return
+    proxy.install_tensor_meta(out)
 
 
 def size_on_cpu(root: nn.Module, target: str, args: tuple, kwargs: dict) -> Any:

@@ -44,7 +44,8 @@ from torch import fx, nn
 from torch.fx.experimental.meta_tracer import MetaAttribute, MetaProxy, MetaTracer
 
 from ..errors import GPPConfigError, GPPError, GraphError
-from ._questions import META, UnansweredError, known_value, refuse_device_branch, size_on_cpu, tensor_checks_answered
+from ._questions import (META, UnansweredError, known_value, refuse_device_branch, refuse_unsized, size_on_cpu,
+                         size_unaided, tensor_checks_answered)
 from .meta import meta_copy
 
 __all__ = ["LeafTracer", "ShapeLeafTracer", "trace", "trace_with_shapes", "propagate_meta", "model_line", "META",
@@ -218,7 +219,7 @@ class ShapeLeafTracer(LeafTracer, MetaTracer):
             if kind == "call_module":
                 self._size_on_cpu(proxy, target, args, kwargs)
             elif kind in ("call_function", "call_method"):
-                _size_unaided(proxy, kind, target, args, kwargs)
+                size_unaided(proxy, kind, target, args, kwargs)
         if isinstance(proxy, MetaProxy) and "_tensor_meta" in proxy.__dict__:
             proxy.node.meta[META] = proxy._tensor_meta
         return proxy
@@ -247,51 +248,12 @@ class ShapeLeafTracer(LeafTracer, MetaTracer):
         if isinstance(meta, bool):
             return meta
         if isinstance(obj, fx.Proxy):
-            self._refuse_unsized(obj.node)
+            refuse_unsized(obj.node, self.unsized)
         return super().to_bool(obj)
-
-    def _refuse_unsized(self, node: fx.Node) -> None:
-        """A condition on the output of a leaf that could not be sized is unknown for that reason,
-        not because it reads tensor values: say so."""
-        seen, stack = set(), [node]
-        while stack:
-            n = stack.pop()
-            if n in seen:
-                continue
-            seen.add(n)
-            if n.op == "call_module" and n.target in self.unsized:
-                raise UnansweredError(
-                    f'control flow on the output of submodule "{n.target}", which could be run neither on meta '
-                    f"tensors nor on tiny CPU inputs of its input shapes ({self.unsized[n.target]}), so its "
-                    "shapes and dtypes are unknown",
-                    f'name submodules inside "{n.target}" in layers= (so it is traced through), or make it '
-                    "runnable on CPU tensors of those shapes")
-            stack.extend(n.all_input_nodes)
 
     def _hooked_value(self, out):
         meta = getattr(out, "_tensor_meta", None)
         return tuple(out[i] for i in range(len(meta))) if isinstance(meta, tuple) else out
-
-
-def _size_unaided(proxy: MetaProxy, kind: str, target, args, kwargs) -> None:
-    """Size an op by itself on the known values of its arguments where torch's ``MetaTracer``
-    could not (its override of ``torch.where`` takes no Python number: transformers' eager mask
-    fills with ``torch.finfo(dtype).min``)."""
-    def known(value):
-        if isinstance(value, fx.Proxy):
-            value = known_value(value)
-            if value is None:
-                raise LookupError
-        return value
-
-    try:
-        args, kwargs = fx.node.map_aggregate(args, known), fx.node.map_aggregate(kwargs, known)
-        if "device" in kwargs:
-            kwargs["device"] = "meta"
-        out = target(*args, **kwargs) if kind == "call_function" else getattr(args[0], target)(*args[1:], **kwargs)
-    except Exception:
-        return
-    proxy.install_tensor_meta(out)
 
 
 @contextlib.contextmanager
