@@ -8,12 +8,16 @@ export OMP_NUM_THREADS ?= 1
 
 .PHONY: setup demo test bench clean
 
-setup: $(VENV)/.installed $(VENV)/.ops-built
-
 # DeepSpeed JIT-builds its CPU ops (the shm all-reduce, FusedAdam) on first use, under a lock file
 # that a process killed mid-build leaves behind; built here once, starts only check them (see
-# gpp_deepspeed/engine/startup.py). Set TORCH_EXTENSIONS_DIR to build them elsewhere.
-$(VENV)/.ops-built: $(VENV)/.installed
+# gpp_deepspeed/engine/startup.py). Each virtual environment keeps its own build, so two clones on
+# one machine never rebuild each other's ops (minutes each); set TORCH_EXTENSIONS_DIR to share one.
+export TORCH_EXTENSIONS_DIR ?= $(abspath $(VENV))/torch_extensions
+OPS_BUILT := $(TORCH_EXTENSIONS_DIR)/.gpp-ops-built
+
+setup: $(VENV)/.installed $(OPS_BUILT)
+
+$(OPS_BUILT): $(VENV)/.installed
 	$(PY) -c 'from gpp_deepspeed.engine.startup import main; main()'
 	touch $@
 

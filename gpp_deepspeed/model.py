@@ -19,6 +19,7 @@ from deepspeed.runtime.pipe.module import TiedLayerSpec
 
 from .graph.ir import LayerGraph, TensorRef, build_layer_graph
 from .nn.dag import port_leaves, resolve, run_layers, tensors_in
+from .nn.layer_dict import LayerDict
 from .spec import LayerEntry, build_entry, normalize_layers
 
 __all__ = ["GraphModel"]
@@ -37,8 +38,8 @@ class GraphModel(nn.Module):
         self.entries: list[LayerEntry] = normalize_layers(layers, input_names, base_seed=base_seed)
         self.graph: LayerGraph = build_layer_graph(input_names, [(e.name, e.inputs) for e in self.entries],
                                                    output=output)
-        self.layers = nn.ModuleDict()
-        self.tied = nn.ModuleDict()
+        self.layers = LayerDict()   # any layer name, "to" or "train" included
+        self.tied = LayerDict()
         self._funcs: dict[str, Any] = {}
         for entry in self.entries:
             key = entry.tie_key

@@ -391,7 +391,8 @@ CASES: dict[str, HFCase] = {
     # Llava's capture unrolls over the rows, so it fits 4 rows only: refused with 2 on stage 0.
     "llava_wide": HFCase(LlavaLogits, LLAVA_LAYERS, 3, _llava_batches, NextTokenLoss(), shaped=True,
                          partition=_stages(LLAVA_STAGES, 2), masks_materialised=True, stage_degrees=(2, 1, 1)),
-    "hidden_sum": HFCase(HiddenStateSum, HIDDEN_SUM_LAYERS, 3, _classify_batches, nn.CrossEntropyLoss()),
+    # Its ModelOutput asks torch.is_tensor of a layer's output, which only the shaped trace can answer.
+    "hidden_sum": HFCase(HiddenStateSum, HIDDEN_SUM_LAYERS, 3, _classify_batches, nn.CrossEntropyLoss(), shaped=True),
     "t5": HFCase(T5Logits, T5_LAYERS, 3, _t5_batches, NextTokenLoss(), shaped=True,
                  partition=_stages(T5_STAGES, 2)),
 }

@@ -27,6 +27,7 @@ EXPECTED = {  # case -> words the message must contain
     "plan_wrong_world_size": ["3 devices", "[1, 2]", "world size is 2"],
     "micro_batch_not_divisible_by_degree": ["stage 0 runs on 2 ranks", "3 samples"],
     "wrong_number_of_inputs": ["1 tensor(s)", "['x']", "tuple of 2"],
+    "eval_too_few_micro_batches": ["ran out of micro-batches", "gradient_accumulation_steps=2", "num_micro_batches="],
     "split_schedule_with_reentrant_checkpointing": ['"zb1"', '"pipeline.use_reentrant": true', "1f1b"],
     "split_schedule_with_own_checkpoint_function": ['"zb2"', "activation_checkpoint_func='my_checkpoint'", "1f1b"],
     "async_with_clipping": ['"pipedream"', '"gradient_clipping" = 1.0', '"gradient_clipping": 0'],

@@ -8,6 +8,7 @@ The reference is always the original module itself: outputs and parameter gradie
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -351,3 +352,204 @@ def test_capture_layers_train_pipelined_like_the_module(tmp_path):
             torch.testing.assert_close(value, state[name], rtol=1e-5, atol=1e-6, msg=name)
             seen.add(name)
     assert seen == set(state)
+
+
+class CastBetween(nn.Module):
+    """The issue's two-line repro: the glue ``.to(torch.float32)`` becomes a layer named ``to``."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(3, 3)
+        self.b = nn.Linear(3, 2)
+
+    def forward(self, x):
+        return self.b(self.a(x).to(torch.float32))
+
+
+def test_capture_layers_named_like_module_attributes_build_save_and_load(tmp_path):
+    from gpp_deepspeed import GraphLayerSpec, GraphModel
+    module = CastBetween()
+    captured = capture(module)
+    assert [s.name for s in captured.layers] == ["a", "to", "b"]
+    model = captured.graph_model()
+    x, = _inputs(3)
+    torch.testing.assert_close(model(x), module(x), rtol=0, atol=0)
+    model.save_pipeline_checkpoint(str(tmp_path), "t")
+    again = captured.graph_model()
+    again.load_pipeline_checkpoint(str(tmp_path), "t")
+    torch.testing.assert_close(again(x), module(x), rtol=0, atol=0)
+    # Names a user gives: any attribute of nn.Module or ModuleDict is a layer name like another.
+    names = ["train", "forward", "eval", "float", "keys", "update"]
+    specs = [GraphLayerSpec(n, nn.Linear, 3, 3, inputs=[prev]) for prev, n in zip(["x", *names], names)]
+    model = GraphModel(specs, input_names=["x"])
+    assert sorted(model.state_dict()) == sorted(f"layers.{n}.{p}" for n in names for p in ("weight", "bias"))
+    assert model(x).shape == (5, 3) and model.train() is model
+
+
+class TimestepEmbedding(nn.Module):
+    """diffusers' U-Net idiom: a number or a tensor of timesteps, told apart by torch.is_tensor."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.body = nn.Linear(1, 4), nn.Linear(4, 4)
+
+    def forward(self, x, t):
+        if not torch.is_tensor(t):
+            t = torch.tensor([t], dtype=torch.float32)
+        if isinstance(x, torch.Tensor):
+            x = x * 2
+        return self.body(x + self.embed(t.float()[:, None]))
+
+
+def test_capture_type_checks_on_traced_inputs_take_the_branch_of_real_tensors():
+    module = TimestepEmbedding()
+    captured = capture(module)
+    assert "tensor" not in [s.name for s in captured.layers]   # the branch for a Python number
+    x, t = torch.randn(5, 4), torch.arange(5)
+    torch.testing.assert_close(captured.graph_model()(x, t), module(x, t), rtol=0, atol=0)
+
+
+class AsksOfAnOutput(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.a(x)
+        if isinstance(h, torch.Tensor):
+            h = h * 2
+        return self.b(h)
+
+
+def test_capture_asks_for_example_inputs_where_a_plain_trace_cannot_tell_a_tensor():
+    module = AsksOfAnOutput()
+    with pytest.raises(GraphError, match=r"test_capture.py:\d+: if isinstance\(h, torch.Tensor\):.*cannot tell is a "
+                                         r"tensor.*pass example_inputs="):
+        capture(module)
+    x, = _inputs(4)
+    captured = capture(module, example_inputs=(x, ))   # the shaped trace knows h is a tensor
+    torch.testing.assert_close(captured.graph_model()(x), module(x), rtol=0, atol=0)
+
+
+class OnDevice(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.a(x)
+        if h.device.type == "cpu":
+            h = h + 1
+        return self.b(h)
+
+
+def test_capture_refuses_control_flow_on_a_device_naming_the_line():
+    # The rank's device at run time is not the capture's (meta, in the shaped trace).
+    for example in (None, _inputs(4)):
+        with pytest.raises(GraphError, match=r'test_capture.py:\d+: if h.device.type == "cpu":.*device is the '
+                                             r"rank's at run time"):
+            capture(OnDevice(), example_inputs=example)
+
+
+class Indexes(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(3, 3), nn.Linear(3, 3)
+
+    def forward(self, x, i):
+        h = self.a(x)
+        return self.b(h[i])
+
+
+def test_capture_errors_in_generated_code_name_the_layer_and_the_models_line():
+    model = capture(Indexes()).graph_model()
+    with pytest.raises(IndexError) as err:
+        model(torch.randn(4, 3), torch.tensor([0.5, 1.5]))
+    assert re.fullmatch(r'in captured layer "getitem", traced from .*test_capture.py:\d+: return self.b\(h\[i\]\)',
+                        err.value.__notes__[0])
+
+
+class QueryTokens(nn.Module):
+    """BLIP-2's bridge: learned query tokens expanded to the batch, read by a submodule."""
+
+    def __init__(self):
+        super().__init__()
+        self.encoder = nn.Linear(4, 4)
+        self.query = nn.Parameter(torch.randn(1, 2, 4))
+        self.cross = nn.Bilinear(4, 4, 4)
+
+    def forward(self, x):
+        h = self.encoder(x)                          # [b, 3, 4]
+        if h.shape[1] < 2:                           # needs the shaped trace: the expand reads no layer
+            raise ValueError("too few tokens")
+        q = self.query.expand(h.shape[0], -1, -1)    # [b, 2, 4]
+        return self.cross(q, h[:, :2])
+
+
+def test_capture_keeps_a_parameter_expanded_to_the_batch_as_a_layer_holding_it():
+    module = QueryTokens()
+    x = torch.randn(5, 3, 4)
+    captured = capture(module, example_inputs=(x, ))
+    torch.testing.assert_close(captured.graph_model()(x), module(x), rtol=0, atol=0)
+    torch.testing.assert_close(captured.graph_model()(x[:2]), module(x[:2]), rtol=0, atol=0)
+    # Shape-specialised, the expand reads no layer's output: it reads the input for its rows.
+    expand = {s.name: s for s in captured.layers}["expand"]
+    assert expand.inputs == ("x", ) and [n for n, _ in expand.module.named_parameters()] == ["query"]
+
+
+class ItemInside(nn.Module):
+    """A leaf that cannot run on meta tensors (``.item()``, as transformers' padding checks), whose
+    output's dtype the glue after it branches on."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x):
+        if x.shape[1] == 3:                   # needs the shaped trace
+            x = x * 2
+        h = self.a(x)
+        if h.dtype == torch.float16:
+            h = h.float()
+        return self.b(h)
+
+
+class NeedsItem(nn.Module):
+    def __init__(self, fails=False):
+        super().__init__()
+        self.lin, self.fails = nn.Linear(4, 4), fails
+
+    def forward(self, x):
+        if self.fails and x.sum().item() > -1e9:
+            raise RuntimeError("needs real data")
+        return self.lin(x) if bool(x.abs().sum().item() >= 0) else x
+
+
+def test_capture_sizes_a_leaf_that_cannot_run_on_meta_on_tiny_cpu_inputs():
+    module = ItemInside()
+    module.a = NeedsItem()
+    x = torch.randn(5, 3, 4)
+    captured = capture(module, example_inputs=(x, ))
+    torch.testing.assert_close(captured.graph_model()(x), module(x), rtol=0, atol=0)
+    module.a = NeedsItem(fails=True)
+    with pytest.raises(GraphError, match=r'test_capture.py:\d+: if h.dtype == torch.float16:.*output of submodule '
+                                         r'"a", which could be run neither on meta tensors nor on tiny CPU inputs'):
+        capture(module, example_inputs=(x, ))
+
+
+class UnusedSecondCall(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.a(x)
+        self.a(h)            # computed and never read
+        return self.b(h)
+
+
+def test_capture_warning_about_unused_calls_names_the_unused_call_not_a_used_module():
+    with pytest.warns(UserWarning, match=r"leaves out the calls of submodules \['a \(its call \(at .*test_capture.py:"
+                                         r"\d+: self.a\(h\)"):
+        captured = capture(UnusedSecondCall())
+    assert captured.unused == ()   # a's weights are read by its first call

@@ -31,8 +31,8 @@ WORLD_SIZE = 3
 TRAINED = ["clip", "clip_frozen", "structured", "gpt2", "ved", "bert", "t5", "llama", "llava"]
 
 
-def _captured_equals_module(name: str):
-    case = CASES[name]
+def _captured_equals_module(name: str, cases=CASES):
+    case = cases[name]
     module = case.model()
     captured = case.capture(module)
     model = captured.graph_model()
@@ -107,24 +107,26 @@ def test_hf_capture_llava_runs_its_vision_tower_beside_the_text_embedding():
 
 def test_hf_capture_llava_leaves_out_the_vision_layer_whose_output_it_does_not_read():
     case = CASES["llava"]
-    with pytest.warns(UserWarning, match=r"leaves out submodules \['llava.model.vision_tower.encoder.layers.1', "
+    with pytest.warns(UserWarning, match=r"leaves out the calls of submodules \['llava.model.vision_tower.encoder.layers.1', "
                                          r"'llava.model.vision_tower.post_layernorm'\]"):
         captured = case.capture(case.model())
     assert captured.unused[0] == "llava.model.vision_tower.encoder.layers.1.self_attn.k_proj.weight"
     assert {n.split(".")[3] for n in captured.unused} == {"encoder", "post_layernorm"}
 
 
-def test_hf_capture_llava_without_example_inputs_says_the_batch_split_needs_them():
+def test_hf_capture_llava_without_example_inputs_says_to_pass_them():
+    # The first thing a plain trace cannot answer is whether a vision layer's output is a tensor
+    # (transformers' ModelOutput asks); list(image_features) over the batch would be next.
     case = CASES["llava"]
-    with pytest.raises(GraphError, match=r"modeling_llava.py:\d+: image_features = list\(image_features\).*"
-                                         r"iterating over a dimension\), pass example_inputs="):
+    with pytest.raises(GraphError, match=r"generic.py:\d+: return isinstance\(x, torch.Tensor\).*"
+                                         r"cannot tell is a tensor.*pass example_inputs="):
         capture(case.model(), layers=case.layers)
 
 
 def test_hf_capture_runs_the_hooks_that_collect_hidden_states_on_the_traced_layers():
     captured = _captured_equals_module("hidden_sum")
     # The sum reads the embedding and both layers' outputs, which the layers' hooks collected.
-    glue = {s.name: s.inputs for s in captured.layers}["getitem_2"]   # stack, sum, [:, 0]
+    glue = [s.inputs for s in captured.layers if s.name.startswith("getitem")][-1]   # stack, sum, [:, 0]
     assert glue == ("bert_embeddings", "bert_encoder_layer_0", "bert_encoder_layer_1")
 
 
@@ -286,11 +288,11 @@ def trained_wide(tmp_path_factory):
     return out
 
 
-def _trained_like_the_module(out: Path, name: str, world_size: int):
-    losses, state = train_module(CASES[name])
-    unused = set(CASES[name].capture(CASES[name].model()).unused)   # never trained, in neither run
+def _trained_like_the_module(out: Path, name: str, world_size: int, cases=CASES):
+    losses, state = train_module(cases[name])
+    unused = set(cases[name].capture(cases[name].model()).unused)   # never trained, in neither run
     ranks = [torch.load(out / f"{name}.rank{r}.pt") for r in range(world_size)]
-    assert sorted({r["stage"] for r in ranks}) == list(range(CASES[name].stages))
+    assert sorted({r["stage"] for r in ranks}) == list(range(cases[name].stages))
     seen = set()
     for res in ranks:
         assert res["losses"] == pytest.approx(losses, rel=1e-5)

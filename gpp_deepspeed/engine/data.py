@@ -72,7 +72,12 @@ def split_inputs(names, inputs) -> dict[str, torch.Tensor]:
 
 def load_micro_batch(engine, buffer_id: int) -> None:
     """``LOAD``: read the next micro-batch and keep what this rank needs of it."""
-    batch = compat.next_batch(engine)
+    try:
+        batch = compat.next_batch(engine)
+    except StopIteration:
+        raise GPPConfigError(
+            f"data_iter ran out of micro-batches: a batch reads gradient_accumulation_steps={engine.micro_batches} "
+            "of them; give it that many, or evaluate fewer with eval_batch(..., num_micro_batches=k)") from None
     if not isinstance(batch, (tuple, list)) or len(batch) != 2:
         raise GPPConfigError(f"data_iter must yield (inputs, labels) pairs, got {type(batch).__name__}"
                              + (f" of {len(batch)} elements" if isinstance(batch, (tuple, list)) else ""))

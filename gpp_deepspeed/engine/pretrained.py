@@ -30,7 +30,7 @@ _SHARD = "model-{idx:05d}-of-{num:05d}.safetensors"
 
 
 def save_pretrained(engine_or_module, directory: str | os.PathLike, captured, *, max_shard_bytes: int = 5 * 2**30,
-                    config: Any = None) -> dict[str, Any]:
+                    config: Any = None, peft: str | None = None) -> dict[str, Any]:
     """Write the pipeline's weights as a Hugging Face directory, every stage its own shards.
 
     Collective: every rank calls it. The first rank of each stage (of the first data-parallel
@@ -41,6 +41,13 @@ def save_pretrained(engine_or_module, directory: str | os.PathLike, captured, *,
     model's ``_tied_weights_keys`` maps the others to, by the first stage that holds it, so
     ``AutoModelFor....from_pretrained(directory)`` loads the directory strictly and re-ties it.
     Returns ``{"files": this rank's files, "bytes": bytes it wrote, "seconds": its writing time}``.
+
+    A capture of a PEFT model (``peft.get_peft_model``) says what to write with ``peft=``:
+    ``"adapter"``, the adapters alone as ``PeftModel.save_pretrained`` writes them
+    (``adapter_model.safetensors`` and ``adapter_config.json``, other adapters than ``"default"`` in a
+    folder of their name), which ``PeftModel.from_pretrained(base, directory)`` loads; or
+    ``"merged"``, the base model with each active adapter merged into its weight (what
+    ``merge_and_unload()`` gives), which the base class's ``from_pretrained`` loads.
     """
     from safetensors.torch import save_file
 
@@ -53,10 +60,16 @@ def save_pretrained(engine_or_module, directory: str | os.PathLike, captured, *,
     if config is None:
         raise GPPConfigError("save_pretrained needs a Hugging Face config: the captured module holds no single "
                              "PreTrainedModel, so pass config=")
+    if (hf is not None and hf.peft is not None) != (peft is not None) or peft not in (None, "adapter", "merged"):
+        raise GPPConfigError(f"save_pretrained: peft={peft!r}; a capture of a PEFT model takes peft=\"adapter\" or "
+                             f"\"merged\", any other capture none (this one {'has' if hf and hf.peft else 'has no'} "
+                             "PEFT adapters)")
     start = time.perf_counter()
     directory = Path(directory)
     grid = module.mpu()   # the module's StageGrid (PipelineModule.mpu(), public)
     writes = grid.replica_id == 0 and grid.is_stage_leader()
+    if peft == "adapter":
+        return _save_adapters(module, directory, captured, writes, start)
     tensors = _stage_tensors(module, captured) if writes else {}
     shards = _shards(tensors, max_shard_bytes)
     counts = [None] * dist.get_world_size()
@@ -98,16 +111,69 @@ def _stage_tensors(module, captured) -> dict[str, torch.Tensor]:
         layer = module.tied_modules[key] if key is not None else fn
         if not isinstance(layer, nn.Module) or not hasattr(spec, "module_path"):
             continue
+        merged = _merged_weights(layer) if hf is not None and hf.peft is not None else {}
         for local, t in local_state(layer, persistent_only=True).items():
-            if id(t) in seen or getattr(t, "ds_pipe_replicated", False):
+            if id(t) in seen or getattr(t, "ds_pipe_replicated", False) or hf is not None and hf.is_adapter(
+                    spec.module_path(local)):
                 continue
             seen.add(id(t))
+            t = merged.get(id(t), t)
             name = _canonical(captured, spec.module_path(local))
             if name is None:
                 raise GPPConfigError(f'tensor "{spec.module_path(local)}" of layer "{spec.name}" is outside the '
                                      f"Hugging Face model (at \"{hf.prefix[:-1]}\"): a directory cannot hold it")
             out[name] = t.detach().contiguous()
     return out
+
+
+def _merged_weights(layer: nn.Module) -> dict[int, torch.Tensor]:
+    """``{id(base weight): base weight + its active adapters' deltas}`` for each LoRA layer of
+    ``layer`` (PEFT's ``get_delta_weight``, what ``merge_and_unload()`` adds)."""
+    out = {}
+    with torch.no_grad():
+        for sub in layer.modules():
+            if callable(getattr(sub, "get_delta_weight", None)) and hasattr(sub, "base_layer"):
+                weight = sub.base_layer.weight
+                deltas = [sub.get_delta_weight(a) for a in sub.active_adapters if a in getattr(sub, "lora_A", {})]
+                out[id(weight)] = weight + sum(deltas) if deltas else weight
+    return out
+
+
+def _save_adapters(module, directory: Path, captured, writes: bool, start: float) -> dict[str, Any]:
+    """``PeftModel.save_pretrained`` for a pipeline: every stage leader sends its adapter tensors
+    (small) to rank 0, which writes them by PEFT's own rules (``get_peft_model_state_dict``)."""
+    from peft.utils import get_peft_model_state_dict
+    from safetensors.torch import save_file
+
+    hf = captured.hf
+    mine = {}
+    if writes:
+        for spec, fn in zip((e.layer for e in module._local_entries), module.forward_funcs):
+            if isinstance(fn, nn.Module) and hasattr(spec, "module_path"):
+                for local, t in local_state(fn, persistent_only=True).items():
+                    name = spec.module_path(local)
+                    if hf.is_adapter(name):
+                        mine[name[len(hf.peft_prefix):]] = t.detach().cpu().clone()
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    files, written = [], 0
+    if dist.get_rank() == 0:
+        state = {k: v for part in gathered for k, v in part.items()}
+        for adapter, peft_config in hf.peft.peft_config.items():
+            folder = directory if adapter == "default" else directory / adapter
+            folder.mkdir(parents=True, exist_ok=True)
+            tensors = {k: v.contiguous() for k, v in get_peft_model_state_dict(
+                hf.peft, state_dict=state, adapter_name=adapter).items()}
+            save_file(tensors, folder / "adapter_model.safetensors", metadata={"format": "pt"})
+            peft_config = copy.deepcopy(peft_config)
+            peft_config.inference_mode = True
+            if peft_config.base_model_name_or_path is None:
+                peft_config.base_model_name_or_path = getattr(hf.config, "name_or_path", None) or None
+            peft_config.save_pretrained(folder)
+            files.append(str((folder / "adapter_model.safetensors").relative_to(directory)))
+            written += sum(t.numel() * t.element_size() for t in tensors.values())
+    dist.barrier()
+    return {"files": files, "bytes": written, "seconds": time.perf_counter() - start}
 
 
 def _canonical(captured, name: str) -> str | None:

@@ -44,13 +44,13 @@ from torch import fx, nn
 from torch.fx.experimental.meta_tracer import MetaAttribute, MetaProxy, MetaTracer
 
 from ..errors import GPPConfigError, GPPError, GraphError
+from ._questions import (META, UnansweredError, known_value, refuse_device_branch, refuse_unsized, size_on_cpu,
+                         size_unaided, tensor_checks_answered)
 from .meta import meta_copy
 
 __all__ = ["LeafTracer", "ShapeLeafTracer", "trace", "trace_with_shapes", "propagate_meta", "model_line", "META",
            "CacheArgumentError"]
 
-# node.meta key of the value a node had in the shaped trace (a meta tensor, or a structure of them)
-META = "gpp_meta_value"
 
 
 class LeafTracer(fx.Tracer):
@@ -95,6 +95,12 @@ class LeafTracer(fx.Tracer):
         """What a hook sees as the module's output: the traced value (a tuple of its elements
         when the shaped trace knows the output is a tuple)."""
         return out
+
+    def to_bool(self, obj):
+        # A branch on a device would be decided for the capture's device, not the rank's.
+        if isinstance(obj, fx.Proxy):
+            refuse_device_branch(obj.node)
+        return super().to_bool(obj)
 
 
 class CacheArgumentError(GraphError):
@@ -184,9 +190,17 @@ class _SizedAttribute(MetaAttribute, _SizedProxy):
 
 
 class ShapeLeafTracer(LeafTracer, MetaTracer):
-    """:class:`LeafTracer` on meta tensors of the example inputs' shapes (see *shaped trace*)."""
+    """:class:`LeafTracer` on meta tensors of the example inputs' shapes (see *shaped trace*).
+
+    A leaf that cannot run on meta tensors is sized on the CPU instead (see
+    :mod:`gpp_deepspeed.frontend._questions`); ``unsized`` maps each leaf that neither sized to why.
+    """
 
     _sizing_leaf = False
+
+    def __init__(self, named: set[str]):
+        super().__init__(named)
+        self.unsized: dict[str, str] = {}
 
     def proxy(self, node: fx.Node) -> _SizedProxy:
         return _SizedProxy(node, self)
@@ -201,9 +215,24 @@ class ShapeLeafTracer(LeafTracer, MetaTracer):
                 proxy = super().create_proxy(kind, target, args, kwargs, *rest, **options)
         finally:
             self._sizing_leaf = False
+        if isinstance(proxy, MetaProxy) and "_tensor_meta" not in proxy.__dict__:
+            if kind == "call_module":
+                self._size_on_cpu(proxy, target, args, kwargs)
+            elif kind in ("call_function", "call_method"):
+                size_unaided(proxy, kind, target, args, kwargs)
         if isinstance(proxy, MetaProxy) and "_tensor_meta" in proxy.__dict__:
             proxy.node.meta[META] = proxy._tensor_meta
         return proxy
+
+    def _size_on_cpu(self, proxy: MetaProxy, target: str, args, kwargs) -> None:
+        self._sizing_leaf, self._disable_module_getattr = True, True
+        try:
+            with _sizing_as_at_run_time(self.root.get_submodule(target)):
+                proxy.install_tensor_meta(size_on_cpu(self.root, target, args, kwargs))
+        except Exception as exc:   # the trace goes on; a question about this output then says why
+            self.unsized[target] = f"{type(exc).__name__}: {exc}"
+        finally:
+            self._sizing_leaf, self._disable_module_getattr = False, False
 
     def call_module(self, m, forward, args, kwargs):
         if self._sizing_leaf:
@@ -213,9 +242,13 @@ class ShapeLeafTracer(LeafTracer, MetaTracer):
     def to_bool(self, obj):
         # Control flow on a value the trace knows without data (a dtype comparison) takes the
         # branch of the capture-time value, as control flow on sizes does.
-        meta = getattr(obj, "_tensor_meta", None)
+        if isinstance(obj, fx.Proxy):
+            refuse_device_branch(obj.node)
+        meta = known_value(obj)
         if isinstance(meta, bool):
             return meta
+        if isinstance(obj, fx.Proxy):
+            refuse_unsized(obj.node, self.unsized)
         return super().to_bool(obj)
 
     def _hooked_value(self, out):
@@ -307,7 +340,7 @@ _CHECKS = {"_check": 0, "_check_with": 1, "_check_tensor_all": 0, "_check_tensor
 def trace(module: nn.Module, tracer: LeafTracer, concrete_args, *, shaped: bool = False, **meta) -> fx.Graph:
     """``tracer.trace(module)``, its failures turned into a :class:`GraphError` about the model's line."""
     try:
-        with _checks_on_traced_values_skipped(), _dtype_info_of_traced_dtypes():
+        with _checks_on_traced_values_skipped(), _dtype_info_of_traced_dtypes(), tensor_checks_answered():
             return tracer.trace(module, concrete_args=concrete_args, **meta)
     except GPPError:
         raise
@@ -391,9 +424,11 @@ def _trace_error(module: nn.Module, tracer: LeafTracer, exc: Exception, *, shape
     else:
         fix = "move that code into a submodule (which is kept whole), or fix the values it depends on with concrete_args"
         culprit = f"{type(module).__name__}.forward"
-    if isinstance(exc, fx.proxy.TraceError) and shaped:
+    if isinstance(exc, UnansweredError):
+        why = f" {exc.advice}."
+    elif isinstance(exc, fx.proxy.TraceError) and shaped:
         why = f" Sizes are known in this trace, so that control flow depends on tensor values: {fix}."
-    elif isinstance(exc, fx.proxy.TraceError):
+    elif isinstance(exc, fx.proxy.TraceError) or "not supported in symbolic tracing" in str(exc):
         why = (" Symbolic tracing knows no sizes nor values. If that code reads only sizes (x.shape, len(x), "
                "iterating over a dimension), pass example_inputs=(...) (one micro-batch as one rank sees it) to "
                f"trace with those sizes; if it reads tensor values, {fix}.")

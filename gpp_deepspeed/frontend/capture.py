@@ -66,7 +66,9 @@ from torch import fx, nn
 
 from ..errors import GPPConfigError, GraphError
 from ..graph.ir import TensorRef
+from ..nn.layer_dict import LayerDict
 from ..spec import GraphLayerSpec
+from ._glue import LAYER_NAME, GlueModule
 from ._batch import BATCH_ARGS, BATCH_DIM, batch_source, mark_batch, substitute_batch
 from ._tracing import META, CacheArgumentError, LeafTracer, model_line, propagate_meta, trace, trace_with_shapes
 from .hf import HFModelInfo
@@ -283,10 +285,10 @@ def capture(module: nn.Module, *, input_names: Sequence[str] | None = None, laye
     placeholders = _strip_concrete(graph, module, concrete_args or {})
     dropped = _drop_dead_calls(graph)
     if dropped:
-        warnings.warn(f"capture leaves out submodules {dropped[:6]} whose results the output of "
-                      f"{type(module).__name__} does not depend on (their parameters get no gradient in the module "
-                      "either); they are not part of the pipeline nor of its checkpoints (CapturedModel.unused)",
-                      stacklevel=2)
+        warnings.warn(f"capture leaves out the calls of submodules {dropped[:6]} whose results the output of "
+                      f"{type(module).__name__} does not depend on; parameters that only those calls read get no "
+                      "gradient in the module either, and are not part of the pipeline nor of its checkpoints "
+                      "(CapturedModel.unused)", stacklevel=2)
     if input_names is None:
         input_names = [str(p.target) for p in placeholders]
     elif isinstance(input_names, str) or len(input_names) != len(placeholders):
@@ -363,9 +365,13 @@ def _drop_dead_calls(graph: fx.Graph) -> list[str]:
             live.add(node)
             stack.extend(node.all_input_nodes)
     dead = [n for n in graph.nodes if n not in live and n.op != "placeholder"]
+    used = {str(n.target) for n in live if n.op == "call_module"}
+    # A submodule whose other call is used is named by the unused call's line: its weights stay.
+    names = [str(n.target) if str(n.target) not in used else f"{n.target} (its call{model_line(n)})"
+             for n in dead if n.op == "call_module"]
     for node in reversed(dead):
         graph.erase_node(node)
-    return list(dict.fromkeys(str(n.target) for n in dead if n.op == "call_module"))
+    return list(dict.fromkeys(names))
 
 
 def _is_pure(node: fx.Node) -> bool:
@@ -540,7 +546,7 @@ def _tie_shared(specs: list[CapturedLayerSpec], init: ModuleInit | None = None) 
         if len(tie) == 1:
             out.append(spec)
             continue
-        holder = nn.ModuleDict({m.name: m.module for m in tie})
+        holder = LayerDict({m.name: m.module for m in tie})
         named = dict(holder.named_parameters(remove_duplicate=False))
         users = {}
         for name, p in named.items():
@@ -583,8 +589,7 @@ def _function_layer(module, members, root, inline, is_param, ref, owners, name, 
     for n in members:
         walk(n)
     if not external:
-        raise GraphError(f'layer "{name}" ({root.name}{model_line(root)}) reads no tensor from the inputs or other '
-                         "layers; compute it inside a submodule or from an input")
+        external = [_anchor_input(root, [n for n in copied if is_param(n)], name, ref)]
     keep = set(copied) | member_set
     donors = _metadata_donors(module, external, keep)
     inputs = [a for a in external if a not in donors]
@@ -608,10 +613,29 @@ def _function_layer(module, members, root, inline, is_param, ref, owners, name, 
                                  f'"{name}"){model_line(n)}; move the code that uses it into a submodule')
         env[n] = sub.node_copy(n, lambda a: env[a])
         substitute_batch(sub, env[n], n, rows)
-    sub.output(env[root])
+    sub.output(env[root]).meta[LAYER_NAME] = name
     targets = {n.target for n in sub.nodes if n.op in ("get_attr", "call_module")}
     owner = {t: consts[t] if t in consts else functools.reduce(getattr, t.split("."), module) for t in targets}
-    return fx.GraphModule(owner, sub, class_name=f"Glue_{name}"), [ref(a) for a in inputs]
+    return GlueModule(owner, sub, class_name=f"Glue_{name}"), [ref(a) for a in inputs]
+
+
+def _anchor_input(root: fx.Node, params: list[fx.Node], name: str, ref) -> fx.Node:
+    """The graph input that a layer computed from the module's parameters alone reads (a learned
+    query or class token expanded to the batch: ``query_tokens.expand(b, -1, -1)``): a layer needs an
+    input to be scheduled, and one with a batch dimension gives the rows where they follow the
+    batch. The layer holds the parameters, so they live on the stage that runs it."""
+    if not params:
+        raise GraphError(f'layer "{name}" ({root.name}{model_line(root)}) reads no tensor from the inputs or other '
+                         "layers; compute it inside a submodule or from an input")
+    inputs = []
+    for n in root.graph.nodes:
+        if n.op == "placeholder":
+            try:
+                ref(n)
+            except KeyError:   # an input fixed by concrete_args
+                continue
+            inputs.append(n)
+    return batch_source(inputs) or inputs[0]
 
 
 def _metadata_donors(module: nn.Module, external: list[fx.Node], keep: set[fx.Node]) -> dict[fx.Node, Any]:

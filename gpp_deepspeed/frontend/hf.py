@@ -7,6 +7,12 @@ A Hugging Face model directory holds ``config.json`` and the weights as safetens
 both name tensors by their *checkpoint name*: the name in the Hugging Face model
 (``model.layers.0.mlp.up_proj.weight``), that is the name in the captured module without the path
 of the Hugging Face model inside it (a wrapper's ``"m."``).
+
+PEFT adapters (``peft.get_peft_model``) wrap the model: a wrapped layer keeps its base weight as
+``q_proj.base_layer.weight`` beside the adapter's ``q_proj.lora_A.default.weight``. The base weight's
+checkpoint name is PEFT's own mapping back to the base model (``q_proj.weight``, what
+``merge_and_unload()`` names it); the adapter's tensors are in no base directory (they have no
+checkpoint name) and are saved apart, as PEFT does (:func:`~gpp_deepspeed.save_pretrained`).
 """
 
 from __future__ import annotations
@@ -36,6 +42,8 @@ class HFModelInfo:
     class_name: str
     config: Any
     tied: dict[str, str]
+    peft: Any = None         # the peft.PeftModel around the model, if adapters wrap it
+    peft_prefix: str = ""    # its path in the captured module ("" or ending with a dot)
 
     @classmethod
     def find(cls, module: nn.Module) -> "HFModelInfo | None":
@@ -49,12 +57,28 @@ class HFModelInfo:
         if len(outer) != 1:
             return None
         name, model = outer[0]
+        peft = sys.modules.get("peft.peft_model")
+        wrappers = [(n, m) for n, m in module.named_modules() if peft is not None and isinstance(m, peft.PeftModel)]
+        peft_name, peft_model = wrappers[0] if wrappers else ("", None)
         return cls(prefix=f"{name}." if name else "", class_name=type(model).__name__, config=model.config,
-                   tied=dict(model.get_expanded_tied_weights_keys(all_submodels=True)))
+                   tied=dict(model.get_expanded_tied_weights_keys(all_submodels=True)), peft=peft_model,
+                   peft_prefix=f"{peft_name}." if peft_name else "")
 
     def checkpoint_name(self, name: str) -> str | None:
-        """``name`` (in the captured module) in the directory, or None when it is outside the model."""
-        return name[len(self.prefix):] if name.startswith(self.prefix) else None
+        """``name`` (in the captured module) in the directory, or None when it is outside the model
+        or a PEFT adapter's tensor."""
+        if not name.startswith(self.prefix) or self.is_adapter(name):
+            return None
+        name = name[len(self.prefix):]
+        return name.replace(".base_layer.", ".") if self.peft is not None else name
+
+    def is_adapter(self, name: str) -> bool:
+        """Whether ``name`` is a PEFT adapter's tensor (a path step starting with the tuner's
+        prefix, ``lora_`` for LoRA)."""
+        if self.peft is None:
+            return False
+        prefix = getattr(self.peft.base_model, "prefix", "lora_")
+        return any(step.startswith(prefix) for step in name.split("."))
 
 
 def checkpoint_name(hf: HFModelInfo | None, name: str) -> str | None:

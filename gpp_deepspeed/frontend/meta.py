@@ -24,7 +24,9 @@ initialiser
     ``PreTrainedModel`` holding the submodule (the model's own initialisation, what
     ``from_pretrained`` runs on the tensors a checkpoint lacks); the submodule's own
     ``reset_parameters()`` (every ``torch.nn`` layer has one). Submodules are visited children
-    first, as Hugging Face's ``initialize_weights`` does.
+    first, as Hugging Face's ``initialize_weights`` does. PEFT adapters (LoRA's ``lora_A`` and
+    ``lora_B``) are then initialised by PEFT's own rule, the layer's ``reset_lora_parameters``
+    (B = 0, so the adapted model starts equal to its base).
 dry run
     The initialiser run on a meta copy of a layer while every tensor it writes in full is recorded:
     it tells, on every rank and before any communication, which tensors nothing would initialise.
@@ -84,13 +86,34 @@ class ModuleInit:
 
     owners: tuple[tuple[str, nn.Module], ...] = ()
     init_fn: Callable[[nn.Module], None] | None = None
+    adapters: tuple[tuple[str, Any], ...] = ()   # (PEFT adapter name, its config's init_lora_weights)
 
     @classmethod
     def of(cls, root: nn.Module, init_fn: Callable[[nn.Module], None] | None = None) -> "ModuleInit":
         """The initialiser of ``root``'s submodules (Hugging Face owners found by class)."""
         owners = [(f"{name}." if name else "", m) for name, m in root.named_modules() if _is_pretrained(m)]
         owners.sort(key=lambda o: -len(o[0]))
-        return cls(owners=tuple(owners), init_fn=init_fn)
+        adapters = {name: getattr(config, "init_lora_weights", True) for m in root.modules()
+                    if _is_peft(m) for name, config in m.peft_config.items()}
+        return cls(owners=tuple(owners), init_fn=init_fn, adapters=tuple(adapters.items()))
+
+    def init_adapters(self, module: nn.Module, allocated: set[int]) -> None:
+        """PEFT's own initialisation of the adapters of ``module``'s LoRA layers whose tensors were
+        just allocated (ids in ``allocated``): ``reset_lora_parameters``, as ``get_peft_model`` ran
+        it on tensors the meta device left empty."""
+        rules = dict(self.adapters)
+        for sub in module.modules():
+            if not callable(getattr(sub, "reset_lora_parameters", None)):
+                continue
+            for name, lora_a in getattr(sub, "lora_A", {}).items():
+                if not any(id(p) in allocated for p in lora_a.parameters()):
+                    continue
+                rule = rules.get(name, True)
+                if rule not in (True, False, "gaussian"):
+                    raise GPPConfigError(f'PEFT adapter "{name}" is initialised by init_lora_weights={rule!r}, '
+                                         "which reads the base weights: build the model off the meta device, or "
+                                         "load the adapter from a directory")
+                sub.reset_lora_parameters(name, rule)
 
     def how(self, path: str, module: nn.Module) -> str | None:
         """Which initialiser fills ``module`` (at ``path`` in the captured model), or None."""
@@ -149,6 +172,7 @@ def materialize(module: nn.Module, *, init: ModuleInit, path_of: Callable[[str],
         if id(sub) in owning:
             owning.discard(id(sub))   # a submodule reached by two paths is initialised once
             init.apply(path_of(name), sub)
+    init.init_adapters(module, {id(t) for t in fresh.values()})
     return module
 
 
@@ -230,6 +254,13 @@ def _children_first(module: nn.Module, prefix: str = "") -> Iterator[tuple[str, 
         if child is not None:
             yield from _children_first(child, f"{prefix}.{name}" if prefix else name)
     yield prefix, module
+
+
+def _is_peft(module: nn.Module) -> bool:
+    """A ``peft.PeftModel``, checked without importing peft."""
+    import sys
+    peft = sys.modules.get("peft.peft_model")
+    return peft is not None and isinstance(module, peft.PeftModel)
 
 
 def _is_pretrained(module: nn.Module) -> bool:

@@ -37,6 +37,7 @@ import copy
 import dataclasses
 import json
 import os
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -105,7 +106,8 @@ class PretrainedWeights:
         needed: dict[str, tuple[int, ...]] = {}
         for spec in _unique_specs(layers):
             for local, t in local_state(spec.module, persistent_only=True).items():
-                needed[spec.module_path(local)] = tuple(t.shape)
+                if self.hf is None or not self.hf.is_adapter(spec.module_path(local)):   # adapters: PEFT's init
+                    needed[spec.module_path(local)] = tuple(t.shape)
         missing = [n for n in needed if self.source_of(n) is None]
         wrong = [f"{n}: checkpoint {list(self.shapes[self.source_of(n)])}, model {list(s)}"
                  for n, s in needed.items() if self.source_of(n) is not None and self.shapes[self.source_of(n)] != s]
@@ -119,6 +121,10 @@ class PretrainedWeights:
             problems.append(f"{len(missing)} tensor(s) of the model missing: {named[:4]}")
         if unexpected and strict:
             problems.append(f"{len(unexpected)} tensor(s) the model does not have: {unexpected[:4]}")
+        if missing and not strict:
+            named = [(checkpoint_name(self.hf, n) or n) for n in missing]
+            warnings.warn(f"{self.directory} lacks {len(missing)} tensor(s) of the model, which the model's own "
+                          f"initialisation fills (strict=False): {named[:8]}", stacklevel=3)
         if problems:
             what = f"{self.hf.class_name} " if self.hf is not None else ""
             raise CheckpointError(f"{self.directory} does not match the captured {what}model: " + "; ".join(problems)

@@ -122,6 +122,17 @@ def wrong_batch():
 CASES["wrong_number_of_inputs"] = wrong_batch
 
 
+def eval_too_few_micro_batches():
+    """eval_batch reads gradient_accumulation_steps micro-batches unless told num_micro_batches=."""
+    module = GraphPipelineModule(GOOD, input_names=["x"], num_stages=2, loss_fn=nn.MSELoss())
+    engine, *_ = gpp_deepspeed.initialize(model=module, optimizer=torch.optim.SGD(module.parameters(), lr=0.1),
+                                          config={**CONFIG, "gradient_accumulation_steps": 2, "train_batch_size": 4})
+    engine.eval_batch(iter([(torch.zeros(2, 4), torch.zeros(2, 4))]))
+
+
+CASES["eval_too_few_micro_batches"] = eval_too_few_micro_batches
+
+
 def zero3_checkpoint():
     """ZeRO-3 trains under 1f1b, but its per-layer checkpoint files would hold partitions: refused."""
     module = GraphPipelineModule(GOOD, input_names=["x"], num_stages=2, loss_fn=nn.MSELoss())

@@ -1,7 +1,7 @@
-"""Worker: capture each named ``transformers`` case of ``tests/hf_models.py``, train it pipelined,
+"""Worker: capture each named case of ``tests/hf_models.py`` or ``tests/corpus_models.py``, train it pipelined,
 save losses and parameters (named as in the original module).
 
-Run by ``tests/test_hf_capture.py`` through ``tests/dist.py``: ``python hf_cases.py OUT_DIR CASE...``;
+Run by ``tests/test_hf_capture.py`` and ``tests/test_capture_corpus.py`` through ``tests/dist.py``: ``python hf_cases.py OUT_DIR CASE...``;
 writes ``OUT_DIR/<case>.rank<r>.pt``. One launch runs several cases one after the other.
 """
 
@@ -12,6 +12,12 @@ from pathlib import Path
 import torch
 
 from hf_models import CASES, GAS, LR, MBS, STEPS
+
+try:   # the regression corpus of issue 30 (diffusers comes with the [hf] extra)
+    from corpus_models import CORPUS
+    CASES = {**CASES, **CORPUS}
+except ImportError:
+    pass
 
 
 def run_case(name: str, out: Path, rank: int, world_size: int) -> None:

@@ -5,13 +5,18 @@ Run by ``tests/test_large_models.py`` through ``tests/dist.py``:
     python pretrained_cases.py init OUT_DIR              # materialised by the model's own init
     python pretrained_cases.py roundtrip IN_DIR OUT_DIR  # loaded from IN_DIR, trained, saved to OUT_DIR/saved
     python pretrained_cases.py bad OUT_DIR               # models that cannot be built: the error of each
+    python pretrained_cases.py peft IN_DIR OUT_DIR       # LoRA on IN_DIR's weights, trained, adapter saved
 
 ``init`` writes ``OUT_DIR/init.rank<r>.pt`` (this stage's initial weights by module name, and its
 parameter bytes). ``roundtrip`` records every tensor this rank read from IN_DIR (by wrapping
 ``safetensors.safe_open``), trains ``STEPS`` batches, gathers the memory report, saves the pipeline
 as a directory and writes ``OUT_DIR/roundtrip.rank<r>.pt`` (losses, tensors read, every rank's
 memory report beside this rank's own count of its tensors, eval logits on the output stage).
-``bad`` writes ``OUT_DIR/bad.rank<r>.json``: ``{case: [exception type, message]}``.
+``bad`` writes ``OUT_DIR/bad.rank<r>.json``: ``{case: [exception type, message]}``. ``peft`` builds
+the Llama on the meta device, wraps it with a LoRA adapter (``peft.get_peft_model``), loads the base
+weights from IN_DIR, fine-tunes the adapter pipelined, saves it to ``OUT_DIR/adapter`` (and the merged
+model to ``OUT_DIR/merged``) and writes ``OUT_DIR/peft.rank<r>.pt`` (losses, eval logits on the
+output stage, trainable parameter names).
 """
 
 import dataclasses
@@ -95,6 +100,31 @@ def run_roundtrip(src: Path, out: Path, rank: int) -> None:
                 "logits": logits[1] if isinstance(logits, tuple) else None}, out / f"roundtrip.rank{rank}.pt")
 
 
+LORA = {"r": 2, "lora_alpha": 4, "target_modules": ["q_proj", "v_proj"], "lora_dropout": 0.0}
+
+
+def run_peft(src: Path, out: Path, rank: int) -> None:
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoConfig, LlamaForCausalLM
+    from gpp_deepspeed import load_pretrained, save_pretrained
+    from gpp_deepspeed.frontend import capture
+    from llama_tiny import LM, layer_names
+    cfg = AutoConfig.from_pretrained(src)
+    with torch.device("meta"):
+        model = get_peft_model(LlamaForCausalLM(cfg), LoraConfig(**LORA))
+    ids, _ = batches(0)[0]
+    layers = [n.replace("m.", "m.base_model.model.", 1) for n in layer_names(cfg.num_hidden_layers)]
+    captured = load_pretrained(capture(LM(model), layers=layers, example_inputs=(ids, )), src)
+    module = pipeline(captured)
+    engine = engine_of(module, rank)
+    losses = [engine.train_batch(data_iter=iter(batches(step))).item() for step in range(STEPS)]
+    save_pretrained(engine, out / "adapter", captured, peft="adapter")
+    save_pretrained(engine, out / "merged", captured, peft="merged")
+    logits = engine.eval_batch(data_iter=iter(eval_batch()), return_logits=True)
+    torch.save({"stage": engine.stage_id, "losses": losses, "logits": logits[1] if isinstance(logits, tuple) else None,
+                "trainable": [n for n, p in module.named_parameters() if p.requires_grad]}, out / f"peft.rank{rank}.pt")
+
+
 class Scale(nn.Module):
     """A module with a parameter and no reset_parameters(): nothing initialises it on the meta device."""
 
@@ -154,6 +184,8 @@ def main():
         run_init(Path(sys.argv[2]), rank)
     elif sys.argv[1] == "bad":
         run_bad(Path(sys.argv[2]), rank)
+    elif sys.argv[1] == "peft":
+        run_peft(Path(sys.argv[2]), Path(sys.argv[3]), rank)
     else:
         run_roundtrip(Path(sys.argv[2]), Path(sys.argv[3]), rank)
     torch.distributed.barrier()
