@@ -28,6 +28,9 @@ class Reference:
 def train_reference(case: dict, *, dp: int, steps=None) -> Reference:
     mc = MODELS[case["model"]]()
     model = GraphModel(mc.layers, input_names=mc.input_names)
+    cast = (lambda t: t.double() if t.is_floating_point() else t) if case.get("float64") else (lambda t: t)  # noqa: E731
+    if case.get("float64"):
+        model.double()
     if case.get("optimizer") == "adam":
         opt = torch.optim.Adam(model.parameters(), lr=case["lr"])
     else:
@@ -40,7 +43,7 @@ def train_reference(case: dict, *, dp: int, steps=None) -> Reference:
         total = 0.0
         for r in range(dp):
             for x, y in make_batches(mc, step=step, dp_rank=r, micro_batches=m, micro_batch_size=case["mbs"]):
-                loss = loss_fn(model(*(x if isinstance(x, tuple) else (x, ))), y)
+                loss = loss_fn(model(*(cast(t) for t in (x if isinstance(x, tuple) else (x, )))), y)
                 (loss / (m * dp)).backward()
                 total += loss.item()
         if case.get("clip", 1.0) > 0:  # DeepSpeed's default gradient_clipping is 1.0
@@ -51,7 +54,7 @@ def train_reference(case: dict, *, dp: int, steps=None) -> Reference:
     with torch.no_grad():
         for r in range(dp):
             for x, y in make_batches(mc, step=100, dp_rank=r, micro_batches=m, micro_batch_size=case["mbs"]):
-                out = model(*(x if isinstance(x, tuple) else (x, )))
+                out = model(*(cast(t) for t in (x if isinstance(x, tuple) else (x, ))))
                 evals.append(loss_fn(out, y).item())
             last_logits.append(out)  # eval_batch(return_logits=True) returns the last micro-batch's
     return Reference(losses, sum(evals) / len(evals), model.state_dict(), last_logits)

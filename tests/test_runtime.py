@@ -23,7 +23,9 @@ TRACED = case("four_branch", 4, 1, trace=True, steps_per_print=1, wall_clock=Tru
 # under wall_clock_breakdown (DeepSpeed's backward timers started by I, stopped around W).
 ZB_BF16 = case("four_branch", 4, 1, bf16=True, schedule="zb1")
 ZB_TIMED = case("skip", 4, 0, wall_clock=True, schedule="zb2")
-CASES = CKPT + DROP_IN + BF16 + [TRACED, ZB_BF16, ZB_TIMED]
+# A float64 model (its layers cast before initialize), without clipping (its norm is summed in float32).
+FLOAT64 = case("four_branch", 4, 0, float64=True, clip=0.0)
+CASES = CKPT + DROP_IN + BF16 + [TRACED, ZB_BF16, ZB_TIMED, FLOAT64]
 
 
 @pytest.fixture(scope="module")
@@ -115,3 +117,12 @@ def test_gpp_viz_run_draws_the_measured_schedule_of_a_traced_step(out, tmp_path)
         assert sum(a.kind.value == "F" for a, _, _ in spans) == c["gas"]
     assert main(["viz-run", str(out / f"trace_{c['id']}"), "-o", str(tmp_path), "--quiet"]) == 0
     assert (tmp_path / "gantt_run.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_float64_model_trains_in_float64_and_its_losses_come_back_in_float64(out):
+    ref = train_reference(FLOAT64, dp=1)
+    for res in ranks(out, FLOAT64):
+        assert res["loss_dtype"] == res["eval_dtype"] == "torch.float64"
+        # float32 anywhere on the way would leave ~1e-7 of relative error
+        assert res["losses"] == pytest.approx(ref.losses, rel=1e-12)
+        assert res["eval"] == pytest.approx(ref.eval_loss, rel=1e-12)

@@ -220,18 +220,34 @@ class GraphPipelineEngine(PipelineEngine):
             # where STEP would have, before train_batch reads global_steps for its log line.
             self.global_steps += 1
             self.global_samples += self.train_batch_size()
-        losses = torch.zeros(2, dtype=torch.float32, device=self.device)
+        losses = None
         if self.is_last_stage():
             loss = compat.scale_loss_by_gas(self, self.total_loss).detach()
             agg = loss.clone()
             if self.is_data_parallel:
                 dist.all_reduce(agg, group=self.grid.get_data_parallel_group())
                 agg /= self.dp_world_size
-            losses = torch.stack([loss, agg]).float()
-        if self.is_pipe_parallel:
-            dist.broadcast(losses, src=self._loss_stage_global_rank(), group=self.grid.get_pipe_parallel_group())
+            losses = [loss, agg]
+        losses = self._bcast_pipe_scalar(losses, num=2)
         self.dp_group_loss = losses[0].clone()
         return losses[1].clone()
+
+    def _bcast_pipe_scalar(self, data, src_rank=None, dtype=torch.float32, *, num: int = 1):
+        """``num`` loss values of the output stage's first rank (``data``: a tensor, or a list of
+        ``num`` scalars, there; ignored elsewhere), on every rank of this replica, as float32 as
+        DeepSpeed returns them, or as float64 when the model computed them in float64 (the values
+        travel in float64, which holds every loss dtype exactly, with a flag for that)."""
+        src = self._loss_stage_global_rank() if src_rank is None else src_rank
+        shared = torch.zeros(num + 1, dtype=torch.float64, device=self.device)
+        if self.global_rank == src:
+            values = torch.stack([torch.as_tensor(v).detach().reshape(()) for v in (
+                data if isinstance(data, (list, tuple)) else [data.reshape(-1)[0]])])
+            shared[:num] = values.double()
+            shared[num] = float(values.dtype == torch.float64)
+        if self.is_pipe_parallel:
+            dist.broadcast(shared, src=src, group=self.grid.get_pipe_parallel_group())
+        out = shared[0] if num == 1 else shared[:num]
+        return out.to(torch.float64 if shared[num] else dtype)
 
     def _exec_reduce_tied_grads(self):
         """Sum each tied weight's gradient over the stages holding a copy, each copy first divided

@@ -52,9 +52,10 @@ def ds_config(case, dp):
 
 
 def to_model_dtype(batches, case):
-    """bf16 (fp16) models take bf16 (fp16) inputs; as with DeepSpeed's PipelineEngine, casting is the
-    user's job."""
-    dtype = torch.bfloat16 if case.get("bf16") else torch.float16 if case.get("fp16") else None
+    """bf16 (fp16, float64) models take bf16 (fp16, float64) inputs; as with DeepSpeed's
+    PipelineEngine, casting is the user's job."""
+    dtype = (torch.bfloat16 if case.get("bf16") else torch.float16 if case.get("fp16") else
+             torch.float64 if case.get("float64") else None)
     if dtype is None:
         return batches
     cast = lambda x: tuple(t.to(dtype) for t in x) if isinstance(x, tuple) else x.to(dtype)  # noqa: E731
@@ -93,6 +94,8 @@ def build(case, world_size):
     # "lr_decay": the learning rate of step t is lr * lr_decay**t (torch's StepLR, stepped by DeepSpeed).
     sched = (lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=case["lr_decay"])) \
         if "lr_decay" in case else None
+    if case.get("float64"):   # the whole model in float64, as a user casts it before initialize
+        module.double()
     init = deepspeed.initialize if case.get("deepspeed_module") else gpp_deepspeed.initialize
     data = None
     if case.get("training_data"):  # DeepSpeed's own loader instead of data_iter=
@@ -126,7 +129,9 @@ def train(engine, mc, case, steps):
             losses.append(engine.train_batch().item())
             continue
         batches = make_batches(mc, step=step, dp_rank=dp_rank, micro_batches=case["gas"], micro_batch_size=case["mbs"])
-        losses.append(engine.train_batch(data_iter=iter(to_model_dtype(batches, case))).item())
+        loss = engine.train_batch(data_iter=iter(to_model_dtype(batches, case)))
+        engine.case_loss_dtype = str(loss.dtype)
+        losses.append(loss.item())
     return losses
 
 
@@ -170,6 +175,8 @@ def run_case(case, out, rank, world_size):
                                               micro_batches=case["gas"], micro_batch_size=case["mbs"]), case))
         loss, logits = engine.eval_batch(it, return_logits=True)
         result["eval"] = loss.item()
+        result["eval_dtype"] = str(loss.dtype)
+        result["loss_dtype"] = getattr(engine, "case_loss_dtype", None)
         result["logits"] = logits.detach().float().clone() if torch.is_tensor(logits) else None
         if case.get("training_data"):
             result["seen"] = engine.case_seen
