@@ -31,7 +31,7 @@ def watchdog(store, *, rank, job, peers=(), timeout_s=2.0, host_rank=0):
                   timeout_s=timeout_s, store=StoreInfo(store, "the test store", host_rank), job=job)
     wd.exits = []
 
-    def record(message, *, relayed):
+    def record(message, *, relayed, culprit=None):
         wd.exits.append((message, relayed, time.monotonic()))
         raise Stopped(message)
 
@@ -72,7 +72,7 @@ def test_a_frozen_store_server_stops_the_watchdog_within_its_timeout_naming_the_
                                             timeout=timedelta(seconds=10))
         wd = watchdog(client, rank=1, job="j", peers=[0, 2], timeout_s=2.0)
         judged = threading.Event()
-        wd._exit = lambda message, *, relayed: (wd.exits.append((message, time.monotonic())), judged.set())
+        wd._exit = lambda message, *, relayed, culprit=None: (wd.exits.append((message, time.monotonic())), judged.set())
         wd._thread.start()
         wd._judge.start()
         time.sleep(1.0)   # a few good rounds

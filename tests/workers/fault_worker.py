@@ -1,7 +1,7 @@
 """Worker: train a 4-stage pipeline while one rank dies or freezes (and one is merely slow).
 
 ``python fault_worker.py OUT_DIR --victim R --how kill|stop --at-step K [--slow-rank Q --slow-step J]
-[--save-at-step S]``
+[--save-at-step S] [--watchdog-timeout T]``
 
 Every rank prints ``rank <r> step <k>`` after each step. At step ``K`` rank ``R`` writes the wall
 time to ``OUT_DIR/failed_at`` and sends itself SIGKILL (dies) or SIGSTOP (freezes: the process
@@ -68,6 +68,7 @@ def main():
     parser.add_argument("--slow-rank", type=int, default=-1)
     parser.add_argument("--slow-step", type=int, default=1)
     parser.add_argument("--save-at-step", type=int, default=-1)
+    parser.add_argument("--watchdog-timeout", type=float, default=WATCHDOG_TIMEOUT_S)
     parser.add_argument("--local_rank", type=int, default=-1)
     args = parser.parse_args()
     deepspeed.init_distributed(dist_backend="gloo")
@@ -76,7 +77,7 @@ def main():
                                  partition_method="uniform")
     config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 4,
               "optimizer": {"type": "SGD", "params": {"lr": 0.01}}, "steps_per_print": 10**6,
-              "graph_pipeline": {"print_stage_graph": False, "watchdog_timeout_s": WATCHDOG_TIMEOUT_S,
+              "graph_pipeline": {"print_stage_graph": False, "watchdog_timeout_s": args.watchdog_timeout,
                                  "heartbeat_s": 0.5, "p2p_timeout_s": 900}}
     engine, *_ = gpp_deepspeed.initialize(model=module, model_parameters=list(module.parameters()), config=config)
     g = torch.Generator().manual_seed(0)
@@ -92,7 +93,7 @@ def main():
         batches = [(torch.randn(2, 8, generator=g), torch.randint(0, 3, (2, ), generator=g)) for _ in range(4)]
         data = iter(batches)
         if rank == args.slow_rank and step == args.slow_step:
-            data = slow_batches(batches, 2 * WATCHDOG_TIMEOUT_S)
+            data = slow_batches(batches, 2 * args.watchdog_timeout)
         engine.train_batch(data_iter=data)
         print(f"rank {rank} step {step}", flush=True)
         if step == args.save_at_step:
