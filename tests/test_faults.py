@@ -14,11 +14,11 @@ a 6 s timeout, every process of the job, launchers included, must be gone within
 """
 
 import os
-import re
 import signal
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -102,49 +102,52 @@ OUT_FAST_TIMEOUT_S = 6   # the watchdog timeout of the launcher tests below: sho
 OUT_FAST_LIMIT_S = OUT_FAST_TIMEOUT_S + 15   # issue 31: every process gone within the timeout + 15 s
 
 
-def session_processes(sessions):
-    """Live (not zombie) processes of the given sessions: a launch started with ``start_new_session``
-    keeps its launcher, its agents and its ranks in one session (pid = the launch's pid)."""
+def job_processes(tag):
+    """Live (not zombie) processes whose environment holds ``GPP_TEST_JOB=<tag>``: a launch's
+    launchers, agents and ranks, whatever session or parent they have (torch elastic starts each
+    worker in a session of its own; an orphan is re-parented)."""
+    marker = f"GPP_TEST_JOB={tag}".encode()
     live = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
+    for proc in Path("/proc").glob("[0-9]*"):
         try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
+            state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
+            if state != "Z" and marker in (proc / "environ").read_bytes().split(b"\0"):
+                live.append(int(proc.name))
         except (OSError, IndexError):
             continue
-        if fields[0] != "Z" and int(fields[3]) in sessions:
-            live.append(int(stat.parent.name))
     return live
 
 
 def run_group(cmds, log_dir, out_dir, timeout=300):
-    """Start each command in its own session; return ``(outputs, seconds)``: the seconds from the
-    victim's freeze (``out_dir/failed_at``) until no process of any session is left (None: some
-    were left at ``timeout``, and are killed)."""
+    """Start each command in its own session, marked by ``GPP_TEST_JOB``; return ``(outputs,
+    seconds)``: the seconds from the victim's freeze (``out_dir/failed_at``) until no process of the
+    job is left (None: some were left at ``timeout``, and are killed)."""
     procs, logs = [], []
+    tag = uuid.uuid4().hex
     env = dict(os.environ, OMP_NUM_THREADS="1", PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
-               PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests")]))
+               PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests")]), GPP_TEST_JOB=tag)
     for k, cmd in enumerate(cmds):
         log = open(log_dir / f"launch{k}.log", "w+")
         logs.append(log)
         procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
                                       start_new_session=True))
-    sessions = {p.pid for p in procs}
     gone_at = None
     start = time.monotonic()
     try:
         while time.monotonic() - start < timeout:
             for p in procs:
                 p.poll()   # reap the launchers themselves
-            if not session_processes(sessions):
+            if not job_processes(tag):
                 gone_at = time.time()
                 break
             time.sleep(0.2)
     finally:
-        for p in procs:
+        for pid in job_processes(tag) + [p.pid for p in procs]:
             try:
-                os.killpg(p.pid, signal.SIGKILL)   # anything left
+                os.kill(pid, signal.SIGKILL)   # anything left
             except ProcessLookupError:
                 pass
+        for p in procs:
             p.wait()
     outputs = []
     for log in logs:
