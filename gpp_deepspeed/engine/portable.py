@@ -42,6 +42,7 @@ from deepspeed.utils import logger
 from ..checkpoint import (LR_SCHEDULER_FILE, MASTER_KEY, latest_tag, layer_optim_file, load_master_weights_by_name,
                           load_optimizer_state_by_name, optimizer_state_by_name, read_layout, step_value,
                           write_layout, commit_tag, staging_tag, write_latest)
+from . import elastic
 from .compat import base_optimizer, base_optimizer_state, flat_optimizer_groups, link_fragment_state
 
 __all__ = ["current_layout", "save_checkpoint", "save_extras", "load_checkpoint", "layer_optimizer_states",
@@ -160,10 +161,14 @@ def save_extras(engine, save_dir: str, tag: str) -> None:
     if states is not None and engine.grid.data_parallel_id == 0:
         for name, layer_states in states.items():
             torch.save(layer_states, layer_optim_file(ckpt_dir, name))
+    elastic.save_rng(engine, ckpt_dir)
     if engine.global_rank == 0:
-        write_layout(ckpt_dir, **current_layout(engine),
-                     counters={"global_steps": engine.global_steps, "global_samples": engine.global_samples,
-                               "skipped_steps": engine.skipped_steps})
+        counters = {"global_steps": engine.global_steps, "global_samples": engine.global_samples,
+                    "skipped_steps": engine.skipped_steps}
+        scale = elastic.loss_scale(engine)
+        if scale is not None:
+            counters["loss_scale"] = scale
+        write_layout(ckpt_dir, **current_layout(engine), counters=counters)
         if engine.lr_scheduler is not None:
             torch.save(engine.lr_scheduler.state_dict(), os.path.join(ckpt_dir, LR_SCHEDULER_FILE))
     dist.barrier()
@@ -180,11 +185,16 @@ def load_checkpoint(engine, load_dir: str, tag: str | None, *, ds_load, load_opt
     tag = tag if tag is not None else latest_tag(load_dir)
     layout = read_layout(os.path.join(load_dir, str(tag))) if tag is not None else None
     if layout is None or _same_layout(layout, current_layout(engine)):
-        return ds_load(load_dir, tag, load_optimizer_states=load_optimizer_states,
-                       load_lr_scheduler_states=load_lr_scheduler_states, load_module_strict=load_module_strict,
-                       **kwargs)
-    return _load_relaid(engine, os.path.join(load_dir, str(tag)), layout, load_optimizer_states=load_optimizer_states,
-                        load_lr_scheduler_states=load_lr_scheduler_states, strict=load_module_strict)
+        out = ds_load(load_dir, tag, load_optimizer_states=load_optimizer_states,
+                      load_lr_scheduler_states=load_lr_scheduler_states, load_module_strict=load_module_strict,
+                      **kwargs)
+    else:
+        out = _load_relaid(engine, os.path.join(load_dir, str(tag)), layout, load_optimizer_states=load_optimizer_states,
+                           load_lr_scheduler_states=load_lr_scheduler_states, strict=load_module_strict)
+    if layout is not None and out[0] is not None:
+        elastic.restore(engine, os.path.join(load_dir, str(tag)), layout.get("counters", {}),
+                        relaid=not _same_layout(layout, current_layout(engine)))
+    return out
 
 
 def _load_relaid(engine, ckpt_dir: str, layout: dict, *, load_optimizer_states: bool, load_lr_scheduler_states: bool,
