@@ -92,6 +92,11 @@ def run_elastic(out, extra, *, kill_output_stage, timeout=300):
     return [a.returncode for a in agents], text, killed_at
 
 
+def rate(losses):
+    """Samples per second over consecutive steps' records (wall times of their ends)."""
+    return f"{(len(losses) - 1) * BATCH / (losses[-1]['t'] - losses[0]['t']):.0f}" if len(losses) > 1 else "-"
+
+
 def check_samples_seen_once(out):
     seen = records(out, "seen.jsonl")
     first = [i for s in seen if s["world"] == 6 and s["step"] < SAVE_AT for i in s["idx"]]
@@ -115,9 +120,10 @@ def test_a_lost_agent_restarts_on_the_ranks_left_with_a_new_plan_from_the_checkp
     assert len(second) == 4 and any(w["output"] for w in second), report
     resumed = [r for r in records(out, "losses.jsonl") if r["world"] == 4]
     assert [r["step"] for r in resumed] == list(range(SAVE_AT + 1, STEPS + 1)), resumed
-    recovery = resumed[0]["t"] - killed_at
+    first = [r for r in records(out, "losses.jsonl") if r["world"] == 6]
     print(f"elastic restart ({'training_data' if training_data else 'data_iter'}): first step on 4 ranks "
-          f"{recovery:.1f} s after the agent was killed")
+          f"{resumed[0]['t'] - killed_at:.1f} s after the agent was killed; steps lost "
+          f"{max(r['step'] for r in first) - SAVE_AT}; samples/s on 6 ranks {rate(first[:SAVE_AT])}, on 4 {rate(resumed)}")
     check_samples_seen_once(out)
 
     # The same checkpoint, by hand, on 4 ranks: the same losses.

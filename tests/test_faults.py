@@ -118,6 +118,22 @@ def job_processes(tag):
     return live
 
 
+def test_a_rank_killed_while_its_background_writes_run_leaves_latest_at_the_last_complete_checkpoint(tmp_path):
+    victim, survivors = 2, [0, 1, 3]
+    args = [str(tmp_path), "--victim", str(victim), "--how", "kill", "--at-step", "3", "--save-at-step", "1",
+            "--background", "--watchdog-timeout", str(OUT_FAST_TIMEOUT_S)]
+    result = launch(4, WORKER, *args, timeout=300, log_dir=tmp_path / "logs", kill_on_failure=False,
+                    wait_for=set(survivors))
+    assert not result.timed_out, result.report()
+    assert all(result.returncodes[r] != 0 for r in survivors), result.report()
+    ckpt = tmp_path / "ckpt"
+    assert (ckpt / "latest").read_text() == "step1", "latest still names the last complete checkpoint"
+    assert not (ckpt / "step3").exists() and (ckpt / "step3.partial").is_dir(), sorted(os.listdir(ckpt))
+    markers = ckpt / "step3.partial" / ".written"
+    assert str(victim) not in (os.listdir(markers) if markers.exists() else []), "the victim never finished"
+    assert not (ckpt / "step1.partial").exists() and (ckpt / "step1" / "graph_layout.json").is_file()
+
+
 def run_group(cmds, log_dir, out_dir, timeout=300):
     """Start each command in its own session, marked by ``GPP_TEST_JOB``; return ``(outputs,
     seconds)``: the seconds from the victim's freeze (``out_dir/failed_at``) until no process of the
@@ -167,7 +183,7 @@ def check_launch(outputs, seconds, victim, launcher):
     print(f"out fast ({launcher}, frozen global rank {victim}): every process gone {seconds:.1f} s after the freeze")
     assert seconds < OUT_FAST_LIMIT_S, f"the last process went {seconds:.0f} s after the freeze:\n{text[-4000:]}"
     assert "[gpp_deepspeed watchdog t=" in text and f"global rank {victim}" in text, text[-4000:]
-    assert "this rank killed it (SIGKILL" in text, text[-4000:]
+    assert "this rank kills it (SIGKILL" in text, text[-4000:]
 
 
 def fast_args(out, victim):

@@ -35,6 +35,7 @@ import shutil
 import torch
 from deepspeed import comm as dist
 from deepspeed.ops.adam import FusedAdam
+from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
 from deepspeed.utils import (safe_get_full_fp32_param, safe_get_full_optimizer_state, safe_set_full_fp32_param,
                              safe_set_full_optimizer_state)
 from deepspeed.utils import logger
@@ -43,6 +44,7 @@ from ..checkpoint import (LR_SCHEDULER_FILE, MASTER_KEY, latest_tag, layer_optim
                           load_optimizer_state_by_name, optimizer_state_by_name, read_layout, step_value,
                           write_layout, commit_tag, staging_tag, write_latest)
 from . import elastic
+from .background import BackgroundCheckpointEngine
 from .compat import base_optimizer, base_optimizer_state, flat_optimizer_groups, link_fragment_state
 
 __all__ = ["current_layout", "save_checkpoint", "save_extras", "load_checkpoint", "layer_optimizer_states",
@@ -93,13 +95,20 @@ def save_checkpoint(engine, save_dir: str, tag: str, *, save_latest: bool, ds_sa
         out = ds_save(tag, save_latest)
         save_extras(engine, save_dir, tag)
         return out
+    background = _background_engine(engine)
+    if background is not None:
+        background.wait()   # one checkpoint in flight: this rank's writes of the previous one are done
     staging = staging_tag(tag)
     # The rank DeepSpeed lets create folders: one per node with node-local storage, else global rank 0.
     writer = (engine.local_rank if engine.use_node_local_storage() else engine.global_rank) == 0
     if writer:   # what a save stopped earlier left; DeepSpeed's first barrier follows before anyone writes
         shutil.rmtree(os.path.join(save_dir, staging), ignore_errors=True)
     out = ds_save(staging, False)
-    save_extras(engine, save_dir, staging)   # ends with a barrier: every rank's files are written
+    save_extras(engine, save_dir, staging)   # ends with a barrier: every rank's files are written (or queued)
+    if background is not None:   # each rank marks its files written; global rank 0 commits (background.py)
+        background.finish(save_dir, tag, rank=engine.global_rank, world_size=dist.get_world_size(),
+                          save_latest=save_latest)
+        return out
     if writer:
         commit_tag(save_dir, tag)
     dist.barrier()
@@ -107,6 +116,23 @@ def save_checkpoint(engine, save_dir: str, tag: str, *, save_latest: bool, ds_sa
         write_latest(save_dir, tag)
     dist.barrier()
     return out
+
+
+def _background_engine(engine) -> BackgroundCheckpointEngine | None:
+    """With ``graph_pipeline.checkpoint_in_background``, DeepSpeed's torch checkpoint engine wrapped
+    to write on a thread (once; later saves reuse it); None otherwise, and with node-local storage
+    (the commit reads every rank's marker from one file system)."""
+    if isinstance(engine.checkpoint_engine, BackgroundCheckpointEngine):
+        return engine.checkpoint_engine
+    if not engine.gpp_config.checkpoint_in_background:
+        return None
+    if engine.use_node_local_storage() or not isinstance(engine.checkpoint_engine, TorchCheckpointEngine):
+        if engine.global_rank == 0:
+            logger.warning("graph_pipeline.checkpoint_in_background needs DeepSpeed's torch checkpoint engine on "
+                           "storage every rank sees; checkpoints are written blocking")
+        return None
+    engine.checkpoint_engine = BackgroundCheckpointEngine(engine.checkpoint_engine)
+    return engine.checkpoint_engine
 
 
 def _group_steps(optimizer: torch.optim.Optimizer) -> dict[int, int] | None:
@@ -160,7 +186,7 @@ def save_extras(engine, save_dir: str, tag: str) -> None:
     states = layer_optimizer_states(engine)
     if states is not None and engine.grid.data_parallel_id == 0:
         for name, layer_states in states.items():
-            torch.save(layer_states, layer_optim_file(ckpt_dir, name))
+            engine.checkpoint_engine.save(layer_states, layer_optim_file(ckpt_dir, name))
     elastic.save_rng(engine, ckpt_dir)
     if engine.global_rank == 0:
         counters = {"global_steps": engine.global_steps, "global_samples": engine.global_samples,
@@ -182,6 +208,8 @@ def _same_layout(saved: dict, current: dict) -> bool:
 def load_checkpoint(engine, load_dir: str, tag: str | None, *, ds_load, load_optimizer_states: bool = True,
                     load_lr_scheduler_states: bool = True, load_module_strict: bool = True, **kwargs):
     """``engine.load_checkpoint``; ``ds_load`` is DeepSpeed's, used when the layout is unchanged."""
+    if isinstance(engine.checkpoint_engine, BackgroundCheckpointEngine):
+        engine.checkpoint_engine.wait()   # this process's last checkpoint is written and committed
     tag = tag if tag is not None else latest_tag(load_dir)
     layout = read_layout(os.path.join(load_dir, str(tag))) if tag is not None else None
     if layout is None or _same_layout(layout, current_layout(engine)):

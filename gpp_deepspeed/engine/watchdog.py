@@ -117,14 +117,18 @@ class ProcessId:
             return ProcessId("", os.getpid(), -1)
         return ProcessId(machine, os.getpid(), _start_time(os.getpid()))
 
-    def kill_if_local(self) -> bool:
-        """SIGKILL this process if it runs on this machine and is still the same process; True if
-        a signal was sent."""
+    def is_local(self) -> bool:
+        """True if this process runs on this machine, is not the caller, and is still the same
+        process (not gone, its pid not reused)."""
         here = ProcessId.of_this_process()
         if not self.machine or self.machine != here.machine or self.pid == here.pid:
             return False
-        if _start_time(self.pid) != self.start:
-            return False   # gone, or the pid belongs to another process now
+        return _start_time(self.pid) == self.start
+
+    def kill_if_local(self) -> bool:
+        """SIGKILL this process if :meth:`is_local`; True if a signal was sent."""
+        if not self.is_local():
+            return False
         try:
             os.kill(self.pid, signal.SIGKILL)
         except OSError:
@@ -353,11 +357,13 @@ class Watchdog:
             time.sleep(3600)   # the other thread is already taking the process down
         who = f"global rank {self.rank} ({self.describe(self.rank)})"
         prefix = "stops: another rank reported" if relayed else "stops"
-        # A frozen culprit on this machine takes no SIGTERM: end it now, so that the launcher, which
-        # waits for its children, sees one die and ends the rest at once.
-        killed = culprit is not None and culprit in self.processes and self.processes[culprit].kill_if_local()
-        if killed:
-            message += f"; this rank killed it (SIGKILL, pid {self.processes[culprit].pid})"
+        # A frozen culprit on this machine takes no SIGTERM: it is killed (after the lingering
+        # below, so that every rank reads "failed" before a killed peer's closed connections wake
+        # its main thread), so that the launcher, which waits for its children, sees one die and
+        # ends the rest at once.
+        victim = self.processes.get(culprit) if culprit is not None else None
+        if victim is not None and victim.is_local():
+            message += f"; this rank kills it (SIGKILL, pid {victim.pid})"
         sys.stderr.write(f"\n[gpp_deepspeed watchdog t={time.time():.1f}] {who} {prefix}: {message} "
                          f"(exit code {EXIT_CODE}: a peer failed)\n")
         sys.stderr.flush()
@@ -366,6 +372,8 @@ class Watchdog:
         # Linger two beats so every watcher reads "failed" before this process goes (the store's
         # host leaving at once would make the others blame it instead).
         time.sleep(2 * self.heartbeat_s + 0.5)
+        if victim is not None:
+            victim.kill_if_local()
         os._exit(EXIT_CODE)
 
 
