@@ -42,32 +42,32 @@ def records(out, name):
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
-def agent_cmd(port, out, extra):
-    return [str(BIN / "torchrun"), "--nnodes=2:3", "--nproc-per-node=2", "--max-restarts=3",
+def agent_cmd(port, out, extra, nproc):
+    return [str(BIN / "torchrun"), "--nnodes=2:3", f"--nproc-per-node={nproc}", "--max-restarts=3",
             "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id=gpp-{uuid.uuid4().hex[:8]}",
             "--rdzv-conf=is_host=false,last_call_timeout=3,keep_alive_interval=1,keep_alive_max_attempt=3",
             "--monitor-interval=0.5", str(WORKER), str(out), "--steps", str(STEPS), "--save-at", str(SAVE_AT), *extra]
 
 
-def run_elastic(out, extra, *, kill_output_stage, timeout=300):
-    """Three agents; kill one once the checkpoint is saved; returns (agents' return codes, logs,
-    the kill's wall time)."""
+def run_elastic(out, extra, *, kill_output_stage, nproc=2, timeout=300, env=None):
+    """Three agents of ``nproc`` ranks; kill one once the checkpoint is saved; returns (agents'
+    return codes, logs, the kill's wall time)."""
     port = free_port()
     store = torch.distributed.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
                                        timeout=timedelta(seconds=60))
     tag = uuid.uuid4().hex
     env = dict(os.environ, OMP_NUM_THREADS="1", PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
                PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests")]), GPP_TEST_JOB=tag,
-               TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")   # see docs/faults.md: needed when a node can be lost
-    cmd = agent_cmd(port, out, extra)
+               TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", **(env or {}))   # see docs/faults.md
+    cmd = agent_cmd(port, out, extra, nproc)
     logs = [open(Path(out, f"agent{k}.log"), "w+") for k in range(3)]
     agents = [subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
               for log in logs]
     start, killed_at = time.monotonic(), None
     try:
         while killed_at is None and time.monotonic() - start < timeout:
-            first = [w for w in records(out, "who.jsonl") if w["world"] == 6]
-            if Path(out, "saved").exists() and len(first) == 6:
+            first = [w for w in records(out, "who.jsonl") if w["world"] == 3 * nproc]
+            if Path(out, "saved").exists() and len(first) == 3 * nproc:
                 holds_output = {w["agent"] for w in first if w["output"]}
                 victim = next(a for a in agents if (a.pid in holds_output) == kill_output_stage)
                 for pid in [victim.pid] + [w["pid"] for w in first if w["agent"] == victim.pid]:

@@ -27,6 +27,7 @@ Representative signatures::
 
     BackgroundCheckpointEngine(base)          # wraps DeepSpeed's TorchCheckpointEngine
     engine.save(state_dict, path)             # snapshot now, write later
+    engine.save_owned(state_dict, path)       # a state of fresh copies: no snapshot
     engine.finish(save_dir, tag, rank=, world_size=, save_latest=)   # markers, then commit on rank 0
     engine.wait()                             # this process's writes (and its commit) done
 """
@@ -93,8 +94,11 @@ class BackgroundCheckpointEngine(TorchCheckpointEngine):
         return future
 
     def save(self, state_dict, path: str):
-        copy = snapshot(state_dict)
-        self._writes.append(self._submit(_write, copy, path, self.zipfile_serialization))
+        self.save_owned(snapshot(state_dict), path)
+
+    def save_owned(self, state_dict, path: str):
+        """``save`` of a state whose tensors nothing else holds (fresh copies): written as it is."""
+        self._writes.append(self._submit(_write, state_dict, path, self.zipfile_serialization))
 
     def finish(self, save_dir: str, tag: str, *, rank: int, world_size: int, save_latest: bool,
                timeout_s: float = 3600.0) -> None:

@@ -185,8 +185,10 @@ def save_extras(engine, save_dir: str, tag: str) -> None:
     ckpt_dir = os.path.join(save_dir, str(tag))
     states = layer_optimizer_states(engine)
     if states is not None and engine.grid.data_parallel_id == 0:
+        # fresh CPU copies already: a background engine writes them without another snapshot
+        save = getattr(engine.checkpoint_engine, "save_owned", engine.checkpoint_engine.save)
         for name, layer_states in states.items():
-            engine.checkpoint_engine.save(layer_states, layer_optim_file(ckpt_dir, name))
+            save(layer_states, layer_optim_file(ckpt_dir, name))
     elastic.save_rng(engine, ckpt_dir)
     if engine.global_rank == 0:
         counters = {"global_steps": engine.global_steps, "global_samples": engine.global_samples,

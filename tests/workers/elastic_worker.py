@@ -34,8 +34,10 @@ from gpp_deepspeed import GraphPipelineModule
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from models import four_branch  # noqa: E402
 
-NUM_SAMPLES = 96          # the epoch: 12 batches of 8
-MICRO_BATCH, ACCUMULATION = 4, 2
+# The micro-batch must be divisible by every stage degree a plan may choose (GPP_ELASTIC_MICRO_BATCH:
+# 24 for the 12-rank benchmark, benchmarks/elastic_recovery.py); the epoch is 12 batches.
+MICRO_BATCH, ACCUMULATION = int(os.environ.get("GPP_ELASTIC_MICRO_BATCH", "4")), 2
+NUM_SAMPLES = 12 * MICRO_BATCH * ACCUMULATION
 
 
 class Samples(torch.utils.data.Dataset):
