@@ -219,7 +219,8 @@ def load_checkpoint(engine, load_dir: str, tag: str | None, *, ds_load, load_opt
                       load_lr_scheduler_states=load_lr_scheduler_states, load_module_strict=load_module_strict,
                       **kwargs)
     else:
-        out = _load_relaid(engine, os.path.join(load_dir, str(tag)), layout, load_optimizer_states=load_optimizer_states,
+        out = _load_relaid(engine, os.path.join(load_dir, str(tag)), layout,
+                           load_optimizer_states=load_optimizer_states,
                            load_lr_scheduler_states=load_lr_scheduler_states, strict=load_module_strict)
     if layout is not None and out[0] is not None:
         elastic.restore(engine, os.path.join(load_dir, str(tag)), layout.get("counters", {}),
