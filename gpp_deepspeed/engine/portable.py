@@ -268,11 +268,16 @@ def _load_layer_optimizer_states(engine, ckpt_dir: str) -> None:
         _scatter_flat_states(engine.optimizer, groups, layers, states)
     else:
         missing = [name for name, layer in layers if any(p.requires_grad for p in layer.parameters())]
-    if missing and engine.global_rank == engine.grid.stage_to_global(engine.stage_id, data=0):
-        why = ("this run's optimizer keeps state that does not move between layouts"
-               if torch_opt is None and groups is None else "the checkpoint has no optimizer state for them")
+    # Said once, on global rank 0, for every stage (a collective: every rank loads).
+    why = ("this run's optimizer keeps state that does not move between layouts"
+           if torch_opt is None and groups is None else "the checkpoint has no optimizer state for them")
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, (sorted(missing), why))
+    fresh = sorted({name for names, _ in everyone for name in names})
+    if fresh and engine.global_rank == 0:
+        reasons = sorted({reason for names, reason in everyone if names})
         logger.warning(f"checkpoint {ckpt_dir} was saved under another layout; the optimizer state of layers "
-                       f"{missing[:6]}{'...' if len(missing) > 6 else ''} starts fresh: {why}")
+                       f"{fresh[:6]}{'...' if len(fresh) > 6 else ''} starts fresh: {'; '.join(reasons)}")
 
 
 def _scatter_flat_states(optimizer, groups, layers, states) -> None:
