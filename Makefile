@@ -47,6 +47,8 @@ bench: setup
 	$(PY) benchmarks/device_profiles.py --compare benchmarks/results/device_profiles   # the GPU run: --out DIR there
 	$(PY) benchmarks/large_models.py
 	$(PY) benchmarks/zero_memory.py
+	$(PY) benchmarks/checkpoint_save.py
+	$(PY) benchmarks/elastic_recovery.py --nproc 4
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -23,9 +23,13 @@ ZeRO's ``*_optim_states.pt``):
     (:mod:`gpp_deepspeed.engine.portable`);
 ``graph_layout.json``
     the layout it was saved under (``stage_of``, ``num_stages``, ``data_parallel``, ``zero_stage``,
-    ``bf16``) and the engine's counters (``global_steps``, ``global_samples``, ``skipped_steps``);
+    ``bf16``) and the engine's counters (``global_steps``, ``global_samples``, ``skipped_steps``,
+    and ``loss_scale`` under fp16);
 ``graph_lr_scheduler.pt``
-    the learning-rate scheduler's state, if there is one.
+    the learning-rate scheduler's state, if there is one;
+``graph_rng_<key>.pt``
+    one rank's RNG states, ``<key>`` naming what it ran (its stage's layers, replica and index:
+    :mod:`gpp_deepspeed.engine.elastic`).
 
 A plain DeepSpeed layer list checkpointed by ``PipelineModule`` has numbered files only; a layer
 without a named file is read from ``layer_<index>`` (its position in the list).

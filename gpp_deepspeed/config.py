@@ -89,6 +89,12 @@ class GraphPipelineConfig(BaseModel):
     heartbeat_s: float = Field(default=1.0, gt=0)
     """Seconds between heartbeats (and between checks of the peers' heartbeats)."""
 
+    checkpoint_in_background: bool = False
+    """``save_checkpoint`` returns once the state is copied to CPU memory; the files are written,
+    and the checkpoint committed (``latest``), on a thread while training goes on
+    (:mod:`gpp_deepspeed.engine.background`). A rank lost before its files are written leaves
+    ``latest`` at the last complete checkpoint."""
+
 
 def load_config(config: str | dict[str, Any]) -> dict[str, Any]:
     """A DeepSpeed config as the dict ``gpp_deepspeed.initialize`` reads: a path to a JSON (or

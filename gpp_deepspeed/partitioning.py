@@ -48,7 +48,7 @@ from .graph.placement import Placement
 from .graph.stages import Partition, derive_partition
 from .planner.costs import CostDB
 from .planner.plan import Plan
-from .planner.search import graphpipe_partition, proxy_costs
+from .planner.search import graphpipe_partition, graphpipe_search, proxy_costs
 
 __all__ = ["BranchBalanced", "TypeBalanced", "SequentialChain", "GraphPipeSearch", "DeviceProfile", "FromPlan", "Manual",
            "PartitionOption", "ResolvedPartition", "PARTITION_ALIASES", "PARTITION_METHODS", "BRANCH_SLACK",
@@ -130,6 +130,9 @@ class GraphPipeSearch:
     cost_db: CostDB | None = None
     profile: DeviceProfile | None = None
     micro_batch: int = 1    # the micro-batch size the search prices stages at
+    # Without num_stages or stage_degrees: the mini-batch GraphPipe's whole search (stage count,
+    # devices per stage) plans for the ranks present; None is micro_batch x the world size.
+    mini_batch: int | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -280,6 +283,8 @@ def resolve_partition(graph: LayerGraph, option: PartitionOption | ResolvedParti
     if isinstance(option, FromPlan):
         return _from_plan(graph, option.plan, num_stages=num_stages, stage_degrees=stage_degrees,
                           world_size=world_size)
+    if isinstance(option, GraphPipeSearch) and num_stages is None and stage_degrees is None and world_size:
+        return _planned_for_world(graph, option, world_size, _lookup(param_count, "param_count"))
     degrees = _degrees(num_stages, stage_degrees, world_size)
     stage_of = _cut(graph, option, len(degrees), _lookup(param_count, "param_count"),
                     _lookup(layer_type, "layer_type"))
@@ -287,14 +292,32 @@ def resolve_partition(graph: LayerGraph, option: PartitionOption | ResolvedParti
     return ResolvedPartition(partition=partition, stage_degrees=degrees, source=_describe(option))
 
 
+def _planned_for_world(graph: LayerGraph, option: GraphPipeSearch, world_size: int, param_count) -> ResolvedPartition:
+    """GraphPipe's whole search (stage graph, devices per stage, one degree for all stages) on the
+    ``world_size`` ranks present: what a restart on fewer devices runs (issue 31)."""
+    _check_measured(option)
+    mini_batch = option.mini_batch or option.micro_batch * world_size
+    plan = graphpipe_search(_cost_db(graph, option.cost_db, param_count), num_devices=world_size,
+                            mini_batch=mini_batch, space="runtime").plan
+    if plan is None:
+        raise PartitionError(f"GraphPipe's search found no plan for {world_size} ranks at mini-batch {mini_batch} "
+                             "that fits memory; give num_stages, or a larger world")
+    resolved = _from_plan(graph, plan, num_stages=None, stage_degrees=None, world_size=world_size)
+    return replace(resolved, source=f"GraphPipe's plan for the {world_size} ranks present")
+
+
+def _check_measured(option: GraphPipeSearch) -> None:
+    if option.cost_db is None and option.profile is not None:
+        raise PartitionError("GraphPipeSearch(profile=...) must be measured before it is resolved: "
+                             "gpp_deepspeed.profiler.profile_on_ranks (GraphPipelineModule does it)")
+
+
 def _cut(graph: LayerGraph, option: PartitionOption, num_stages: int, param_count, layer_type) -> dict[str, int]:
     """``{layer_name: stage_idx}`` for every option but a plan."""
     if isinstance(option, Manual):
         return dict(option.stage_of)
     if isinstance(option, GraphPipeSearch):
-        if option.cost_db is None and option.profile is not None:
-            raise PartitionError("GraphPipeSearch(profile=...) must be measured before it is resolved: "
-                                 "gpp_deepspeed.profiler.profile_on_ranks (GraphPipelineModule does it)")
+        _check_measured(option)
         return graphpipe_partition(_cost_db(graph, option.cost_db, param_count), num_stages=num_stages,
                                    micro_batch=option.micro_batch)
     if isinstance(option, TypeBalanced):

@@ -279,3 +279,17 @@ def test_a_device_profile_given_as_cost_db_asks_graphpipe_to_time_the_layers_at_
         parse_partition_method(GraphPipeSearch(profile=profile), cost_db=profile)
     with pytest.raises(PartitionError, match="positive micro_batches"):
         DeviceProfile(make_inputs=lambda b: None, micro_batches=(0,))
+
+
+def test_graphpipe_without_a_stage_count_plans_for_the_ranks_present():
+    # A restart on fewer ranks (issue 31): GraphPipe's whole search on the world size, every rank
+    # of it used, the same answer on every rank.
+    graph = two_branch_graph()
+    for world_size in (6, 4, 3):
+        resolved = resolve_partition(graph, GraphPipeSearch(), world_size=world_size, param_count=lambda name: 100)
+        assert world_size % sum(resolved.stage_degrees) == 0 and len(set(resolved.stage_degrees)) == 1
+        assert "ranks present" in resolved.source
+        again = resolve_partition(graph, GraphPipeSearch(), world_size=world_size, param_count=lambda name: 100)
+        assert again.partition.stage_of == resolved.partition.stage_of
+    with pytest.raises(ValueError, match="give num_stages"):
+        resolve_partition(graph, GraphPipeSearch(), param_count=lambda name: 100)   # no world: nothing to plan for

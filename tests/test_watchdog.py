@@ -31,7 +31,7 @@ def watchdog(store, *, rank, job, peers=(), timeout_s=2.0, host_rank=0):
                   timeout_s=timeout_s, store=StoreInfo(store, "the test store", host_rank), job=job)
     wd.exits = []
 
-    def record(message, *, relayed):
+    def record(message, *, relayed, culprit=None):
         wd.exits.append((message, relayed, time.monotonic()))
         raise Stopped(message)
 
@@ -72,7 +72,7 @@ def test_a_frozen_store_server_stops_the_watchdog_within_its_timeout_naming_the_
                                             timeout=timedelta(seconds=10))
         wd = watchdog(client, rank=1, job="j", peers=[0, 2], timeout_s=2.0)
         judged = threading.Event()
-        wd._exit = lambda message, *, relayed: (wd.exits.append((message, time.monotonic())), judged.set())
+        wd._exit = lambda message, *, relayed, culprit=None: (wd.exits.append((message, time.monotonic())), judged.set())
         wd._thread.start()
         wd._judge.start()
         time.sleep(1.0)   # a few good rounds
@@ -121,3 +121,26 @@ def test_a_build_lock_held_open_by_a_live_process_is_named_as_held(tmp_path, mon
             FileBaton(str(lock)).wait()
     finally:
         holder.release()
+
+
+def test_a_process_id_kills_only_the_same_process_on_the_same_machine():
+    from gpp_deepspeed.engine.watchdog import ProcessId
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        here = ProcessId.of_this_process()
+        target = ProcessId(here.machine, child.pid, _start_of(child.pid))
+        assert not ProcessId(here.machine, child.pid, target.start + 1).kill_if_local(), "a reused pid is left alone"
+        assert not ProcessId("another machine", child.pid, target.start).kill_if_local()
+        assert not here.kill_if_local(), "never itself"
+        assert target.kill_if_local()
+        assert child.wait(10) == -signal.SIGKILL
+    finally:
+        child.kill()
+        child.wait()
+
+
+def _start_of(pid):
+    from gpp_deepspeed.engine.watchdog import _start_time
+
+    return _start_time(pid)

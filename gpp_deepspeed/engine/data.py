@@ -9,7 +9,7 @@ waiting.
 
 Representative signatures::
 
-    stage_loader(engine, dataset) -> RepeatingLoader
+    stage_loader(engine, dataset, *, start=0) -> RepeatingLoader
     load_micro_batch(engine, buffer_id)     # the LOAD handler of the engine's dispatch table
 """
 
@@ -22,11 +22,12 @@ from ..errors import GPPConfigError
 from ..schedule.ir import Buffer
 from . import compat
 from .backward import reentrant_checkpointing
+from .elastic import ResumingSampler
 
 __all__ = ["stage_loader", "place_data_iter", "load_micro_batch", "split_inputs", "my_rows"]
 
 
-def stage_loader(engine, dataset) -> RepeatingLoader:
+def stage_loader(engine, dataset, *, start: int = 0) -> RepeatingLoader:
     """DeepSpeed's pipeline loader, sharded over replicas of the stage DAG rather than over a
     stage's data-parallel group.
 
@@ -35,10 +36,16 @@ def stage_loader(engine, dataset) -> RepeatingLoader:
     several take row shards of one micro-batch, so every rank of a replica reads the same
     micro-batches of ``b`` rows (a ``DistributedSampler`` over the replicas, unshuffled) and
     :func:`load_micro_batch` keeps this rank's rows. With one rank per stage the replicas are
-    the data-parallel group and this is DeepSpeed's loader exactly."""
+    the data-parallel group and this is DeepSpeed's loader exactly. ``start``: the samples of the
+    data's global order consumed already (a resumed run, :mod:`.elastic`); its first epoch begins
+    at the next one."""
     placement = engine.module.placement
-    sampler = torch.utils.data.distributed.DistributedSampler(dataset, num_replicas=placement.replicas,
-                                                              rank=engine.grid.replica_id, shuffle=False)
+    if start % len(dataset):
+        sampler = ResumingSampler(len(dataset), num_replicas=placement.replicas, rank=engine.grid.replica_id,
+                                  start=start)
+    else:
+        sampler = torch.utils.data.distributed.DistributedSampler(dataset, num_replicas=placement.replicas,
+                                                                  rank=engine.grid.replica_id, shuffle=False)
     rows = engine.train_micro_batch_size_per_gpu() * placement.degrees[engine.stage_id]
     return RepeatingLoader(engine.deepspeed_io(dataset, batch_size=rows, data_sampler=sampler))
 

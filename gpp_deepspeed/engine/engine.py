@@ -54,7 +54,7 @@ from .flat import flatten
 from . import asynchronous as _async
 from . import compat
 from .compat import count_each_stage_once
-from . import data, portable
+from . import data, elastic, portable
 from .backward import (StageBackward, check_split_backward_supported, reentrant_checkpointing,
                        use_split_backward_recompute)
 from .buffers import StageBuffers
@@ -124,6 +124,7 @@ class GraphPipelineEngine(PipelineEngine):
         self.module.engine_attached = True
         self._dag_ready = True
         self.watchdog = self._start_watchdog()
+        elastic.check_elastic_launch(self.global_rank)
         # Every pair of ranks that exchanges tensors talks once now, in one order on all ranks, so
         # NCCL creates no communicator in the middle of a schedule.
         self.transfers.transport.warm_up(warm_up_pairs(self.placement, self.stage_graph, replica=self.grid.replica_id))

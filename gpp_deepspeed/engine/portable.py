@@ -35,6 +35,7 @@ import shutil
 import torch
 from deepspeed import comm as dist
 from deepspeed.ops.adam import FusedAdam
+from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
 from deepspeed.utils import (safe_get_full_fp32_param, safe_get_full_optimizer_state, safe_set_full_fp32_param,
                              safe_set_full_optimizer_state)
 from deepspeed.utils import logger
@@ -42,6 +43,8 @@ from deepspeed.utils import logger
 from ..checkpoint import (LR_SCHEDULER_FILE, MASTER_KEY, latest_tag, layer_optim_file, load_master_weights_by_name,
                           load_optimizer_state_by_name, optimizer_state_by_name, read_layout, step_value,
                           write_layout, commit_tag, staging_tag, write_latest)
+from . import elastic
+from .background import BackgroundCheckpointEngine
 from .compat import base_optimizer, base_optimizer_state, flat_optimizer_groups, link_fragment_state
 
 __all__ = ["current_layout", "save_checkpoint", "save_extras", "load_checkpoint", "layer_optimizer_states",
@@ -92,13 +95,20 @@ def save_checkpoint(engine, save_dir: str, tag: str, *, save_latest: bool, ds_sa
         out = ds_save(tag, save_latest)
         save_extras(engine, save_dir, tag)
         return out
+    background = _background_engine(engine)
+    if background is not None:
+        background.wait()   # one checkpoint in flight: this rank's writes of the previous one are done
     staging = staging_tag(tag)
     # The rank DeepSpeed lets create folders: one per node with node-local storage, else global rank 0.
     writer = (engine.local_rank if engine.use_node_local_storage() else engine.global_rank) == 0
     if writer:   # what a save stopped earlier left; DeepSpeed's first barrier follows before anyone writes
         shutil.rmtree(os.path.join(save_dir, staging), ignore_errors=True)
     out = ds_save(staging, False)
-    save_extras(engine, save_dir, staging)   # ends with a barrier: every rank's files are written
+    save_extras(engine, save_dir, staging)   # ends with a barrier: every rank's files are written (or queued)
+    if background is not None:   # each rank marks its files written; global rank 0 commits (background.py)
+        background.finish(save_dir, tag, rank=engine.global_rank, world_size=dist.get_world_size(),
+                          save_latest=save_latest)
+        return out
     if writer:
         commit_tag(save_dir, tag)
     dist.barrier()
@@ -106,6 +116,23 @@ def save_checkpoint(engine, save_dir: str, tag: str, *, save_latest: bool, ds_sa
         write_latest(save_dir, tag)
     dist.barrier()
     return out
+
+
+def _background_engine(engine) -> BackgroundCheckpointEngine | None:
+    """With ``graph_pipeline.checkpoint_in_background``, DeepSpeed's torch checkpoint engine wrapped
+    to write on a thread (once; later saves reuse it); None otherwise, and with node-local storage
+    (the commit reads every rank's marker from one file system)."""
+    if isinstance(engine.checkpoint_engine, BackgroundCheckpointEngine):
+        return engine.checkpoint_engine
+    if not engine.gpp_config.checkpoint_in_background:
+        return None
+    if engine.use_node_local_storage() or not isinstance(engine.checkpoint_engine, TorchCheckpointEngine):
+        if engine.global_rank == 0:
+            logger.warning("graph_pipeline.checkpoint_in_background needs DeepSpeed's torch checkpoint engine on "
+                           "storage every rank sees; checkpoints are written blocking")
+        return None
+    engine.checkpoint_engine = BackgroundCheckpointEngine(engine.checkpoint_engine)
+    return engine.checkpoint_engine
 
 
 def _group_steps(optimizer: torch.optim.Optimizer) -> dict[int, int] | None:
@@ -158,12 +185,18 @@ def save_extras(engine, save_dir: str, tag: str) -> None:
     ckpt_dir = os.path.join(save_dir, str(tag))
     states = layer_optimizer_states(engine)
     if states is not None and engine.grid.data_parallel_id == 0:
+        # fresh CPU copies already: a background engine writes them without another snapshot
+        save = getattr(engine.checkpoint_engine, "save_owned", engine.checkpoint_engine.save)
         for name, layer_states in states.items():
-            torch.save(layer_states, layer_optim_file(ckpt_dir, name))
+            save(layer_states, layer_optim_file(ckpt_dir, name))
+    elastic.save_rng(engine, ckpt_dir)
     if engine.global_rank == 0:
-        write_layout(ckpt_dir, **current_layout(engine),
-                     counters={"global_steps": engine.global_steps, "global_samples": engine.global_samples,
-                               "skipped_steps": engine.skipped_steps})
+        counters = {"global_steps": engine.global_steps, "global_samples": engine.global_samples,
+                    "skipped_steps": engine.skipped_steps}
+        scale = elastic.loss_scale(engine)
+        if scale is not None:
+            counters["loss_scale"] = scale
+        write_layout(ckpt_dir, **current_layout(engine), counters=counters)
         if engine.lr_scheduler is not None:
             torch.save(engine.lr_scheduler.state_dict(), os.path.join(ckpt_dir, LR_SCHEDULER_FILE))
     dist.barrier()
@@ -177,14 +210,22 @@ def _same_layout(saved: dict, current: dict) -> bool:
 def load_checkpoint(engine, load_dir: str, tag: str | None, *, ds_load, load_optimizer_states: bool = True,
                     load_lr_scheduler_states: bool = True, load_module_strict: bool = True, **kwargs):
     """``engine.load_checkpoint``; ``ds_load`` is DeepSpeed's, used when the layout is unchanged."""
+    if isinstance(engine.checkpoint_engine, BackgroundCheckpointEngine):
+        engine.checkpoint_engine.wait()   # this process's last checkpoint is written and committed
     tag = tag if tag is not None else latest_tag(load_dir)
     layout = read_layout(os.path.join(load_dir, str(tag))) if tag is not None else None
     if layout is None or _same_layout(layout, current_layout(engine)):
-        return ds_load(load_dir, tag, load_optimizer_states=load_optimizer_states,
-                       load_lr_scheduler_states=load_lr_scheduler_states, load_module_strict=load_module_strict,
-                       **kwargs)
-    return _load_relaid(engine, os.path.join(load_dir, str(tag)), layout, load_optimizer_states=load_optimizer_states,
-                        load_lr_scheduler_states=load_lr_scheduler_states, strict=load_module_strict)
+        out = ds_load(load_dir, tag, load_optimizer_states=load_optimizer_states,
+                      load_lr_scheduler_states=load_lr_scheduler_states, load_module_strict=load_module_strict,
+                      **kwargs)
+    else:
+        out = _load_relaid(engine, os.path.join(load_dir, str(tag)), layout,
+                           load_optimizer_states=load_optimizer_states,
+                           load_lr_scheduler_states=load_lr_scheduler_states, strict=load_module_strict)
+    if layout is not None and out[0] is not None:
+        elastic.restore(engine, os.path.join(load_dir, str(tag)), layout.get("counters", {}),
+                        relaid=not _same_layout(layout, current_layout(engine)))
+    return out
 
 
 def _load_relaid(engine, ckpt_dir: str, layout: dict, *, load_optimizer_states: bool, load_lr_scheduler_states: bool,
@@ -227,11 +268,16 @@ def _load_layer_optimizer_states(engine, ckpt_dir: str) -> None:
         _scatter_flat_states(engine.optimizer, groups, layers, states)
     else:
         missing = [name for name, layer in layers if any(p.requires_grad for p in layer.parameters())]
-    if missing and engine.global_rank == engine.grid.stage_to_global(engine.stage_id, data=0):
-        why = ("this run's optimizer keeps state that does not move between layouts"
-               if torch_opt is None and groups is None else "the checkpoint has no optimizer state for them")
+    # Said once, on global rank 0, for every stage (a collective: every rank loads).
+    why = ("this run's optimizer keeps state that does not move between layouts"
+           if torch_opt is None and groups is None else "the checkpoint has no optimizer state for them")
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, (sorted(missing), why))
+    fresh = sorted({name for names, _ in everyone for name in names})
+    if fresh and engine.global_rank == 0:
+        reasons = sorted({reason for names, reason in everyone if names})
         logger.warning(f"checkpoint {ckpt_dir} was saved under another layout; the optimizer state of layers "
-                       f"{missing[:6]}{'...' if len(missing) > 6 else ''} starts fresh: {why}")
+                       f"{fresh[:6]}{'...' if len(fresh) > 6 else ''} starts fresh: {'; '.join(reasons)}")
 
 
 def _scatter_flat_states(optimizer, groups, layers, states) -> None:

@@ -31,6 +31,24 @@ when the watchdog starts, so two jobs, or two incarnations of an elastic job, sh
 read each other's heartbeats or failures. A store that cannot be cloned means no watchdog, with a
 warning.
 
+**Out fast, whatever froze.** A launcher that sees one rank fail stops the others with
+``SIGTERM`` and waits for them (DeepSpeed's ``terminate_process_tree``: up to 30 s; torch elastic's
+agent: up to 30 s) before it kills; a frozen process takes no ``SIGTERM``, so the job outlived the
+watchdog by those 30 s. Every rank therefore shares, at start-up, who it is as a process
+(:class:`ProcessId`: the machine, the pid and the pid's start time, gathered over the world), and
+a rank the watchdog stops first kills (``SIGKILL``) the failed rank if that rank runs on its own
+machine and is still the same process (a pid reused since is left alone). The failed rank's number
+travels with ``failed`` (``failed_rank``); when the store itself is lost, the culprit is the rank
+that serves it. The launcher then sees a child die and ends the rest at once. A node whose every
+rank froze has no survivor to do this: its launcher waits until the job's scheduler ends it.
+
+**Exit code.** A rank the watchdog stops exits with :data:`EXIT_CODE` (75, ``EX_TEMPFAIL``): "a
+peer failed, this rank did not". An elastic agent (``torchrun --max-restarts N``) restarts the
+workers on it as on any failure; a supervisor can tell it from a rank's own error (exit code 1,
+or a signal), which names the rank that failed first. Under torch elastic the message is also
+written to the worker's ``TORCHELASTIC_ERROR_FILE`` (as ``@record`` writes an exception), so the
+agent's ``ChildFailedError`` reports it.
+
 **Exits.** An uncaught exception writes ``failed`` with it (a hook on ``sys.excepthook``), so the
 others stop at once instead of after the timeout; an exception the program catches is its own
 business. A process that exits normally marks itself ``done`` (not after an uncaught exception),
@@ -43,8 +61,10 @@ so no rank still at work loses the store; a rank that loses the store after seei
 from __future__ import annotations
 
 import atexit
+import json
 import logging
 import os
+import signal
 import sys
 import threading
 import time
@@ -55,9 +75,9 @@ from typing import Callable
 
 import torch
 
-__all__ = ["Watchdog", "StoreInfo", "group_store", "start_watchdog", "EXIT_CODE"]
+__all__ = ["Watchdog", "StoreInfo", "ProcessId", "group_store", "start_watchdog", "EXIT_CODE"]
 
-EXIT_CODE = 75          # what a rank exits with when the watchdog stops it (EX_TEMPFAIL)
+EXIT_CODE = 75          # what a rank exits with when the watchdog stops it: a peer failed (EX_TEMPFAIL)
 _PREFIX = "gpp_watchdog/"
 _DONE = b"done"
 _log = logging.getLogger(__name__)
@@ -75,6 +95,54 @@ class StoreInfo:
     store: object
     where: str
     host_rank: int | None
+
+
+@dataclass(frozen=True)
+class ProcessId:
+    """A process, as another process of the same machine can find it again: ``machine`` (the boot
+    id and the pid namespace: two containers of one host are two machines here), ``pid`` and the
+    pid's start time in clock ticks since boot (a pid reused later has another)."""
+
+    machine: str
+    pid: int
+    start: int
+
+    @staticmethod
+    def of_this_process() -> "ProcessId":
+        try:
+            with open("/proc/sys/kernel/random/boot_id") as f:
+                boot = f.read().strip()
+            machine = f"{boot}/{os.stat('/proc/self/ns/pid').st_ino}"
+        except OSError:   # not Linux: nothing to find again
+            return ProcessId("", os.getpid(), -1)
+        return ProcessId(machine, os.getpid(), _start_time(os.getpid()))
+
+    def is_local(self) -> bool:
+        """True if this process runs on this machine, is not the caller, and is still the same
+        process (not gone, its pid not reused)."""
+        here = ProcessId.of_this_process()
+        if not self.machine or self.machine != here.machine or self.pid == here.pid:
+            return False
+        return _start_time(self.pid) == self.start
+
+    def kill_if_local(self) -> bool:
+        """SIGKILL this process if :meth:`is_local`; True if a signal was sent."""
+        if not self.is_local():
+            return False
+        try:
+            os.kill(self.pid, signal.SIGKILL)
+        except OSError:
+            return False
+        return True
+
+
+def _start_time(pid: int) -> int:
+    """Field 22 of ``/proc/<pid>/stat`` (after the command name, which may hold spaces), or -1."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return -1
 
 
 def group_store() -> StoreInfo | None:
@@ -118,8 +186,9 @@ class Watchdog:
     """One per process; see the module docstring. ``describe(rank)`` names a rank for messages."""
 
     def __init__(self, *, rank: int, world_size: int, peers: list[int], describe, heartbeat_s: float,
-                 timeout_s: float, store: StoreInfo, job: str):
+                 timeout_s: float, store: StoreInfo, job: str, processes: dict[int, ProcessId] | None = None):
         self.rank, self.world_size, self.describe = rank, world_size, describe
+        self.processes = dict(processes or {})   # global rank -> its process (killed if it freezes here)
         self.peers = sorted(set(peers) - {rank})
         self.heartbeat_s, self.timeout_s = heartbeat_s, timeout_s
         self.info, self.job = store, job
@@ -167,9 +236,16 @@ class Watchdog:
         finally:
             self._batch_started = 0.0
 
-    def report_failure(self, message: str) -> None:
-        """Tell every watching rank to stop, with ``message`` (best effort, bounded in time)."""
-        _within(5 * self.heartbeat_s + 5.0, lambda: self._connect().set("failed", message))
+    def report_failure(self, message: str, *, culprit: int | None = None) -> None:
+        """Tell every watching rank to stop, with ``message`` and the rank that failed (best effort,
+        bounded in time)."""
+        def tell():
+            store = self._connect()
+            if culprit is not None:
+                store.set("failed_rank", str(culprit))
+            store.set("failed", message)
+
+        _within(5 * self.heartbeat_s + 5.0, tell)
 
     def stop(self) -> None:
         """Stop beating; mark this rank done unless it died of an exception; on the store's host,
@@ -232,7 +308,8 @@ class Watchdog:
             return
         store.set(f"beat/{self.rank}", str(self._beats))
         if store.check(["failed"]):
-            self._exit(store.get("failed").decode(errors="replace"), relayed=True)
+            culprit = int(store.get("failed_rank")) if store.check(["failed_rank"]) else None
+            self._exit(store.get("failed").decode(errors="replace"), relayed=True, culprit=culprit)
         now = time.monotonic()
         host = self.info.host_rank
         watched = sorted(set(self.peers) | ({host} if host is not None and host != self.rank else set()))
@@ -249,8 +326,8 @@ class Watchdog:
                 message = (f"global rank {peer} ({self.describe(peer)}) stopped making progress: no heartbeat for "
                            f"{now - seen[1]:.0f} s (graph_pipeline.watchdog_timeout_s = {self.timeout_s:g}); it "
                            "was killed or is frozen")
-                self.report_failure(message)
-                self._exit(message, relayed=False)
+                self.report_failure(message, culprit=peer)
+                self._exit(message, relayed=False, culprit=peer)
 
     # -- the judge --------------------------------------------------------------------------------
 
@@ -261,7 +338,7 @@ class Watchdog:
                 continue
             if self._host_done:
                 return   # the host finished and waited for us as long as it could: stop watching
-            self._exit(self._store_lost_message(silent), relayed=False)
+            self._exit(self._store_lost_message(silent), relayed=False, culprit=self.info.host_rank)
 
     def _store_lost_message(self, silent: float) -> str:
         host = self.info.host_rank
@@ -275,18 +352,43 @@ class Watchdog:
         return (f"{self.info.where}{served} has not answered for {silent:.0f} s (graph_pipeline."
                 f"watchdog_timeout_s = {self.timeout_s:g}){where}: {culprit}{error}")
 
-    def _exit(self, message: str, *, relayed: bool) -> None:
+    def _exit(self, message: str, *, relayed: bool, culprit: int | None = None) -> None:
         if not self._exiting.acquire(blocking=False):
             time.sleep(3600)   # the other thread is already taking the process down
         who = f"global rank {self.rank} ({self.describe(self.rank)})"
         prefix = "stops: another rank reported" if relayed else "stops"
-        sys.stderr.write(f"\n[gpp_deepspeed watchdog t={time.time():.1f}] {who} {prefix}: {message}\n")
+        # A frozen culprit on this machine takes no SIGTERM: it is killed (after the lingering
+        # below, so that every rank reads "failed" before a killed peer's closed connections wake
+        # its main thread), so that the launcher, which waits for its children, sees one die and
+        # ends the rest at once.
+        victim = self.processes.get(culprit) if culprit is not None else None
+        if victim is not None and victim.is_local():
+            message += f"; this rank kills it (SIGKILL, pid {victim.pid})"
+        sys.stderr.write(f"\n[gpp_deepspeed watchdog t={time.time():.1f}] {who} {prefix}: {message} "
+                         f"(exit code {EXIT_CODE}: a peer failed)\n")
         sys.stderr.flush()
         sys.stdout.flush()
+        _write_elastic_error_file(f"{who} {prefix}: {message}")
         # Linger two beats so every watcher reads "failed" before this process goes (the store's
         # host leaving at once would make the others blame it instead).
         time.sleep(2 * self.heartbeat_s + 0.5)
+        if victim is not None:
+            victim.kill_if_local()
         os._exit(EXIT_CODE)
+
+
+def _write_elastic_error_file(message: str) -> None:
+    """Under torch elastic, leave ``message`` where the agent reads a worker's error (the JSON
+    that ``torch.distributed.elastic.multiprocessing.errors.record`` writes)."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    try:
+        with open(path, "w") as f:
+            json.dump({"message": {"message": f"PeerFailure (exit code {EXIT_CODE}): {message}",
+                                   "extraInfo": {"py_callstack": "", "timestamp": str(int(time.time()))}}}, f)
+    except OSError:
+        pass
 
 
 _WATCHDOG: Watchdog | None = None
@@ -316,6 +418,8 @@ def start_watchdog(*, rank: int, peers: list[int], describe, heartbeat_s: float,
         except Exception:  # noqa: BLE001 - a store written in Python, say: no connection of our own
             usable = False
     job = _job_id()   # every rank takes part, whatever its store
+    processes = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(processes, ProcessId.of_this_process())
     if not usable:
         if not _WARNED:
             _log.warning("graph_pipeline.watchdog is on, but %s cannot be cloned into a connection of its own: "
@@ -324,5 +428,6 @@ def start_watchdog(*, rank: int, peers: list[int], describe, heartbeat_s: float,
             _WARNED = True
         return None
     _WATCHDOG = Watchdog(rank=rank, world_size=torch.distributed.get_world_size(), peers=peers, describe=describe,
-                         heartbeat_s=heartbeat_s, timeout_s=timeout_s, store=info, job=job).start()
+                         heartbeat_s=heartbeat_s, timeout_s=timeout_s, store=info, job=job,
+                         processes=dict(enumerate(processes))).start()
     return _WATCHDOG

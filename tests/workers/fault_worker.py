@@ -1,7 +1,7 @@
 """Worker: train a 4-stage pipeline while one rank dies or freezes (and one is merely slow).
 
 ``python fault_worker.py OUT_DIR --victim R --how kill|stop --at-step K [--slow-rank Q --slow-step J]
-[--save-at-step S]``
+[--save-at-step S] [--watchdog-timeout T] [--background]``
 
 Every rank prints ``rank <r> step <k>`` after each step. At step ``K`` rank ``R`` writes the wall
 time to ``OUT_DIR/failed_at`` and sends itself SIGKILL (dies) or SIGSTOP (freezes: the process
@@ -12,7 +12,7 @@ under ``tests/dist.py``, the ``deepspeed`` launcher or ``mpiexec`` (ranks from t
 With ``--save-at-step S`` every rank saves a checkpoint ``OUT_DIR/ckpt`` (tag ``step<S>``) after
 step ``S`` and writes its stage's parameters to ``OUT_DIR/state.rank<r>.pt``; at step ``K`` every
 rank saves again (tag ``step<K>``), and the victim dies or freezes in the middle of that save, as it
-writes its first file.
+writes its first file (with ``--background``, in the writer thread while the main thread trains on).
 """
 
 import argparse
@@ -48,15 +48,20 @@ def layer_list():
 
 
 def stop_in_first_write(engine, out, sig):
-    """Make this rank die or freeze as it writes the first file of its next checkpoint."""
-    save = engine.checkpoint_engine.save
+    """Make this rank die or freeze as it writes the first file of its next checkpoint (in the
+    background writer's thread, while training goes on, with ``checkpoint_in_background``)."""
+    from gpp_deepspeed.engine import background
+
+    owner, name = (background, "_write") if engine.gpp_config.checkpoint_in_background else \
+        (engine.checkpoint_engine, "save")
+    save = getattr(owner, name)
 
     def failing_save(*args, **kwargs):
         Path(out, "failed_at").write_text(repr(time.time()))
         os.kill(os.getpid(), sig)
         return save(*args, **kwargs)
 
-    engine.checkpoint_engine.save = failing_save
+    setattr(owner, name, failing_save)
 
 
 def main():
@@ -68,6 +73,8 @@ def main():
     parser.add_argument("--slow-rank", type=int, default=-1)
     parser.add_argument("--slow-step", type=int, default=1)
     parser.add_argument("--save-at-step", type=int, default=-1)
+    parser.add_argument("--watchdog-timeout", type=float, default=WATCHDOG_TIMEOUT_S)
+    parser.add_argument("--background", action="store_true", help="graph_pipeline.checkpoint_in_background")
     parser.add_argument("--local_rank", type=int, default=-1)
     args = parser.parse_args()
     deepspeed.init_distributed(dist_backend="gloo")
@@ -76,8 +83,9 @@ def main():
                                  partition_method="uniform")
     config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 4,
               "optimizer": {"type": "SGD", "params": {"lr": 0.01}}, "steps_per_print": 10**6,
-              "graph_pipeline": {"print_stage_graph": False, "watchdog_timeout_s": WATCHDOG_TIMEOUT_S,
-                                 "heartbeat_s": 0.5, "p2p_timeout_s": 900}}
+              "graph_pipeline": {"print_stage_graph": False, "watchdog_timeout_s": args.watchdog_timeout,
+                                 "heartbeat_s": 0.5, "p2p_timeout_s": 900,
+                                 "checkpoint_in_background": args.background}}
     engine, *_ = gpp_deepspeed.initialize(model=module, model_parameters=list(module.parameters()), config=config)
     g = torch.Generator().manual_seed(0)
     fail = signal.SIGKILL if args.how == "kill" else signal.SIGSTOP
@@ -92,7 +100,7 @@ def main():
         batches = [(torch.randn(2, 8, generator=g), torch.randint(0, 3, (2, ), generator=g)) for _ in range(4)]
         data = iter(batches)
         if rank == args.slow_rank and step == args.slow_step:
-            data = slow_batches(batches, 2 * WATCHDOG_TIMEOUT_S)
+            data = slow_batches(batches, 2 * args.watchdog_timeout)
         engine.train_batch(data_iter=data)
         print(f"rank {rank} step {step}", flush=True)
         if step == args.save_at_step:
