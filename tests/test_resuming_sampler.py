@@ -5,7 +5,7 @@ so two worlds of different sizes together read every sample once."""
 import pytest
 import torch
 
-from gpp_deepspeed.engine.elastic import ResumingSampler
+from gpp_deepspeed.engine.data import ResumingSampler
 
 
 def dealt(sampler_of, replicas, batch):

@@ -22,9 +22,39 @@ from ..errors import GPPConfigError
 from ..schedule.ir import Buffer
 from . import compat
 from .backward import reentrant_checkpointing
-from .elastic import ResumingSampler
 
-__all__ = ["stage_loader", "place_data_iter", "load_micro_batch", "split_inputs", "my_rows"]
+__all__ = ["ResumingSampler", "stage_loader", "place_data_iter", "load_micro_batch", "split_inputs", "my_rows"]
+
+
+class ResumingSampler(torch.utils.data.Sampler):
+    """An unshuffled ``DistributedSampler`` whose first epoch starts at sample ``start`` of the
+    global order: replica ``rank`` takes ``start + rank, start + rank + R, ...`` (padded as the
+    ``DistributedSampler`` pads, by repeating the epoch's first samples, so every replica takes as
+    many); the epochs after it are the ``DistributedSampler``'s own."""
+
+    def __init__(self, dataset_len: int, *, num_replicas: int, rank: int, start: int = 0):
+        self.dataset_len, self.num_replicas, self.rank = dataset_len, num_replicas, rank
+        self.start = start % dataset_len if dataset_len else 0
+        self._full = torch.utils.data.distributed.DistributedSampler(range(dataset_len), num_replicas=num_replicas,
+                                                                     rank=rank, shuffle=False)
+
+    def _first(self) -> list[int]:
+        order = list(range(self.start, self.dataset_len))
+        pad = -len(order) % self.num_replicas
+        order += (order * (pad // max(len(order), 1) + 1))[:pad]
+        return order[self.rank::self.num_replicas]
+
+    def __iter__(self):
+        if self.start:
+            first, self.start = self._first(), 0
+            return iter(first)
+        return iter(self._full)
+
+    def __len__(self) -> int:
+        return len(self._first()) if self.start else len(self._full)
+
+    def set_epoch(self, epoch: int) -> None:
+        self._full.set_epoch(epoch)
 
 
 def stage_loader(engine, dataset, *, start: int = 0) -> RepeatingLoader:

@@ -11,7 +11,7 @@ Glossary:
   takes samples ``[k B, (k + 1) B)``, replica ``r`` of ``R`` those at ``r, r + R, ...`` (an
   unshuffled ``DistributedSampler``, DeepSpeed's and :func:`.data.stage_loader`'s). So whatever the
   world, the consumed samples are exactly the first ``global_samples``, and a new world resumes at
-  the next one: ``training_data=`` by itself (:class:`ResumingSampler`), a data iterator of one's own
+  the next one: ``training_data=`` by itself (:class:`~.data.ResumingSampler`), a data iterator of one's own
   by starting at ``engine.global_samples`` after ``load_checkpoint``;
 * **RNG state**: each rank's generators (torch's CPU and current accelerator device, Python's
   ``random``, NumPy's), saved per rank under a key that names what the rank runs: its stage's
@@ -23,7 +23,7 @@ Representative signatures::
 
     save_rng(engine, ckpt_dir)                   # every rank, after DeepSpeed's files
     restore(engine, ckpt_dir, counters, relaid)  # every rank, at load: RNG, loss scale, data position
-    ResumingSampler(dataset_len, num_replicas=R, rank=r, start=k)
+    data.ResumingSampler(dataset_len, num_replicas=R, rank=r, start=k)   # in .data: the loader uses it
     check_elastic_launch(global_rank)            # at start-up: a torchrun launch that cannot restart
 """
 
@@ -37,38 +37,9 @@ import numpy as np
 import torch
 from deepspeed.utils import logger
 
-__all__ = ["ResumingSampler", "save_rng", "load_rng", "restore", "loss_scale", "rng_file", "check_elastic_launch"]
+from .data import stage_loader
 
-
-class ResumingSampler(torch.utils.data.Sampler):
-    """An unshuffled ``DistributedSampler`` whose first epoch starts at sample ``start`` of the
-    global order: replica ``rank`` takes ``start + rank, start + rank + R, ...`` (padded as the
-    ``DistributedSampler`` pads, by repeating the epoch's first samples, so every replica takes as
-    many); the epochs after it are the ``DistributedSampler``'s own."""
-
-    def __init__(self, dataset_len: int, *, num_replicas: int, rank: int, start: int = 0):
-        self.dataset_len, self.num_replicas, self.rank = dataset_len, num_replicas, rank
-        self.start = start % dataset_len if dataset_len else 0
-        self._full = torch.utils.data.distributed.DistributedSampler(range(dataset_len), num_replicas=num_replicas,
-                                                                     rank=rank, shuffle=False)
-
-    def _first(self) -> list[int]:
-        order = list(range(self.start, self.dataset_len))
-        pad = -len(order) % self.num_replicas
-        order += (order * (pad // max(len(order), 1) + 1))[:pad]
-        return order[self.rank::self.num_replicas]
-
-    def __iter__(self):
-        if self.start:
-            first, self.start = self._first(), 0
-            return iter(first)
-        return iter(self._full)
-
-    def __len__(self) -> int:
-        return len(self._first()) if self.start else len(self._full)
-
-    def set_epoch(self, epoch: int) -> None:
-        self._full.set_epoch(epoch)
+__all__ = ["save_rng", "load_rng", "restore", "loss_scale", "rng_file", "check_elastic_launch"]
 
 
 def check_elastic_launch(global_rank: int) -> None:
@@ -154,8 +125,6 @@ def restore(engine, ckpt_dir: str, counters: dict, *, relaid: bool) -> None:
 def _resume_training_data(engine) -> None:
     """``training_data=``: the loader of every rank that reads batches starts at the next unseen
     sample (``engine.global_samples`` in the data's global order, see the module docstring)."""
-    from .data import stage_loader
-
     if engine.training_data is None or not (engine.is_first_stage() or engine.is_last_stage()):
         return
     engine.set_dataloader(stage_loader(engine, engine.training_data, start=engine.global_samples))
