@@ -46,6 +46,8 @@ import time
 import traceback
 from pathlib import Path
 
+from sleeping import sleep_grad
+
 ROOT = Path(__file__).resolve().parent.parent
 RANKS, M, DIM, MBS = 8, 16, 16, 2
 T_F = T_I = T_W = 0.020
@@ -78,26 +80,6 @@ def chain_units(topology: str, per_layer: int) -> list[tuple]:
             for row in layer_rows(topology) for part in range(per_layer)]
 
 
-def _sleep_grad():
-    import torch
-
-    class SleepGrad(torch.autograd.Function):
-        """Identity; the backward sleeps ``seconds`` before passing the gradient on."""
-
-        @staticmethod
-        def forward(ctx, x, seconds):
-            ctx.seconds = seconds
-            return x.clone()
-
-        @staticmethod
-        def backward(ctx, grad):
-            if ctx.seconds:
-                time.sleep(ctx.seconds)
-            return grad, None
-
-    return SleepGrad
-
-
 def sleep_unit_class():
     """``SleepUnit(dim, branches, branch, merge, fraction, source, chain)``: ``fraction`` of a layer
     ``y = x + w`` sleeping ``T_F`` forward, ``T_I`` on the ``dx`` path (none for a source) and
@@ -106,7 +88,7 @@ def sleep_unit_class():
     import torch
     from torch import nn
 
-    sleep_grad = _sleep_grad()
+    SleepGrad = sleep_grad()
 
     class SleepUnit(nn.Module):
         def __init__(self, dim, branches, branch, merge, fraction, source, chain):
@@ -117,7 +99,7 @@ def sleep_unit_class():
 
         def layer(self, x):
             time.sleep(self.t_f)
-            return sleep_grad.apply(x, self.t_i) + sleep_grad.apply(self.weight, self.t_w)
+            return SleepGrad.apply(x, self.t_i) + SleepGrad.apply(self.weight, self.t_w)
 
         def forward(self, *xs):
             if not self.chain:

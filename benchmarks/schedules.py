@@ -39,6 +39,8 @@ import sys
 import time
 from pathlib import Path
 
+from sleeping import sleep_grad
+
 ROOT = Path(__file__).resolve().parent.parent
 T_F = T_I = T_W = 0.025
 DIM, MBS = 16, 2
@@ -55,18 +57,7 @@ def model_layers(branch_stages: tuple[int, ...], trunk: int):
     from torch import nn
     from gpp_deepspeed import GraphLayerSpec
 
-    class SleepGrad(torch.autograd.Function):
-        """Identity; the backward sleeps ``seconds`` before passing the gradient on."""
-
-        @staticmethod
-        def forward(ctx, x, seconds):
-            ctx.seconds = seconds
-            return x.clone()
-
-        @staticmethod
-        def backward(ctx, grad):
-            time.sleep(ctx.seconds)
-            return grad, None
+    SleepGrad = sleep_grad()
 
     class SleepLayer(nn.Module):
         """``y = x + w`` with a ``T_F`` sleep forward, ``T_I`` on the ``dx`` path, ``T_W`` on ``dw``."""

@@ -149,12 +149,8 @@ def tensor_checks_answered():
 def refuse_device_branch(node: fx.Node) -> None:
     """Raise :class:`UnansweredError` if the condition ``node`` reads a tensor's device: at run time
     that is the rank's device, which the trace cannot know (the shaped trace's is ``meta``)."""
-    seen, stack = set(), [node]
-    while stack:
-        n = stack.pop()
-        if n in seen:
-            continue
-        seen.add(n)
+    # A tensor made on a device (torch.arange(n, device=x.device)) has the same shape anywhere.
+    for n in _upstream(node, follow=lambda a: a.op != "call_module" and _tensor_node(a) is not True):
         read = (n.args[1] if n.op == "call_function" and n.target is getattr and len(n.args) > 1
                 else n.target if n.op == "call_method" else None)
         if read in _DEVICE_READS:
@@ -162,20 +158,13 @@ def refuse_device_branch(node: fx.Node) -> None:
                 f"control flow on a tensor's device ({n.name}: .{read})",
                 "the device is the rank's at run time, not the capture's: move that code into a submodule (kept "
                 "whole, it runs as it is), or fix the branch with concrete_args")
-        # A tensor made on a device (torch.arange(n, device=x.device)) has the same shape anywhere.
-        stack.extend(a for a in n.all_input_nodes if a.op != "call_module" and _tensor_node(a) is not True)
 
 
 def refuse_unsized(node: fx.Node, unsized: dict[str, str]) -> None:
     """Raise :class:`UnansweredError` if the condition ``node`` depends on the output of a leaf that
     could not be sized (``unsized``: its path -> why): its shapes and dtypes are unknown for that
     reason, not because the condition reads tensor values."""
-    seen, stack = set(), [node]
-    while stack:
-        n = stack.pop()
-        if n in seen:
-            continue
-        seen.add(n)
+    for n in _upstream(node):
         if n.op == "call_module" and n.target in unsized:
             raise UnansweredError(
                 f'control flow on the output of submodule "{n.target}", which could be run neither on meta '
@@ -183,7 +172,19 @@ def refuse_unsized(node: fx.Node, unsized: dict[str, str]) -> None:
                 "shapes and dtypes are unknown",
                 f'name submodules inside "{n.target}" in layers= (so it is traced through), or make it '
                 "runnable on CPU tensors of those shapes")
-        stack.extend(n.all_input_nodes)
+
+
+def _upstream(node: fx.Node, *, follow=lambda n: True):
+    """``node`` and every node it reads from, each once, walking back only through the inputs
+    that ``follow`` accepts."""
+    seen, stack = set(), [node]
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        yield n
+        stack.extend(a for a in n.all_input_nodes if follow(a))
 
 
 def size_unaided(proxy: fx.Proxy, kind: str, target, args, kwargs) -> None:
