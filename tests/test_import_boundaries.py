@@ -300,15 +300,6 @@ def test_no_import_circle_among_gpp_deepspeed_modules():
     assert import_cycles(graph) == []
 
 
-def test_nothing_outside_experimental_imports_it():
-    # Core never branches on an experiment (style guide, rule 15).
-    graph, _ = import_graph(package_modules())
-    users = {m: sorted(t for t in targets if t.startswith("gpp_deepspeed.experimental"))
-             for m, targets in graph.items() if not m.startswith("gpp_deepspeed.experimental")}
-    assert "gpp_deepspeed.experimental.virtual" in graph, "the experimental package was not found"
-    assert {m: t for m, t in users.items() if t} == {}
-
-
 def test_the_front_end_never_reaches_the_engine_and_of_deepspeed_only_the_layer_spec_types():
     # capture's layers are DeepSpeed LayerSpec / TiedLayerSpec objects (deepspeed.runtime.pipe.module):
     # that module is the front end's only contact with DeepSpeed.

@@ -1,4 +1,4 @@
-"""Several stages per rank, the schedule side (gpp_deepspeed.experimental.virtual): folds, and the
+"""Several stages per rank, the schedule side (gpp_deepspeed.schedule.virtual): folds, and the
 compute order of each rank, against 1F1B and a replay of the orders (pure Python, no processes)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import random
 import pytest
 
 from gpp_deepspeed.errors import ScheduleError
-from gpp_deepspeed.experimental.virtual import Fold, interleaved_1f1b, rank_in_flight, rank_makespan, rank_orders
+from gpp_deepspeed.schedule.virtual import Fold, interleaved_1f1b, rank_in_flight, rank_makespan, rank_orders
 from gpp_deepspeed.graph import StageGraph
 from gpp_deepspeed.graph.stages import StageEdge
 from gpp_deepspeed.schedule import ActionKind as K, one_f_one_b
@@ -116,7 +116,7 @@ def test_interleaved_1f1b_on_random_dags_never_deadlocks(seed):
 def test_folded_programs_of_random_dags_run_under_nccl_semantics_and_take_their_compute_makespan(seed):
     # fold_program raises unless the rendezvous simulation (NCCL's semantics) completes; with free
     # messages the lowered program takes exactly what its compute order takes on the replay.
-    from gpp_deepspeed.experimental.virtual import fold_program
+    from gpp_deepspeed.schedule.virtual import fold_program
     from gpp_deepspeed.schedule.validate import simulate
 
     rng = random.Random(seed)
@@ -139,7 +139,7 @@ def test_folded_programs_of_random_dags_run_under_nccl_semantics_and_take_their_
 
 
 def test_a_folded_program_with_a_hand_over_out_of_order_or_a_release_missing_is_refused():
-    from gpp_deepspeed.experimental.virtual import fold_program, validate_folded
+    from gpp_deepspeed.schedule.virtual import fold_program, validate_folded
 
     chain, fold = StageGraph.chain(4), Fold.v_shape(num_stages=4)   # rank 1 holds stages 1 and 2
     program = fold_program(chain, 2, fold, rank_orders(chain, 2, fold, split_backward=False))
@@ -159,7 +159,7 @@ def test_a_folded_program_with_a_hand_over_out_of_order_or_a_release_missing_is_
 def test_the_fold_search_finds_what_a_brute_force_over_every_map_of_stages_to_ranks_finds(seed):
     import itertools
 
-    from gpp_deepspeed.experimental.virtual import interleaved_1f1b, search_fold
+    from gpp_deepspeed.schedule.virtual import interleaved_1f1b, search_fold
 
     rng = random.Random(seed)
     graph = _random_dag(rng, rng.randint(3, 6)) if seed else StageGraph.chain(6)

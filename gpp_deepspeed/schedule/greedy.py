@@ -1,7 +1,7 @@
 """The greedy list schedule over a simulated clock: the compute order of every rank.
 
 A rank runs one stage (``zb2``) or several (a *fold*, Megatron's virtual stages: see
-:mod:`gpp_deepspeed.experimental.virtual`). At every moment a free rank runs, of its stages'
+:mod:`gpp_deepspeed.schedule.virtual`). At every moment a free rank runs, of its stages'
 actions whose inputs have arrived, a backward first (``B``, or ``I`` when the backward is split:
 it frees memory and unblocks the ranks before it), the oldest group of micro-batches first (``R``
 at a time, ``R`` the number of ranks, as Megatron's interleaving goes) and the later stage first;

@@ -4,8 +4,7 @@ A *fold* places the stages of a stage DAG on fewer pipeline ranks than stages (M
 stages, "model chunks"): each rank runs one list of actions across its stages. This module is the
 schedule side of it, pure like the rest of :mod:`gpp_deepspeed.schedule`: which stage goes where,
 the order in which each rank runs its stages' forwards and backwards, the program of each rank, its
-checks and the choice of a fold. The engine does not run folded programs yet (a rank builds one
-stage); nothing in the package calls this module.
+checks and the choice of a fold.
 
 Glossary
 --------
@@ -53,8 +52,8 @@ from typing import Callable
 
 from ..errors import ScheduleError
 from ..graph.stages import StageGraph
-from ..schedule.ir import Action, ActionKind as K
-from ..schedule.greedy import Fold, rank_in_flight, rank_orders, unit_split_duration
+from .ir import Action, ActionKind as K
+from .greedy import Fold, rank_in_flight, rank_orders, unit_split_duration
 
 __all__ = ["Fold", "FoldChoice", "search_fold", "rank_orders", "interleaved_1f1b", "fold_program", "validate_folded",
            "rank_in_flight", "rank_makespan"]
@@ -71,7 +70,7 @@ def rank_makespan(orders: dict[int, list[Action]], stage_graph: StageGraph,
     >>> rank_makespan(orders, StageGraph.chain(2))
     12.0
     """
-    from ..schedule.validate import simulate
+    from .validate import simulate
 
     per_stage = _lowered_stages({s: [a for r in sorted(orders) for a in orders[r] if a.stage_idx == s]
                                  for s in range(stage_graph.num_stages)}, stage_graph, load=False)
@@ -81,7 +80,7 @@ def rank_makespan(orders: dict[int, list[Action]], stage_graph: StageGraph,
 
 def _lowered_stages(compute, stage_graph: StageGraph, *, load: bool = True):
     """Each stage's compute order with its loads and the transfers of its edges."""
-    from ..schedule.lowering import add_load, add_send_recv
+    from .lowering import add_load, add_send_recv
 
     return add_send_recv(add_load(compute, stage_graph) if load else compute, stage_graph)
 
@@ -176,7 +175,7 @@ def fold_program(stage_graph: StageGraph, num_microbatches: int, fold: Fold, ord
     >>> " ".join(str(a) for a in program[1])
     '1RECV_F0@0 1F0 2F0 (2SEND_F0@3;2RECV_B0@3)P2P 2B0 2RELEASE_OUT0 2RELEASE_IN0 1B0 1RELEASE_OUT0 1SEND_B0@0 1RELEASE_IN0 1WAIT_SENDS 1REDUCE_TIED 1REDUCE_GRAD 1STEP'
     """
-    from ..schedule.lowering import group_for_rendezvous, merge_backward
+    from .lowering import group_for_rendezvous, merge_backward
 
     merged = {s for s in range(stage_graph.num_stages) if not stage_graph.grad_preds(s)}
     orders = {r: [Action(a.stage_idx, K.BACKWARD, a.mb_idx) if a.kind is K.BACKWARD_WEIGHT and a.stage_idx in merged
@@ -208,7 +207,7 @@ def _add_releases(lists: dict[int, list[Action]]) -> dict[int, list[Action]]:
     """:func:`~gpp_deepspeed.schedule.lowering.add_release` on a rank's list of several stages:
     each release of a stage's micro-batch right after the last action of the rank that uses what it
     frees, once the transfers have their final places."""
-    from ..schedule.ir import RELEASES
+    from .ir import RELEASES
 
     out = {}
     for r, actions in lists.items():
@@ -241,8 +240,8 @@ def validate_folded(program: dict[int, list[Action]], stage_graph: StageGraph, n
     """
     from dataclasses import replace
 
-    from ..schedule.lowering import assign_buffers
-    from ..schedule.validate import check_lists, simulate
+    from .lowering import assign_buffers
+    from .validate import check_lists, simulate
 
     for r, actions in program.items():
         strangers = [op for a in actions for op in a.parts if fold.rank_of[op.stage_idx] != r]
