@@ -55,7 +55,8 @@ from ..graph.stages import StageGraph
 from .ir import Action, ActionKind as K
 from .greedy import Fold, rank_in_flight, rank_orders, unit_split_duration
 
-__all__ = ["Fold", "FoldChoice", "search_fold", "rank_orders", "interleaved_1f1b", "fold_program", "validate_folded",
+__all__ = ["Fold", "FoldChoice", "search_fold", "rank_orders", "interleaved_1f1b", "dualpipev_orders", "fold_program",
+           "validate_folded",
            "rank_in_flight", "rank_makespan"]
 
 
@@ -363,3 +364,94 @@ def _groupings(num_stages: int, num_ranks: int, cap: int):
                 sizes[r] -= 1
 
     yield from grow(0, 0)
+
+
+def dualpipev_orders(stage_graph: StageGraph, num_microbatches: int, fold: Fold) -> dict[int, list[Action]]:
+    """DualPipeV's compute order on every rank of a fold with two stages a rank (DeepSeek-V3's
+    DualPipe, arXiv 2412.19437, cut in half into a V; torch 2.13's ``ScheduleDualPipeV``
+    ``_calculate_single_rank_operations`` and DeepSpeed 0.19.8's ``DualPipeVSchedule.steps``).
+
+    A rank's two stages are its *early* stage ``e`` (the deeper one: stage ``r`` of the chain's V)
+    and its *late* stage ``l`` (stage ``2R - 1 - r``). Its list goes in DualPipeV's eight steps,
+    with three counts read off the stage graph: ``a = depth(e) - depth(l) - 1`` forwards on ``e``
+    before the first on ``l`` (how far apart the two are on the DAG's longest paths), ``b =
+    depth(l)`` micro-batches the late stage holds (1F1B's in-flight count for it) and ``c = a // 2``
+    (on a chain ``a = 2(R - r - 1)``, ``b = r + 1``, ``c = R - r - 1``, DualPipeV's counts):
+
+    1. ``a`` x ``F_e``;  2. ``b`` x ``F_e F_l``;  3. ``c`` x ``I_l W F_l`` (the split backward);
+    4. ``M - a - b`` x the pairs ``(F_e B_l) (F_l B_e)``: a forward of one micro-batch beside the
+       backward of another on the rank's other stage (the overlapped ``F&B`` chunk, run in that
+       order);
+    5. ``a - c`` x ``B_l (F_l B_e)``;  6. ``b`` x ``B_l B_e``, switching to ``I`` halfway (torch's
+       parity rule, on ``b``);  7. ``c`` x ``W I_e``;  8. the deferred ``W``.
+
+    The weight gradients deferred by an ``I`` run oldest first where a ``W`` stands. On a chain in V
+    placement this is torch's order action for action (``FULL_BACKWARD`` as ``B``, an overlapped
+    pair as its forward then its backward). On a DAG the counts come from the edges (depths), and
+    the orders are checked by a replay (:func:`rank_makespan`): a fold on which they would deadlock
+    raises :class:`ScheduleError`, as does a rank without exactly two stages or fewer micro-batches
+    than a rank needs (``a + b``; ``2R - 1`` on a chain, where torch asks for ``2R``).
+
+    >>> orders = dualpipev_orders(StageGraph.chain(4), 4, Fold.v_shape(num_stages=4))
+    >>> " ".join(str(a) for a in orders[1])
+    '1F0 2F0 1F1 2F1 1F2 2B0 2F2 1B0 1F3 2B1 2F3 1B1 2B2 1B2 2I3 1I3 2W3 1W3'
+    """
+    orders = {}
+    for r in range(fold.num_ranks):
+        stages = fold.stages_of(r)
+        if len(stages) != 2:
+            raise ScheduleError(f"dualpipev runs two stages a rank (a V); rank {r} holds stages {list(stages)}")
+        early, late = sorted(stages, key=lambda s: (-stage_graph.depth(s), s))
+        a = max(stage_graph.depth(early) - stage_graph.depth(late) - 1, 0)
+        b = stage_graph.depth(late)
+        if num_microbatches < a + b:
+            raise ScheduleError(f"dualpipev needs at least {a + b} micro-batches for rank {r} (stages {early} and "
+                                f"{late}); got {num_microbatches}")
+        orders[r] = _dualpipev_rank(early, late, num_microbatches, a, b, a // 2)
+    try:
+        rank_makespan(orders, stage_graph)
+    except ScheduleError as e:
+        raise ScheduleError(f"dualpipev's order deadlocks on the fold {list(fold.rank_of)} of this stage graph "
+                            f"({e}); fold the stages so that each rank's early stage feeds its late one, or run zbv")
+    return orders
+
+
+def _dualpipev_rank(e: int, l: int, m: int, a: int, b: int, c: int) -> list[Action]:  # noqa: E741
+    """One rank's list in DualPipeV's eight steps (see :func:`dualpipev_orders`)."""
+    out: list[Action] = []
+    nxt: dict[tuple[int, K], int] = {}
+    weights: list[Action] = []
+
+    def add(s: int, kind: K) -> None:
+        key = (s, K.FORWARD if kind is K.FORWARD else K.BACKWARD)
+        j = nxt.get(key, 0)
+        nxt[key] = j + 1
+        out.append(Action(s, kind, j))
+        if kind is K.BACKWARD_INPUT:
+            weights.append(Action(s, K.BACKWARD_WEIGHT, j))
+
+    def weight() -> None:
+        if weights:
+            out.append(weights.pop(0))
+
+    for _ in range(a):
+        add(e, K.FORWARD)
+    for _ in range(b):
+        add(e, K.FORWARD), add(l, K.FORWARD)
+    for _ in range(c):
+        add(l, K.BACKWARD_INPUT), weight(), add(l, K.FORWARD)
+    for _ in range(m - a - b):
+        add(e, K.FORWARD), add(l, K.BACKWARD), add(l, K.FORWARD), add(e, K.BACKWARD)
+    for _ in range(a - c):
+        add(l, K.BACKWARD), add(l, K.FORWARD), add(e, K.BACKWARD)
+    split = False
+    for i in range(b):                  # torch switches to I halfway, on the late stage first if b is even
+        split = split or (i == b // 2 and b % 2 == 0)
+        add(l, K.BACKWARD_INPUT if split else K.BACKWARD)
+        split = split or i == b // 2
+        add(e, K.BACKWARD_INPUT if split else K.BACKWARD)
+    for _ in range(c):
+        weight(), add(e, K.BACKWARD_INPUT)
+    while weights:
+        weight()
+    return out
