@@ -286,3 +286,19 @@ def test_dualpipev_refuses_a_rank_without_two_stages_and_too_few_micro_batches()
         dualpipev_orders(StageGraph.chain(6), 8, Fold.looped(num_stages=6, num_ranks=2))
     with pytest.raises(ScheduleError, match="at least 7 micro-batches for rank 0"):
         dualpipev_orders(StageGraph.chain(8), 6, Fold.v_shape(num_stages=8))
+
+
+def test_interleaved_1f1b_never_pairs_a_backward_with_a_forward_run_before_its_own():
+    # The diamond looped on 2 ranks: rank 1 holds stages 1 and 3, whose chunk order would pair 3B0
+    # with 1F1, before 3F0, under Megatron's warm-up alone.
+    from gpp_deepspeed.schedule.virtual import fold_program
+
+    diamond = StageGraph(num_stages=4, edges=tuple(StageEdge(s, t, ()) for s, t in ((0, 1), (0, 2), (1, 3), (2, 3))),
+                         output_stage=3)
+    fold = Fold.looped(num_stages=4, num_ranks=2)
+    orders = interleaved_1f1b(diamond, 4, fold)
+    for acts in orders.values():
+        for i, a in enumerate(acts):
+            if a.kind is K.BACKWARD:
+                assert Action(a.stage_idx, K.FORWARD, a.mb_idx) in acts[:i], a
+    fold_program(diamond, 4, fold, orders)

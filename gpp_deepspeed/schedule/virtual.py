@@ -127,7 +127,11 @@ def interleaved_1f1b(stage_graph: StageGraph, num_microbatches: int, fold: Fold)
         stages = fold.stages_of(r)
         forwards = _chunk_order(stages, num_mb, num_ranks, K.FORWARD)
         backwards = _chunk_order(stages[::-1], num_mb, num_ranks, K.BACKWARD)
-        warmup = min(rank_in_flight(stage_graph, fold, r) - 1, len(forwards))
+        # Megatron's warm-up, or more where a DAG's chunk order would otherwise pair a backward
+        # with a forward run before its own (the i-th backward follows forward warmup + i).
+        where = {(a.stage_idx, a.mb_idx): i for i, a in enumerate(forwards)}
+        own = max((where[(b.stage_idx, b.mb_idx)] - i for i, b in enumerate(backwards)), default=0)
+        warmup = min(max(rank_in_flight(stage_graph, fold, r) - 1, own), len(forwards))
         order = forwards[:warmup]
         for f, b in zip(forwards[warmup:], backwards):
             order += [f, b]
