@@ -159,7 +159,7 @@ def test_a_folded_program_with_a_hand_over_out_of_order_or_a_release_missing_is_
 def test_the_fold_search_finds_what_a_brute_force_over_every_map_of_stages_to_ranks_finds(seed):
     import itertools
 
-    from gpp_deepspeed.schedule.virtual import interleaved_1f1b, search_fold
+    from gpp_deepspeed.schedule.virtual import dualpipev_orders, interleaved_1f1b, search_fold
 
     rng = random.Random(seed)
     graph = _random_dag(rng, rng.randint(3, 6)) if seed else StageGraph.chain(6)
@@ -167,8 +167,10 @@ def test_the_fold_search_finds_what_a_brute_force_over_every_map_of_stages_to_ra
     work = {s: rng.choice([0.5, 1.0, 1.5]) for s in range(graph.num_stages)}
     unit = lambda a: work[a.stage_idx] * {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}.get(a.kind.value, 0.0)  # noqa: E731
     activation = {s: rng.choice([1.0, 2.0]) for s in range(graph.num_stages)}
+    weights = {s: rng.choice([0.0, 1.0]) for s in range(graph.num_stages)}
     memory = 12.0
-    found = search_fold(graph, 6, num_ranks=num_ranks, duration=unit, activation=activation, memory=memory)
+    found = search_fold(graph, 6, num_ranks=num_ranks, duration=unit, activation=activation, memory=memory,
+                        static=weights)
 
     def peak(actions):
         live = best = 0.0
@@ -183,8 +185,12 @@ def test_the_fold_search_finds_what_a_brute_force_over_every_map_of_stages_to_ra
         if set(rank_of) != set(range(num_ranks)) or max(rank_of.count(r) for r in range(num_ranks)) > 2:
             continue
         fold = Fold(rank_of)
-        for orders in (interleaved_1f1b(graph, 6, fold), rank_orders(graph, 6, fold, split_backward=True, duration=unit)):
-            if max(peak(orders[r]) for r in orders) <= memory:
+        candidates = [interleaved_1f1b(graph, 6, fold), rank_orders(graph, 6, fold, split_backward=True, duration=unit)]
+        if all(rank_of.count(r) == 2 for r in range(num_ranks)) and 6 >= 2 * num_ranks - 1:
+            candidates.append(dualpipev_orders(graph, 6, fold))
+        for orders in candidates:
+            held = [peak(orders[r]) + sum(weights[s] for s in fold.stages_of(r)) for r in orders]
+            if max(held) <= memory:
                 time = rank_makespan(orders, graph, unit)
                 best = time if best is None else min(best, time)
     assert found.makespan == best and max(found.peak) <= memory
@@ -302,3 +308,18 @@ def test_interleaved_1f1b_never_pairs_a_backward_with_a_forward_run_before_its_o
             if a.kind is K.BACKWARD:
                 assert Action(a.stage_idx, K.FORWARD, a.mb_idx) in acts[:i], a
     fold_program(diamond, 4, fold, orders)
+
+
+def test_the_fold_search_beyond_brute_force_is_no_worse_than_the_looped_and_v_folds():
+    # 10 stages on 5 ranks: 945 groupings, over the brute-force limit, so the local search runs.
+    from gpp_deepspeed.schedule.virtual import _BRUTE_FORCE_LIMIT, _groupings, search_fold
+
+    graph = StageGraph.chain(10)
+    assert sum(1 for _ in _groupings(10, 5, 2)) > _BRUTE_FORCE_LIMIT
+    work = {s: 1.0 + 0.25 * (s % 3) for s in range(10)}
+    unit = lambda a: work[a.stage_idx] * HALF.get(a.kind.value, 0.0)  # noqa: E731
+    found = search_fold(graph, 10, num_ranks=5, duration=unit)
+    for fold in (Fold.looped(num_stages=10, num_ranks=5), Fold.v_shape(num_stages=10)):
+        for orders in (interleaved_1f1b(graph, 10, fold), rank_orders(graph, 10, fold, split_backward=True,
+                                                                        duration=unit)):
+            assert found.makespan <= rank_makespan(orders, graph, unit)

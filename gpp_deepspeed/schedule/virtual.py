@@ -47,6 +47,7 @@ Representative use::
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 from typing import Callable
 
@@ -55,7 +56,7 @@ from ..graph.stages import StageGraph
 from .ir import Action, ActionKind as K
 from .greedy import Fold, rank_in_flight, rank_orders, unit_split_duration
 
-__all__ = ["Fold", "FoldChoice", "search_fold", "rank_orders", "interleaved_1f1b", "dualpipev_orders", "fold_program",
+__all__ = ["Fold", "FoldChoice", "FOLDED_SCHEDULES", "search_fold", "rank_orders", "interleaved_1f1b", "dualpipev_orders", "fold_program",
            "validate_folded",
            "rank_in_flight", "rank_makespan"]
 
@@ -283,10 +284,10 @@ def validate_folded(program: dict[int, list[Action]], stage_graph: StageGraph, n
 
 @dataclass(frozen=True, slots=True)
 class FoldChoice:
-    """A fold, the schedule its ranks run (``"interleaved"``: :func:`interleaved_1f1b`; ``"zbv"``:
-    :func:`rank_orders` with the split backward), its compute makespan and each rank's peak
-    activation memory (the sum of its stages' in-flight micro-batches, each weighted by the stage's
-    activation size)."""
+    """A fold, the schedule its ranks run (a name of :data:`FOLDED_SCHEDULES`), its compute
+    makespan and each rank's peak memory (its stages' ``static`` memory plus the most activation
+    memory it holds at once: the sum of its stages' in-flight micro-batches, each weighted by the
+    stage's activation size)."""
 
     fold: Fold
     schedule: str
@@ -294,46 +295,136 @@ class FoldChoice:
     peak: tuple[float, ...]
 
 
+def _zbv(stage_graph, num_mb, fold, duration=None):
+    return rank_orders(stage_graph, num_mb, fold, split_backward=True, duration=duration)
+
+
+FOLDED_SCHEDULES: dict[str, tuple[str, Callable, bool]] = {
+    "interleaved": ("looped", lambda g, m, f, duration=None: interleaved_1f1b(g, m, f), False),
+    "zbv": ("v", _zbv, True),
+    "dualpipev": ("v", lambda g, m, f, duration=None: dualpipev_orders(g, m, f), True),
+}
+"""Every folded schedule by name: (the fold it is made for, its orders function ``(stage_graph,
+num_microbatches, fold, duration=None) -> {rank: [Action, ...]}``, whether it splits the
+backward). ``search_fold`` tries each on every fold it can run on (``dualpipev``: two stages a
+rank); the fold kind is only the default placement (``Fold.looped`` / ``Fold.v_shape``)."""
+
+_BRUTE_FORCE_LIMIT = 400   # groupings priced one by one; above it, structured folds and local moves
+
+
 def search_fold(stage_graph: StageGraph, num_microbatches: int, *, num_ranks: int,
                 duration: Callable[[Action], float], activation: dict[int, float] | None = None,
-                memory: float | None = None, max_stages_per_rank: int = 2) -> FoldChoice:
+                memory: float | None = None, max_stages_per_rank: int = 2, static: dict[int, float] | None = None,
+                schedules: tuple[str, ...] = tuple(FOLDED_SCHEDULES)) -> FoldChoice:
     """The fastest fold of ``stage_graph`` onto ``num_ranks`` ranks and its schedule.
 
     Every way of grouping the stages into ``num_ranks`` non-empty groups of at most
     ``max_stages_per_rank`` (each grouping once: ranks are numbered by their first stage), each
-    under both schedules, priced by :func:`rank_makespan` with ``duration`` (the stages' compute),
-    keeping each rank's peak activation memory (``activation[s]`` per micro-batch in flight on
-    stage ``s``, default 1) within ``memory``. Raises :class:`ScheduleError` when no fold fits.
+    under every one of ``schedules`` that runs on it, priced by :func:`rank_makespan` with
+    ``duration`` (the stages' compute), keeping each rank's peak memory (``static[s]`` for each of
+    its stages, default 0, plus ``activation[s]`` per micro-batch in flight on stage ``s``, default
+    1) within ``memory``. Where there are more than a few hundred groupings, the looped and V folds
+    and the fold pairing stages by depth (the deepest with the shallowest) are priced, and the best
+    is improved by moving and swapping stages between ranks while that helps (a local search, not
+    exhaustive). Raises :class:`ScheduleError` when no fold fits.
 
     >>> chain = StageGraph.chain(4)
     >>> unit = lambda a: {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}.get(a.kind.value, 0.0)
     >>> best = search_fold(chain, 8, num_ranks=2, duration=unit)
     >>> best.schedule, best.fold.stages_of(0), best.makespan
-    ('zbv', (0, 3), 50.0)
+    ('dualpipev', (0, 3), 49.0)
     """
-    best: FoldChoice | None = None
+    price = _FoldPricer(stage_graph, num_microbatches, duration, activation, memory, static, schedules)
+    groupings = []
     for rank_of in _groupings(stage_graph.num_stages, num_ranks, max_stages_per_rank):
-        choice = _price_fold(stage_graph, num_microbatches, Fold(rank_of), duration, activation, memory)
-        if choice is not None and (best is None or choice.makespan < best.makespan):
-            best = choice
+        groupings.append(rank_of)
+        if len(groupings) > _BRUTE_FORCE_LIMIT:
+            best = _local_search(price, stage_graph.num_stages, num_ranks, max_stages_per_rank)
+            break
+    else:
+        best = min((c for c in map(price, groupings) if c is not None), key=lambda c: c.makespan, default=None)
     if best is None:
         raise ScheduleError(f"no fold of {stage_graph.num_stages} stages onto {num_ranks} ranks, at most "
-                            f"{max_stages_per_rank} a rank, keeps every rank's activations within {memory}")
+                            f"{max_stages_per_rank} a rank, keeps every rank's memory within {memory}")
     return best
 
 
-def _price_fold(stage_graph, num_mb, fold, duration, activation, memory) -> FoldChoice | None:
-    """The faster of the fold's two schedules that fits ``memory`` (None: neither does)."""
-    best = None
-    for name, orders in (("interleaved", interleaved_1f1b(stage_graph, num_mb, fold)),
-                         ("zbv", rank_orders(stage_graph, num_mb, fold, split_backward=True, duration=duration))):
-        peak = tuple(_rank_peak(orders[r], activation) for r in sorted(orders))
-        if memory is not None and max(peak) > memory:
-            continue
-        makespan = rank_makespan(orders, stage_graph, duration)
-        if best is None or makespan < best.makespan:
-            best = FoldChoice(fold=fold, schedule=name, makespan=makespan, peak=peak)
+class _FoldPricer:
+    """The fastest of ``schedules`` on one fold that fits ``memory`` (None: none does), cached."""
+
+    def __init__(self, stage_graph, num_mb, duration, activation, memory, static, schedules):
+        self.args = stage_graph, num_mb, duration
+        self.activation, self.memory, self.static, self.schedules = activation, memory, static or {}, schedules
+        self.cache: dict[tuple[int, ...], FoldChoice | None] = {}
+
+    def __call__(self, rank_of: tuple[int, ...]) -> FoldChoice | None:
+        if rank_of not in self.cache:
+            self.cache[rank_of] = self._price(Fold(rank_of))
+        return self.cache[rank_of]
+
+    def _price(self, fold: Fold) -> FoldChoice | None:
+        stage_graph, num_mb, duration = self.args
+        best = None
+        for name in self.schedules:
+            try:
+                orders = FOLDED_SCHEDULES[name][1](stage_graph, num_mb, fold, duration=duration)
+            except ScheduleError:           # dualpipev: not two stages a rank, or too few micro-batches
+                continue
+            peak = tuple(sum(self.static.get(s, 0.0) for s in fold.stages_of(r)) + _rank_peak(orders[r], self.activation)
+                         for r in sorted(orders))
+            if self.memory is not None and max(peak) > self.memory:
+                continue
+            makespan = rank_makespan(orders, stage_graph, duration)
+            if best is None or makespan < best.makespan:
+                best = FoldChoice(fold=fold, schedule=name, makespan=makespan, peak=peak)
+        return best
+
+
+def _local_search(price: _FoldPricer, num_stages: int, num_ranks: int, cap: int) -> FoldChoice | None:
+    """The best of the structured folds, improved by single moves and swaps of stages between
+    ranks (first improvement, until none helps)."""
+    stage_graph = price.args[0]
+    by_depth = sorted(range(num_stages), key=lambda s: (-stage_graph.depth(s), s))
+    starts = [tuple(s % num_ranks for s in range(num_stages))]
+    if num_stages == 2 * num_ranks:
+        starts.append(Fold.v_shape(num_stages=num_stages).rank_of)
+        paired = [0] * num_stages
+        for r in range(num_ranks):
+            paired[by_depth[r]], paired[by_depth[num_stages - 1 - r]] = r, r
+        starts.append(tuple(paired))
+    found = [c for c in (price(_renumbered(s)) for s in starts if max(Counter(s).values()) <= cap) if c is not None]
+    best = min(found, key=lambda c: c.makespan, default=None)
+    improved = best is not None
+    while improved:
+        improved = False
+        current = list(best.fold.rank_of)
+        for neighbour in _neighbours(current, num_ranks, cap):
+            c = price(_renumbered(neighbour))
+            if c is not None and c.makespan < best.makespan:
+                best, improved = c, True
+                break
     return best
+
+
+def _neighbours(rank_of: list[int], num_ranks: int, cap: int):
+    """Folds one move (a stage to another rank with room, none left empty) or one swap away."""
+    sizes = Counter(rank_of)
+    for s, r in enumerate(rank_of):
+        for t in range(num_ranks):
+            if t != r and sizes[t] < cap and sizes[r] > 1:
+                yield tuple(t if i == s else x for i, x in enumerate(rank_of))
+    for s in range(len(rank_of)):
+        for t in range(s + 1, len(rank_of)):
+            if rank_of[s] != rank_of[t]:
+                swapped = list(rank_of)
+                swapped[s], swapped[t] = swapped[t], swapped[s]
+                yield tuple(swapped)
+
+
+def _renumbered(rank_of) -> tuple[int, ...]:
+    """The same grouping with ranks numbered by their first stage (as :func:`_groupings` numbers them)."""
+    first: dict[int, int] = {}
+    return tuple(first.setdefault(r, len(first)) for r in rank_of)
 
 
 def _rank_peak(actions: list[Action], activation: dict[int, float] | None) -> float:
