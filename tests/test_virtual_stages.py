@@ -244,16 +244,16 @@ def test_dualpipev_bubble_and_peak_on_a_chain_against_deepspeeds_and_zbv(num_ran
     # (R - 1) T_F of a half-stage, every rank holds 2R + 1 half-stage micro-batches (ZB-V's 2R plus
     # one, the "PP + 1" of DualPipe's table), and DeepSpeed's DualPipeV (the same order with the
     # backward fused, arXiv 2412.19437's W not deferred) is no faster.
-    from gpp_deepspeed.schedule.virtual import _rank_peak, dualpipev_orders
+    from gpp_deepspeed.schedule.virtual import rank_peak, dualpipev_orders
 
     chain, fold, m = StageGraph.chain(2 * num_ranks), Fold.v_shape(num_stages=2 * num_ranks), max(16, 2 * num_ranks)
     orders = dualpipev_orders(chain, m, fold)
     time = rank_makespan(orders, chain, priced(HALF))
     assert time == 3.0 * m + (num_ranks - 1) * HALF["F"]
-    assert [_rank_peak(orders[r], None) for r in orders] == [2 * num_ranks + 1] * num_ranks
+    assert [rank_peak(orders[r], None) for r in orders] == [2 * num_ranks + 1] * num_ranks
     deepspeed = _deepspeed_dualpipev(num_ranks, m)
     assert time <= rank_makespan(deepspeed, chain, priced(HALF))
-    assert max(_rank_peak(deepspeed[r], None) for r in deepspeed) == 2 * num_ranks + 1
+    assert max(rank_peak(deepspeed[r], None) for r in deepspeed) == 2 * num_ranks + 1
     zbv = rank_orders(chain, m, fold, split_backward=True, duration=priced(HALF))
     assert time < rank_makespan(zbv, chain, priced(HALF))
 

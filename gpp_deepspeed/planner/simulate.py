@@ -29,7 +29,8 @@ from ..schedule.zero_bubble import peak_in_flight
 from .costs import ZERO_STAGES, CommFit, CostDB, StageCost, StageCostModel
 from .plan import Plan, Prediction
 
-__all__ = ["SimulatedPlan", "simulate_plan", "predict", "choose_schedule", "choose_zero_stage"]
+__all__ = ["SimulatedPlan", "PricedStages", "simulate_plan", "priced_stages", "action_duration", "predict",
+           "choose_schedule", "choose_zero_stage"]
 
 
 @dataclass(frozen=True)
@@ -58,55 +59,22 @@ def simulate_plan(plan: Plan, db: CostDB, *, schedule: str | None = None, cluste
     a stage that receives ``k`` messages in one grouped action is busy ``k`` times and waits for
     the latency once. With a cluster, the slowest class's link."""
     schedule = schedule or plan.schedule
-    names = set(db.by_name)
-    planned = [n for s in plan.stages for n in s.layers]
-    if set(planned) != names or len(planned) != len(names):
-        missing, extra = sorted(names - set(planned)), sorted(set(planned) - names)
-        raise PartitionError(f"plan for {plan.model} does not cover the cost database's layers exactly: "
-                             f"missing {missing[:5]}, unknown {extra[:5]}")
     if train and plan.zero_stage >= 2 and is_async(schedule):
         raise GPPConfigError(f'schedule "{schedule}" stashes whole weight versions, which ZeRO stage '
                              f"{plan.zero_stage} would have to gather and partition again for every micro-batch: "
                              "plan an asynchronous schedule with ZeRO stage 0 or 1, or a synchronous one")
-    model = StageCostModel(db, plan.mini_batch, p2p_devices=plan.num_devices, zero_stage=plan.zero_stage)
-    masks = [model.mask_of(s.layers) for s in plan.stages]
-    stage_graph = plan.partition(db.graph).stage_graph
-    if plan.pipeline == "chain":
-        # The stages that read the batch are the layers' (a chain relays tensors, not the batch).
-        stage_graph = replace(StageGraph.chain(plan.num_stages), loading=stage_graph.loading)
-    # Every message the engine sends: one per stage edge and peer rank, fan-in, fan-out and
-    # resharding included (a chain relays skip tensors instead).
-    bounds = model.stage_boundaries(masks, [s.devices for s in plan.stages], relay=plan.pipeline == "chain")
-    b = plan.micro_batch
-    models = [model if cluster is None else cluster.stage_model(db, s.device_class, plan.mini_batch, plan.num_devices,
-                                                                zero_stage=plan.zero_stage)
-              for s in plan.stages]
-    costs = tuple(stage_costs) if stage_costs is not None else tuple(
-        mdl.stage(m, b, s.devices, boundary=bd, recompute=s.recompute)
-        for mdl, m, s, bd in zip(models, masks, plan.stages, bounds))
-    step_s = [mdl.db.hardware.step_s for mdl in models]
+    if plan.fold:
+        from .fold import simulate_folded
+        return simulate_folded(plan, db, schedule=schedule, stage_costs=stage_costs, link=link)
+    priced = priced_stages(plan, db, cluster=cluster, stage_costs=stage_costs, link=link)
+    stage_graph, costs, step_s, link, models = (priced.stage_graph, priced.costs, priced.step_s, priced.link,
+                                                priced.models)
+    masks, bounds, b = priced.masks, priced.bounds, plan.micro_batch
     # The program the engine runs once the pipeline is full (an asynchronous schedule's steady batch).
     programs = ProgramFactory(stage_graph, schedule=schedule)
     lists = programs.program(plan.num_microbatches, train=train).actions
 
-    def duration(a: Action) -> float:
-        c = costs[a.stage_idx]
-        if a.kind is K.FORWARD:
-            return c.fwd_s
-        if a.kind is K.BACKWARD:
-            return c.bwd_s
-        if a.kind is K.BACKWARD_INPUT:
-            return c.bwd_input_s
-        if a.kind is K.BACKWARD_WEIGHT:
-            return c.bwd_weight_s
-        if a.kind is K.REDUCE_GRAD:
-            return c.allreduce_s
-        if a.kind is K.STEP:
-            return step_s[a.stage_idx]
-        return 0.0
-
-    if link is None:
-        link = max((mdl.link for mdl in models), key=lambda x: (x.latency_s, x.late_receive_s))
+    duration = action_duration(costs, step_s)
     timeline = simulate(lists, duration=duration, latency=link.latency_s, late_receive=link.late_receive_s)
     versions, in_flight = [0] * plan.num_stages, tuple(peak_in_flight(lists[s]) for s in range(plan.num_stages))
     if train and is_async(schedule):
@@ -199,3 +167,70 @@ def choose_zero_stage(plan: Plan, db: CostDB, *, zero_stages: tuple[int, ...] = 
     fitting = [p for p in priced if p.predicted.fits_memory] or priced[:1]
     fastest = min(p.predicted.iteration_time_s for p in fitting)
     return next(p for p in fitting if p.predicted.iteration_time_s <= fastest * (1 + 1e-9))
+
+
+def action_duration(costs: tuple[StageCost, ...], step_s: list[float]):
+    """The price of an action of stage ``s``: its stage's ``F``, ``B``, ``I``, ``W`` and all-reduce
+    times, the hardware's ``step_s`` for ``STEP``, nothing for the rest (transfers are priced by
+    the link in the simulator)."""
+    def duration(a: Action) -> float:
+        c = costs[a.stage_idx]
+        if a.kind is K.FORWARD:
+            return c.fwd_s
+        if a.kind is K.BACKWARD:
+            return c.bwd_s
+        if a.kind is K.BACKWARD_INPUT:
+            return c.bwd_input_s
+        if a.kind is K.BACKWARD_WEIGHT:
+            return c.bwd_weight_s
+        if a.kind is K.REDUCE_GRAD:
+            return c.allreduce_s
+        if a.kind is K.STEP:
+            return step_s[a.stage_idx]
+        return 0.0
+    return duration
+
+
+@dataclass(frozen=True)
+class PricedStages:
+    """A plan's stage graph and each stage priced by the cost model: what every simulation of the
+    plan runs on, folded or not."""
+
+    stage_graph: StageGraph
+    costs: tuple[StageCost, ...]
+    step_s: list[float]
+    link: CommFit
+    models: list
+    masks: list[int]
+    bounds: list
+
+
+def priced_stages(plan: Plan, db: CostDB, *, cluster=None, stage_costs: tuple[StageCost, ...] | None = None,
+                  link: CommFit | None = None) -> PricedStages:
+    """``plan``'s stage graph and stage prices under ``db`` (``cluster``, ``stage_costs``,
+    ``link``: as :func:`simulate_plan`)."""
+    names = set(db.by_name)
+    planned = [n for s in plan.stages for n in s.layers]
+    if set(planned) != names or len(planned) != len(names):
+        missing, extra = sorted(names - set(planned)), sorted(set(planned) - names)
+        raise PartitionError(f"plan for {plan.model} does not cover the cost database's layers exactly: "
+                             f"missing {missing[:5]}, unknown {extra[:5]}")
+    model = StageCostModel(db, plan.mini_batch, p2p_devices=plan.num_devices, zero_stage=plan.zero_stage)
+    masks = [model.mask_of(s.layers) for s in plan.stages]
+    stage_graph = plan.partition(db.graph).stage_graph
+    if plan.pipeline == "chain":
+        # The stages that read the batch are the layers' (a chain relays tensors, not the batch).
+        stage_graph = replace(StageGraph.chain(plan.num_stages), loading=stage_graph.loading)
+    # Every message the engine sends: one per stage edge and peer rank, fan-in, fan-out and
+    # resharding included (a chain relays skip tensors instead).
+    bounds = model.stage_boundaries(masks, [s.devices for s in plan.stages], relay=plan.pipeline == "chain")
+    models = [model if cluster is None else cluster.stage_model(db, s.device_class, plan.mini_batch, plan.num_devices,
+                                                                zero_stage=plan.zero_stage)
+              for s in plan.stages]
+    costs = tuple(stage_costs) if stage_costs is not None else tuple(
+        mdl.stage(m, plan.micro_batch, s.devices, boundary=bd, recompute=s.recompute)
+        for mdl, m, s, bd in zip(models, masks, plan.stages, bounds))
+    if link is None:
+        link = max((mdl.link for mdl in models), key=lambda x: (x.latency_s, x.late_receive_s))
+    return PricedStages(stage_graph=stage_graph, costs=costs, step_s=[mdl.db.hardware.step_s for mdl in models],
+                        link=link, models=models, masks=masks, bounds=bounds)

@@ -56,9 +56,8 @@ from ..graph.stages import StageGraph
 from .ir import Action, ActionKind as K
 from .greedy import Fold, rank_in_flight, rank_orders, unit_split_duration
 
-__all__ = ["Fold", "FoldChoice", "FOLDED_SCHEDULES", "search_fold", "rank_orders", "interleaved_1f1b", "dualpipev_orders", "fold_program",
-           "validate_folded",
-           "rank_in_flight", "rank_makespan"]
+__all__ = ["Fold", "FoldChoice", "FOLDED_SCHEDULES", "search_fold", "rank_orders", "interleaved_1f1b",
+           "dualpipev_orders", "fold_program", "validate_folded", "rank_peak", "rank_in_flight", "rank_makespan"]
 
 
 def rank_makespan(orders: dict[int, list[Action]], stage_graph: StageGraph,
@@ -370,7 +369,7 @@ class _FoldPricer:
                 orders = FOLDED_SCHEDULES[name][1](stage_graph, num_mb, fold, duration=duration)
             except ScheduleError:           # dualpipev: not two stages a rank, or too few micro-batches
                 continue
-            peak = tuple(sum(self.static.get(s, 0.0) for s in fold.stages_of(r)) + _rank_peak(orders[r], self.activation)
+            peak = tuple(sum(self.static.get(s, 0.0) for s in fold.stages_of(r)) + rank_peak(orders[r], self.activation)
                          for r in sorted(orders))
             if self.memory is not None and max(peak) > self.memory:
                 continue
@@ -427,7 +426,10 @@ def _renumbered(rank_of) -> tuple[int, ...]:
     return tuple(first.setdefault(r, len(first)) for r in rank_of)
 
 
-def _rank_peak(actions: list[Action], activation: dict[int, float] | None) -> float:
+def rank_peak(actions: list[Action], activation: dict[int, float] | None) -> float:
+    """The most activation memory a rank's compute order holds at once: ``activation[s]`` (default
+    1) for each micro-batch whose forward on stage ``s`` has run and whose backward (``B``, or
+    ``W`` when split) has not."""
     live = peak = 0.0
     for a in actions:
         size = (activation or {}).get(a.stage_idx, 1.0)
