@@ -274,7 +274,7 @@ def chain_costs(tmp_path) -> Path:
 
 
 def test_gpp_plan_fold_prints_the_folding_and_the_graph_pipeline_config_that_runs_it(chain_costs, tmp_path, capsys):
-    from gpp_deepspeed.planner.fold import simulate_folded
+    from gpp_deepspeed.planner.simulate import simulate_folded
 
     path = tmp_path / "plan.json"
     assert gpp("plan", chain_costs, "--devices", "2", "--mini-batch", "8", "--micro-batches", "1", "--fold", "2",

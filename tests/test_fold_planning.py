@@ -13,7 +13,8 @@ import pytest
 from costdbs import branches, hardware
 from gpp_deepspeed.errors import GPPConfigError, ScheduleError
 from gpp_deepspeed.planner import CommFit, Plan, PlanStage
-from gpp_deepspeed.planner.fold import fold_plan, fold_search, simulate_folded
+from gpp_deepspeed.planner.fold import fold_plan, fold_search
+from gpp_deepspeed.planner.simulate import simulate_folded
 from gpp_deepspeed.schedule.virtual import FOLDED_SCHEDULES
 
 GOLDEN = Path(__file__).resolve().parent / "golden"

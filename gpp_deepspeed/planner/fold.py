@@ -22,7 +22,7 @@ stages per rank
 Representative use::
 
     result = fold_search(db, num_devices=4, mini_batch=32)     # SearchResult, plan.fold set
-    sim = simulate_folded(result.plan, db)                     # its rank-by-rank timeline
+    sim = simulate_plan(result.plan, db)                       # its rank-by-rank timeline (simulate_folded)
 """
 
 from __future__ import annotations
@@ -32,64 +32,21 @@ import time
 from typing import Callable, Sequence
 
 from ..errors import ScheduleError
-from ..schedule.ir import ActionKind as K
-from ..schedule.validate import simulate
-from ..schedule.virtual import FOLDED_SCHEDULES, Fold, fold_program, rank_peak, search_fold
-from ..schedule.zero_bubble import peak_in_flight
+from ..schedule.virtual import FOLDED_SCHEDULES, Fold, search_fold
 from .costs import CostDB, StageCostModel, micro_batch_sizes
-from .plan import Plan, Prediction, SearchResult
+from .plan import Plan, SearchResult
 from .search import _REL_TOL, _plan, bottleneck_search
-from .simulate import SimulatedPlan, action_duration, priced_stages
+from .simulate import action_duration, priced_stages, simulate_folded
 from .sp import sp_tree
 
-__all__ = ["simulate_folded", "fold_plan", "fold_search"]
-
-
-def simulate_folded(plan: Plan, db: CostDB, *, schedule: str | None = None, stage_costs=None,
-                    link=None) -> SimulatedPlan:
-    """Simulate one iteration of a folded ``plan`` as its ranks run it: each rank's one list of
-    actions across its stages (:func:`~gpp_deepspeed.schedule.virtual.fold_program` of the
-    schedule's order), priced as :func:`~gpp_deepspeed.planner.simulate.simulate_plan` prices an
-    unfolded plan, messages between ranks in flight the link's latency, hand-overs inside a rank
-    free. The timeline's lists are per rank; ``rank_mem_bytes`` is each rank's weight state plus the
-    most activation memory its order holds at once, ``peak_mem_bytes`` the largest of them."""
-    schedule = schedule or plan.schedule
-    if schedule not in FOLDED_SCHEDULES:
-        raise ScheduleError(f'a folded plan runs one of {", ".join(FOLDED_SCHEDULES)}, not "{schedule}"')
-    priced = priced_stages(plan, db, stage_costs=stage_costs, link=link)
-    graph, costs, num_mb, fold = priced.stage_graph, priced.costs, plan.num_microbatches, Fold(plan.fold)
-    duration = action_duration(costs, priced.step_s)
-    orders = FOLDED_SCHEDULES[schedule][1](graph, num_mb, fold, duration=duration)
-    program = fold_program(graph, num_mb, fold, orders, duration=duration)
-    timeline = simulate(program, duration=duration, latency=priced.link.latency_s,
-                        late_receive=priced.link.late_receive_s)
-    in_flight = tuple(peak_in_flight([op for op in orders[fold.rank_of[s]] if op.stage_idx == s])
-                      for s in range(plan.num_stages))
-    stash = {s: c.stash_bytes for s, c in enumerate(costs)}
-    rank_mem = tuple(sum(costs[s].memory(0) for s in fold.stages_of(r)) + rank_peak(orders[r], stash)
-                     for r in range(fold.num_ranks))
-    span = timeline.makespan
-    stage_busy = tuple(sum(e - b for a, b, e in timeline.spans[fold.rank_of[s]]
-                           if a.stage_idx == s and (a.kind is K.FORWARD or a.kind.spec.backward))
-                       for s in range(plan.num_stages))
-    busy = sum(timeline.busy(r) for r in range(fold.num_ranks))
-    cm = priced.models[0]
-    prediction = Prediction(
-        iteration_time_s=span, samples_per_s=plan.mini_batch / span if span > 0 else float("inf"),
-        bottleneck_tps_s=max(cm.time_per_sample(m, plan.micro_batch, 1, boundary=bd)
-                             for m, bd in zip(priced.masks, priced.bounds)),
-        peak_mem_bytes=max(rank_mem), stage_mem_bytes=tuple(c.memory(k) for c, k in zip(costs, in_flight)),
-        stage_in_flight=in_flight, stage_busy_s=stage_busy,
-        bubble_fraction=1 - busy / (span * fold.num_ranks) if span > 0 else 0.0,
-        fits_memory=max(rank_mem) <= db.hardware.memory_bytes, rank_mem_bytes=rank_mem)
-    return SimulatedPlan(program, costs, timeline, prediction)
+__all__ = ["fold_plan", "fold_search"]
 
 
 def fold_plan(plan: Plan, db: CostDB, *, num_ranks: int, schedules: Sequence[str] = tuple(FOLDED_SCHEDULES),
               max_stages_per_rank: int = 2) -> Plan:
     """``plan``'s single-device stages placed on ``num_ranks`` ranks: the fold and schedule
     :func:`~gpp_deepspeed.schedule.virtual.search_fold` finds fastest within the device's memory
-    on the stages' costs, predicted (:func:`simulate_folded`). Raises
+    on the stages' costs, predicted (:func:`~gpp_deepspeed.planner.simulate.simulate_folded`). Raises
     :class:`~gpp_deepspeed.errors.ScheduleError` when no fold fits."""
     start = dataclasses.replace(plan, fold=Fold.looped(num_stages=plan.num_stages, num_ranks=num_ranks).rank_of,
                                 schedule=next(iter(schedules)), predicted=None)

@@ -19,17 +19,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from ..errors import GPPConfigError, PartitionError
+from ..errors import GPPConfigError, PartitionError, ScheduleError
 from ..graph.stages import StageGraph
 from ..schedule.ir import Action, ActionKind as K, Schedule
 from ..schedule.program import ProgramFactory
 from ..schedule.registry import is_async
 from ..schedule.validate import Timeline, simulate
+from ..schedule.virtual import FOLDED_SCHEDULES, Fold, fold_program, rank_peak
 from ..schedule.zero_bubble import peak_in_flight
 from .costs import ZERO_STAGES, CommFit, CostDB, StageCost, StageCostModel
 from .plan import Plan, Prediction
 
-__all__ = ["SimulatedPlan", "PricedStages", "simulate_plan", "priced_stages", "action_duration", "predict",
+__all__ = ["SimulatedPlan", "PricedStages", "simulate_plan", "priced_stages", "action_duration", "simulate_folded", "predict",
            "choose_schedule", "choose_zero_stage"]
 
 
@@ -64,7 +65,6 @@ def simulate_plan(plan: Plan, db: CostDB, *, schedule: str | None = None, cluste
                              f"{plan.zero_stage} would have to gather and partition again for every micro-batch: "
                              "plan an asynchronous schedule with ZeRO stage 0 or 1, or a synchronous one")
     if plan.fold:
-        from .fold import simulate_folded
         return simulate_folded(plan, db, schedule=schedule, stage_costs=stage_costs, link=link)
     priced = priced_stages(plan, db, cluster=cluster, stage_costs=stage_costs, link=link)
     stage_graph, costs, step_s, link, models = (priced.stage_graph, priced.costs, priced.step_s, priced.link,
@@ -101,6 +101,46 @@ def simulate_plan(plan: Plan, db: CostDB, *, schedule: str | None = None, cluste
         stage_busy_s=busy, bubble_fraction=1 - device_busy / (span * plan.num_devices) if span > 0 else 0.0,
         fits_memory=all(x <= limit for x, limit in zip(mem, limits)))
     return SimulatedPlan(lists, costs, timeline, prediction)
+
+
+def simulate_folded(plan: Plan, db: CostDB, *, schedule: str | None = None, stage_costs=None,
+                    link=None) -> SimulatedPlan:
+    """Simulate one iteration of a folded ``plan`` as its ranks run it: each rank's one list of
+    actions across its stages (:func:`~gpp_deepspeed.schedule.virtual.fold_program` of the
+    schedule's order), priced as :func:`~gpp_deepspeed.planner.simulate.simulate_plan` prices an
+    unfolded plan, messages between ranks in flight the link's latency, hand-overs inside a rank
+    free. The timeline's lists are per rank; ``rank_mem_bytes`` is each rank's weight state plus the
+    most activation memory its order holds at once, ``peak_mem_bytes`` the largest of them."""
+    schedule = schedule or plan.schedule
+    if schedule not in FOLDED_SCHEDULES:
+        raise ScheduleError(f'a folded plan runs one of {", ".join(FOLDED_SCHEDULES)}, not "{schedule}"')
+    priced = priced_stages(plan, db, stage_costs=stage_costs, link=link)
+    graph, costs, num_mb, fold = priced.stage_graph, priced.costs, plan.num_microbatches, Fold(plan.fold)
+    duration = action_duration(costs, priced.step_s)
+    orders = FOLDED_SCHEDULES[schedule][1](graph, num_mb, fold, duration=duration)
+    program = fold_program(graph, num_mb, fold, orders, duration=duration)
+    timeline = simulate(program, duration=duration, latency=priced.link.latency_s,
+                        late_receive=priced.link.late_receive_s)
+    in_flight = tuple(peak_in_flight([op for op in orders[fold.rank_of[s]] if op.stage_idx == s])
+                      for s in range(plan.num_stages))
+    stash = {s: c.stash_bytes for s, c in enumerate(costs)}
+    rank_mem = tuple(sum(costs[s].memory(0) for s in fold.stages_of(r)) + rank_peak(orders[r], stash)
+                     for r in range(fold.num_ranks))
+    span = timeline.makespan
+    stage_busy = tuple(sum(e - b for a, b, e in timeline.spans[fold.rank_of[s]]
+                           if a.stage_idx == s and (a.kind is K.FORWARD or a.kind.spec.backward))
+                       for s in range(plan.num_stages))
+    busy = sum(timeline.busy(r) for r in range(fold.num_ranks))
+    cm = priced.models[0]
+    prediction = Prediction(
+        iteration_time_s=span, samples_per_s=plan.mini_batch / span if span > 0 else float("inf"),
+        bottleneck_tps_s=max(cm.time_per_sample(m, plan.micro_batch, 1, boundary=bd)
+                             for m, bd in zip(priced.masks, priced.bounds)),
+        peak_mem_bytes=max(rank_mem), stage_mem_bytes=tuple(c.memory(k) for c, k in zip(costs, in_flight)),
+        stage_in_flight=in_flight, stage_busy_s=stage_busy,
+        bubble_fraction=1 - busy / (span * fold.num_ranks) if span > 0 else 0.0,
+        fits_memory=max(rank_mem) <= db.hardware.memory_bytes, rank_mem_bytes=rank_mem)
+    return SimulatedPlan(program, costs, timeline, prediction)
 
 
 def predict(plan: Plan, db: CostDB, *, schedule: str | None = None, cluster=None, train: bool = True) -> Plan:
