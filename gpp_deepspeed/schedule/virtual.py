@@ -18,26 +18,23 @@ V placement
     Rank ``r`` of ``p`` holds stages ``r`` and ``2 p - 1 - r``, an early and a late one (ZB-V, Qi
     et al., "Pipeline Parallelism with Controllable Memory", arXiv 2405.15362; DualPipeV).
 
-Each rank's compute order is :func:`~gpp_deepspeed.schedule.greedy.rank_orders` (the greedy list
-schedule that ``zb2`` runs with one stage per rank) or :func:`interleaved_1f1b` (Megatron's).
-:func:`fold_program` then lowers it into one list of
-actions per rank across its stages (an edge inside a rank is a hand-over, not a message; one
-``LOAD`` per micro-batch and one step per rank), grouped and ordered for NCCL's rendezvous
-semantics and checked by the simulator in that mode; with free messages it takes exactly the
-compute makespan of its orders (tested on random folds of random DAGs).
+Each rank's compute order is one of :data:`FOLDED_SCHEDULES`: :func:`interleaved_1f1b`
+(Megatron's), :func:`~gpp_deepspeed.schedule.greedy.rank_orders` with the split backward (ZB-V's
+placement, the greedy list schedule ``zb2`` runs with one stage per rank) or :func:`dualpipev_orders`
+(DualPipeV's, torch's ``ScheduleDualPipeV`` order on a chain). :func:`fold_program` then lowers it
+into one list of actions per rank across its stages (an edge inside a rank is a hand-over, not a
+message; one ``LOAD`` per micro-batch and one step per rank), grouped and ordered for NCCL's
+rendezvous semantics and checked by the simulator in that mode (:func:`validate_folded`);
+:func:`search_fold` chooses a fold and its schedule, which GraphPipe's planner calls
+(:mod:`gpp_deepspeed.planner.fold`).
 
 Where it stands (``tests/test_virtual_stages.py``; unit ``F = I = W``, 16 micro-batches, a chain of
-8 half-stages on 4 ranks, whose ideal is 48): with one stage per rank and a fused backward the
-greedy order is exactly 1F1B; in a V with the split backward (ZB-V's placement) it takes 51.5 while
-every rank holds at most 4 whole-layer micro-batches, 1F1B's peak, against 57.0 for 1F1B on the
-same layers as 4 whole stages (ZB-V's claim: less bubble at 1F1B's memory). With a fused backward,
-:func:`interleaved_1f1b` gives Megatron's 52.5 exactly (on a DAG, where Megatron's order may
-deadlock, it falls back to the greedy order, which is poor there: 68.5). A rank's cap is
-:func:`rank_in_flight`; a micro-batch reserves its units on a rank when it first reaches it, and
-where that could deadlock (a micro-batch entering one rank at two stages of a DAG) the cap is
-relaxed for micro-batches already begun there. :func:`validate_folded` checks a folded program rank
-by rank. Left: an engine that runs these programs (a rank building several stages, the hand-over
-as an action of its own), and GraphPipe's planner calling :func:`search_fold` with its stage costs.
+8 half-stages on 4 ranks, whose ideal is 48): 1F1B on the same layers as 4 whole stages takes 57.0;
+interleaved 1F1B 52.5 (Megatron's closed form); ZB-V 51.5 at 1F1B's peak memory (4 whole-layer
+micro-batches a rank); DualPipeV 49.5 (a bubble of ``R - 1`` half-stage forwards) at 4.5. A rank's
+cap in the greedy order is :func:`rank_in_flight`; a micro-batch reserves its units on a rank when it
+first reaches it, and where that could deadlock (a micro-batch entering one rank at two stages of a
+DAG) the cap is relaxed for micro-batches already begun there.
 
 Representative use::
 
