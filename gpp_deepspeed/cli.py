@@ -196,7 +196,8 @@ def _plan(args) -> None:
 def _folded(db: CostDB, args) -> SearchResult:
     """GraphPipe's folded plan (``--fold K``: up to K stages a rank) on the command line's inputs."""
     from .planner.fold import fold_search
-    if getattr(args, "cluster", None) or getattr(args, "topology", None) or getattr(args, "method", "graphpipe") != "graphpipe":
+    if (getattr(args, "cluster", None) or getattr(args, "topology", None)
+            or getattr(args, "method", "graphpipe") != "graphpipe"):
         raise GPPConfigError("--fold folds GraphPipe's plans on one device kind: not with --cluster, --topology "
                              "or another --method")
     _say(args, f"graphpipe: searching folded plans, up to {args.fold} stages a rank")

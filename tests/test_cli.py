@@ -286,6 +286,9 @@ def test_gpp_plan_fold_prints_the_folding_and_the_graph_pipeline_config_that_run
     assert "folded: 2 ranks, up to 2 stages each: rank 0 [0, 3], rank 1 [1, 2]" in out
     assert '"graph_pipeline": {"schedule": "dualpipev", "stages_per_rank": 2, "fold": [0, 1, 1, 0]}' in out
     assert simulate_folded(plan, CostDB.load(chain_costs)).prediction == plan.predicted
+    assert gpp("simulate", path, "--costs", chain_costs, "--json") == 0   # per stage, folded
+    sim = json.loads(capsys.readouterr().out)
+    assert sim["iteration_time_s"] == plan.predicted.iteration_time_s and len(sim["stages"]) == 4
 
 
 def test_gpp_compare_fold_shows_the_folded_and_unfolded_plans_side_by_side(chain_costs, capsys):

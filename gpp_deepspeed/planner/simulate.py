@@ -30,8 +30,8 @@ from ..schedule.zero_bubble import peak_in_flight
 from .costs import ZERO_STAGES, CommFit, CostDB, StageCost, StageCostModel
 from .plan import Plan, Prediction
 
-__all__ = ["SimulatedPlan", "PricedStages", "simulate_plan", "priced_stages", "action_duration", "simulate_folded", "predict",
-           "choose_schedule", "choose_zero_stage"]
+__all__ = ["SimulatedPlan", "PricedStages", "simulate_plan", "priced_stages", "action_duration", "simulate_folded",
+           "predict", "choose_schedule", "choose_zero_stage"]
 
 
 @dataclass(frozen=True)
@@ -147,8 +147,10 @@ def predict(plan: Plan, db: CostDB, *, schedule: str | None = None, cluster=None
     """``plan`` with its :class:`Prediction` filled in, priced under ``schedule`` (default: the
     plan's own), which the returned plan carries (``cluster``, ``train``: as :func:`simulate_plan`)."""
     sim = simulate_plan(plan, db, schedule=schedule, cluster=cluster, train=train)
-    edges = tuple(sorted({(op.stage_idx, op.peer) for actions in sim.schedule.values() for a in actions
-                          for op in a.transfers if op.kind is K.SEND_F}))
+    # (a folded program sends nothing on an edge inside a rank: its plan keeps the edges it has)
+    edges = plan.stage_edges if plan.fold else tuple(sorted(
+        {(op.stage_idx, op.peer) for actions in sim.schedule.values() for a in actions
+         for op in a.transfers if op.kind is K.SEND_F}))
     return replace(plan, schedule=schedule or plan.schedule).with_prediction(sim.prediction, edges)
 
 
