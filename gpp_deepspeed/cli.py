@@ -5,12 +5,12 @@ Synopsis::
     gpp profile MODEL -o COSTS [--tiny] [--granularity layer|sublayer] [--analytic v100|a100|h100]
                       [--device cpu|cuda] [--no-link-measure] [--micro-batches 1,2,4] [--size KEY=VALUE ...]
     gpp plan COSTS --devices N --mini-batch B [--method METHOD] [--space full|runtime]
-                   [--micro-batches 1,2,4] [--zero auto|0|1|2|3] [-o PLAN]
+                   [--micro-batches 1,2,4] [--zero auto|0|1|2|3] [--fold K] [-o PLAN]
     gpp simulate PLAN --costs COSTS
     gpp viz PLAN --costs COSTS [-o OUTDIR] [--format png|svg|both]
     gpp viz-run TRACE_DIR [--step N] [-o OUTDIR] [--format png|svg|both]
     gpp compare COSTS --devices N --mini-batch B [--methods graphpipe,pipedream,...] [--space full|runtime]
-                      [--micro-batches 1,2,4] [--schedules 1f1b,zb1,zb2]
+                      [--micro-batches 1,2,4] [--schedules 1f1b,zb1,zb2] [--fold K]
 
 ``plan`` and ``compare`` take ``--schedules``. GraphPipe searches under each listed training
 schedule, pricing every candidate stage graph with the memory and the simulated time of that
@@ -20,6 +20,12 @@ engine runs it unless the DeepSpeed config's ``graph_pipeline.schedule`` says ot
 ``compare`` shows every method's best plan per schedule side by side. The asynchronous schedules (``pipedream``,
 ``2bw``, ``pipeoptim``) are priced in steady state: one batch with the pipeline full before and
 after it (no warm-up, no flush), their stashed weight versions counted in memory.
+
+``plan --fold K`` and ``compare --fold K`` also search folded plans: GraphPipe's stages, up to K a
+rank, placed on the ranks and scheduled (``interleaved``, ``zbv``, ``dualpipev``) by
+:func:`~gpp_deepspeed.planner.fold.fold_search`. ``plan`` keeps the folded plan where it fits and is
+faster, and prints its fold and the ``graph_pipeline`` config that runs it; ``compare`` adds its row
+and a table of the folded and unfolded plans side by side (step, bubble, memory per rank).
 
 ``plan --zero`` sets the ZeRO stage the plan is priced with (DeepSpeed's ``zero_optimization.stage``,
 default 0): ZeRO-1, 2 and 3 partition a stage's optimizer state, then its gradients, then its
@@ -170,6 +176,8 @@ def _plan(args) -> None:
         # GraphPipe searched under every ZeRO stage; another planner's stage graph gets the lowest
         # that fits (a higher one only adds collectives to a fixed stage graph).
         plan = choose_zero_stage(plan, db, zero_stages=args.zero)
+    if args.fold:
+        plan = _keep_faster(plan, _folded(db, args))
     if args.topology:
         plan = _placed(plan, db, args)
     if args.output:
@@ -183,6 +191,28 @@ def _plan(args) -> None:
         lines.append(f"  wrote {args.output}")
     lines.append(_how_to_run(plan, args.output))
     _emit(args, data, "\n".join(lines))
+
+
+def _folded(db: CostDB, args) -> SearchResult:
+    """GraphPipe's folded plan (``--fold K``: up to K stages a rank) on the command line's inputs."""
+    from .planner.fold import fold_search
+    if (getattr(args, "cluster", None) or getattr(args, "topology", None)
+            or getattr(args, "method", "graphpipe") != "graphpipe"):
+        raise GPPConfigError("--fold folds GraphPipe's plans on one device kind: not with --cluster, --topology "
+                             "or another --method")
+    _say(args, f"graphpipe: searching folded plans, up to {args.fold} stages a rank")
+    return fold_search(db, num_devices=args.devices, mini_batch=args.mini_batch, micro_batches=args.micro_batches,
+                       stages_per_rank=args.fold, progress=None if args.quiet else _stderr)
+
+
+def _keep_faster(plan: Plan, folded: SearchResult) -> Plan:
+    """The folded plan where it fits and is faster than ``plan`` (or ``plan`` does not fit)."""
+    f = folded.plan
+    if f is None or not f.predicted.fits_memory:
+        return plan
+    if not plan.predicted.fits_memory or f.predicted.iteration_time_s < plan.predicted.iteration_time_s:
+        return f
+    return plan
 
 
 def _hetero(db: CostDB, args) -> SearchResult:
@@ -223,7 +253,8 @@ def _how_to_run(plan: Plan, path: str | None) -> str:
                 f"micro-batch of {plan.micro_batch} into equal shards")
     # Stage s splits each micro-batch over its degrees[s] ranks (StageCostModel; the engine does
     # the same), so the DeepSpeed values describe the pipeline: the micro-batch of the plan.
-    spread = "one rank per stage" if set(degrees) == {1} else f"ranks per stage {degrees}"
+    spread = ("one rank per stage" if not plan.fold else f"{plan.stages_per_rank} stages a rank at most") \
+        if set(degrees) == {1} else f"ranks per stage {degrees}"
     text = (f'  to run it: GraphPipelineModule(layers, ..., partition_method="{path or "plan.json"}") on '
             f"{plan.num_devices} ranks ({spread}), e.g. deepspeed --num_gpus {plan.num_devices} train.py\n"
             f'  DeepSpeed config: "train_batch_size": {plan.mini_batch}, "train_micro_batch_size_per_gpu": '
@@ -231,6 +262,9 @@ def _how_to_run(plan: Plan, path: str | None) -> str:
             f'"zero_optimization": {{"stage": {plan.zero_stage}}}'
             f"{'' if set(degrees) == {1} else ' (each rank of stage s processes micro-batch / ranks of s rows)'}"
             + ("" if path else "\n  (write the plan with -o plan.json)"))
+    if plan.fold:
+        text += (f'\n  "graph_pipeline": {{"schedule": "{plan.schedule}", "stages_per_rank": {plan.stages_per_rank}, '
+                 f'"fold": {list(plan.fold)}}}  (rank of each stage)')
     if plan.pipeline == "chain":
         text += "\n  (a chain plan: the engine runs it as a chain, relaying skip tensors through the stages between)"
     if plan.placement or any(s.device_class for s in plan.stages):
@@ -296,8 +330,10 @@ def _compare(args) -> None:
             results.append(SearchResult(method=method, plan=None, search_time_s=0.0, status=f"error: {e}"))
     if args.schedules:
         results = _per_schedule(results, db, args.schedules)
+    if args.fold:
+        results.append(_folded(db, args))
     found = [r for r in results if r.plan is not None]
-    baselines = [r for r in found if r.method.split("/")[0] != "graphpipe"]
+    baselines = [r for r in found if r.method.split("/")[0] not in ("graphpipe", "graphpipe-folded")]
     ref = max(baselines or found, key=lambda r: r.plan.predicted.samples_per_s, default=None)
     ref_name = None if ref is None else ("best baseline " if baselines else "") + ref.method
     rows = [_compare_row(r, ref) for r in results]
@@ -316,7 +352,31 @@ def _compare(args) -> None:
     lines += [_table(header, table, "lrrrrrrrl"), ""]
     if ref_name:
         lines.append(f"speed-up: samples/s relative to {ref_name}")
+    if args.fold:
+        side = _fold_side_by_side(results)
+        data["folded_vs_unfolded"] = side
+        lines += ["", "GraphPipe folded and unfolded, side by side (peak memory per rank, GiB):",
+                  _table(["plan", "step ms", "bubble", "ranks", "schedule", "GiB per rank"],
+                         [[r["plan"], _ms(r["step_s"]), f"{r['bubble_fraction']:.1%}", str(r["ranks"]), r["schedule"],
+                           " ".join(f"{m / _GIB:.2f}" for m in r["rank_mem_bytes"])] for r in side], "lrrrll")]
     _emit(args, data, "\n".join(lines))
+
+
+def _fold_side_by_side(results: list[SearchResult]) -> list[dict]:
+    """GraphPipe's fastest unfolded plan and its folded plan: step, bubble, memory per rank."""
+    unfolded = [r.plan for r in results if r.plan is not None and r.method.split("/")[0] == "graphpipe"]
+    folded = [r.plan for r in results if r.plan is not None and r.method == "graphpipe-folded"]
+    rows = []
+    for name, plans in (("unfolded", unfolded), ("folded", folded)):
+        if not plans:
+            continue
+        p = min(plans, key=lambda x: x.predicted.iteration_time_s)
+        per_rank = p.predicted.rank_mem_bytes or tuple(m for m, s in zip(p.predicted.stage_mem_bytes, p.stages)
+                                                       for _ in range(s.devices))
+        rows.append({"plan": name, "step_s": p.predicted.iteration_time_s,
+                     "bubble_fraction": p.predicted.bubble_fraction, "ranks": p.num_devices, "schedule": p.schedule,
+                     "fold": list(p.fold), "rank_mem_bytes": list(per_rank)})
+    return rows
 
 
 def _viz_run(args) -> None:
@@ -563,6 +623,9 @@ def _parser() -> argparse.ArgumentParser:
                         help="training schedules (default: 1f1b): graphpipe searches under each, other "
                         "methods' plans are priced under each; plan keeps the fastest that fits memory, compare "
                         "shows one row per method and schedule")
+    search.add_argument("--fold", type=_positive, metavar="K", help="graphpipe: also search folded plans, each rank "
+                        "holding up to K stages (interleaved, zbv or dualpipev; the fold and schedule priced by the "
+                        "simulator); plan keeps the faster that fits, compare shows both side by side")
 
     p = sub.add_parser("profile", parents=[common, sweep], help="write a model's cost database")
     p.add_argument("model", metavar="MODEL", help=f"one of {', '.join(sorted(BUILDERS))}")

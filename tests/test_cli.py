@@ -185,7 +185,8 @@ def test_gpp_subcommands_and_options_are_frozen():
     options = {name: sorted(o for a in p._actions for o in a.option_strings if o.startswith("--"))
                for name, p in sub.choices.items()}
     common = ["--help", "--json", "--quiet"]
-    search = sorted(common + ["--devices", "--mini-batch", "--micro-batches", "--recompute", "--schedules", "--space"])
+    search = sorted(common + ["--devices", "--fold", "--mini-batch", "--micro-batches", "--recompute", "--schedules",
+                              "--space"])
     assert options == {
         "profile": sorted(common + ["--analytic", "--device", "--granularity", "--micro-batches",
                                     "--no-link-measure", "--output", "--size", "--tiny"]),
@@ -256,3 +257,55 @@ def test_gpp_plan_zero_auto_partitions_where_memory_binds_and_prints_the_stage_i
 def test_gpp_plan_prints_zero_stage_0_by_default(costs, capsys):
     assert gpp("plan", costs, "--devices", DEVICES, "--mini-batch", MINI_BATCH, "--quiet") == 0
     assert '"zero_optimization": {"stage": 0}' in capsys.readouterr().out
+
+
+@pytest.fixture
+def chain_costs(tmp_path) -> Path:
+    """Eight equal layers in a chain, a fast link and memory to spare: folding pays on two ranks."""
+    from costdbs import chain
+
+    names = [f"l{i}" for i in range(8)]
+    db = chain(8, fwd=dict.fromkeys(names, 1e-3), bwd=dict.fromkeys(names, 2e-3), param_bytes=dict.fromkeys(names, 1e6),
+               out_bytes=dict.fromkeys(names, 1e3), stash_bytes=dict.fromkeys(names, 1e4),
+               hw=hardware(memory_bytes=1e9, link=CommFit(alpha_s=1e-6, beta_s_per_byte=1e-10)))
+    path = tmp_path / "chain.json"
+    db.save(path)
+    return path
+
+
+def test_gpp_plan_fold_prints_the_folding_and_the_graph_pipeline_config_that_runs_it(chain_costs, tmp_path, capsys):
+    from gpp_deepspeed.planner.simulate import simulate_folded
+
+    path = tmp_path / "plan.json"
+    assert gpp("plan", chain_costs, "--devices", "2", "--mini-batch", "8", "--micro-batches", "1", "--fold", "2",
+               "--schedules", "1f1b,zb1,zb2", "-o", path, "--quiet") == 0
+    out = capsys.readouterr().out
+    plan = Plan.load(path)
+    # Two ranks, a V of four stages under DualPipeV: the folded plan beats every unfolded schedule here.
+    assert plan.fold == (0, 1, 1, 0) and plan.schedule == "dualpipev" and plan.num_devices == 2
+    assert "folded: 2 ranks, up to 2 stages each: rank 0 [0, 3], rank 1 [1, 2]" in out
+    assert '"graph_pipeline": {"schedule": "dualpipev", "stages_per_rank": 2, "fold": [0, 1, 1, 0]}' in out
+    assert simulate_folded(plan, CostDB.load(chain_costs)).prediction == plan.predicted
+    assert gpp("simulate", path, "--costs", chain_costs, "--json") == 0   # per stage, folded
+    sim = json.loads(capsys.readouterr().out)
+    assert sim["iteration_time_s"] == plan.predicted.iteration_time_s and len(sim["stages"]) == 4
+
+
+def test_gpp_compare_fold_shows_the_folded_and_unfolded_plans_side_by_side(chain_costs, capsys):
+    assert gpp("compare", chain_costs, "--devices", "2", "--mini-batch", "8", "--micro-batches", "1", "--fold", "2",
+               "--methods", "graphpipe", "--schedules", "1f1b,zb1", "--json", "--quiet") == 0
+    side = json.loads(capsys.readouterr().out)["folded_vs_unfolded"]
+    assert [r["plan"] for r in side] == ["unfolded", "folded"]
+    unfolded, folded = side
+    assert folded["step_s"] < unfolded["step_s"] and folded["bubble_fraction"] < unfolded["bubble_fraction"]
+    assert len(unfolded["rank_mem_bytes"]) == len(folded["rank_mem_bytes"]) == 2 and folded["fold"] == [0, 1, 1, 0]
+    assert gpp("compare", chain_costs, "--devices", "2", "--mini-batch", "8", "--micro-batches", "1", "--fold", "2",
+               "--methods", "graphpipe", "--quiet") == 0
+    text = capsys.readouterr().out
+    assert "GraphPipe folded and unfolded, side by side" in text and "dualpipev" in text
+
+
+def test_gpp_fold_refuses_other_planners_by_name(chain_costs, capsys):
+    assert gpp("plan", chain_costs, "--devices", "2", "--mini-batch", "8", "--fold", "2", "--method", "ds-uniform",
+               "--quiet") == 2
+    assert "--fold folds GraphPipe's plans" in capsys.readouterr().err

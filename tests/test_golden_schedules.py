@@ -6,7 +6,8 @@ A synchronous schedule prints its training batch twice: as a steady batch runs i
 layout actions (``SEND_L``/``RECV_L``) that a first batch, or every batch under ``dynamic_shape``,
 runs. An asynchronous one prints its batches up to the first steady one and the flush after the batch
 that follows, with layouts (as the engine runs them). Every graph also prints its evaluation program
-(forwards only, the same for every schedule).
+(forwards only, the same for every schedule). The folded schedules (several stages a rank:
+interleaved, zbv, dualpipev) print their programs rank by rank in ``folded.txt``.
 
 Regenerate after an intended change, and review the diff::
 
@@ -23,6 +24,7 @@ import pytest
 
 from gpp_deepspeed.graph.stages import StageEdge, StageGraph
 from gpp_deepspeed.schedule import SCHEDULES, AsyncProgram, build_program, steady_batch_idx
+from gpp_deepspeed.schedule.virtual import Fold, dualpipev_orders, fold_program, interleaved_1f1b, rank_orders
 
 GOLDEN = Path(__file__).resolve().parent / "golden" / "schedules"
 MICRO_BATCHES = 4
@@ -80,12 +82,43 @@ def test_the_golden_files_cover_every_registered_schedule_and_a_changed_program_
     assert str(build_program(GRAPHS["chain3"], MICRO_BATCHES, schedule="1f1b")).replace('"1f1b"', '"zb1"') not in text
 
 
+FOLDED = {
+    # (graph, fold kind): each folded schedule on a chain of 4 stages and on the diamond, 2 ranks
+    "interleaved": ("looped", lambda g, m, f: interleaved_1f1b(g, m, f)),
+    "zbv": ("v", lambda g, m, f: rank_orders(g, m, f, split_backward=True)),
+    "dualpipev": ("v", dualpipev_orders),
+}
+
+
+def folded_text() -> str:
+    """Every folded schedule's program (:func:`~gpp_deepspeed.schedule.virtual.fold_program`) on
+    two stage graphs of 4 stages folded onto 2 ranks, printed rank by rank."""
+    parts = [f"# folded schedules, {MICRO_BATCHES} micro-batches, 2 ranks. Regenerate: {REGENERATE}"]
+    for name, graph in (("chain4", StageGraph.chain(4)), ("diamond", GRAPHS["diamond"])):
+        for schedule, (kind, orders) in FOLDED.items():
+            fold = Fold.v_shape(num_stages=4) if kind == "v" else Fold.looped(num_stages=4, num_ranks=2)
+            program = fold_program(graph, MICRO_BATCHES, fold, orders(graph, MICRO_BATCHES, fold))
+            parts.append(f'program "{schedule}" on {name}, fold {list(fold.rank_of)}\n'
+                         + "\n".join(f"rank {r}: " + " ".join(str(a) for a in program[r]) for r in sorted(program)))
+    return "\n\n".join(parts) + "\n"
+
+
+def test_every_folded_schedules_program_is_its_golden_file():
+    path = GOLDEN / "folded.txt"
+    assert path.exists(), f"{path} is missing; regenerate: {REGENERATE}"
+    expected, got = path.read_text(), folded_text()
+    diff = "".join(difflib.unified_diff(expected.splitlines(True), got.splitlines(True), str(path), "now", n=1))
+    assert got == expected, f"the folded programs changed (review, then regenerate: {REGENERATE}):\n{diff[:6000]}"
+
+
 def main() -> None:
     GOLDEN.mkdir(parents=True, exist_ok=True)
     for name in GRAPHS:
         path = GOLDEN / f"{name}.txt"
         path.write_text(golden_text(name))
         print(f"wrote {path}", file=sys.stderr)
+    (GOLDEN / "folded.txt").write_text(folded_text())
+    print(f"wrote {GOLDEN / 'folded.txt'}", file=sys.stderr)
 
 
 if __name__ == "__main__":

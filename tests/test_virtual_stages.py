@@ -11,7 +11,7 @@ from gpp_deepspeed.errors import ScheduleError
 from gpp_deepspeed.schedule.virtual import Fold, interleaved_1f1b, rank_in_flight, rank_makespan, rank_orders
 from gpp_deepspeed.graph import StageGraph
 from gpp_deepspeed.graph.stages import StageEdge
-from gpp_deepspeed.schedule import ActionKind as K, one_f_one_b
+from gpp_deepspeed.schedule import Action, ActionKind as K, one_f_one_b
 
 FULL = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
 HALF = {k: v / 2 for k, v in FULL.items()}   # a stage of half the layers
@@ -159,7 +159,7 @@ def test_a_folded_program_with_a_hand_over_out_of_order_or_a_release_missing_is_
 def test_the_fold_search_finds_what_a_brute_force_over_every_map_of_stages_to_ranks_finds(seed):
     import itertools
 
-    from gpp_deepspeed.schedule.virtual import interleaved_1f1b, search_fold
+    from gpp_deepspeed.schedule.virtual import dualpipev_orders, interleaved_1f1b, search_fold
 
     rng = random.Random(seed)
     graph = _random_dag(rng, rng.randint(3, 6)) if seed else StageGraph.chain(6)
@@ -167,8 +167,10 @@ def test_the_fold_search_finds_what_a_brute_force_over_every_map_of_stages_to_ra
     work = {s: rng.choice([0.5, 1.0, 1.5]) for s in range(graph.num_stages)}
     unit = lambda a: work[a.stage_idx] * {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}.get(a.kind.value, 0.0)  # noqa: E731
     activation = {s: rng.choice([1.0, 2.0]) for s in range(graph.num_stages)}
+    weights = {s: rng.choice([0.0, 1.0]) for s in range(graph.num_stages)}
     memory = 12.0
-    found = search_fold(graph, 6, num_ranks=num_ranks, duration=unit, activation=activation, memory=memory)
+    found = search_fold(graph, 6, num_ranks=num_ranks, duration=unit, activation=activation, memory=memory,
+                        static=weights)
 
     def peak(actions):
         live = best = 0.0
@@ -183,8 +185,141 @@ def test_the_fold_search_finds_what_a_brute_force_over_every_map_of_stages_to_ra
         if set(rank_of) != set(range(num_ranks)) or max(rank_of.count(r) for r in range(num_ranks)) > 2:
             continue
         fold = Fold(rank_of)
-        for orders in (interleaved_1f1b(graph, 6, fold), rank_orders(graph, 6, fold, split_backward=True, duration=unit)):
-            if max(peak(orders[r]) for r in orders) <= memory:
+        candidates = [interleaved_1f1b(graph, 6, fold), rank_orders(graph, 6, fold, split_backward=True, duration=unit)]
+        if all(rank_of.count(r) == 2 for r in range(num_ranks)) and 6 >= 2 * num_ranks - 1:
+            candidates.append(dualpipev_orders(graph, 6, fold))
+        for orders in candidates:
+            held = [peak(orders[r]) + sum(weights[s] for s in fold.stages_of(r)) for r in orders]
+            if max(held) <= memory:
                 time = rank_makespan(orders, graph, unit)
                 best = time if best is None else min(best, time)
     assert found.makespan == best and max(found.peak) <= memory
+
+
+def _torch_dualpipev(num_ranks, num_mb):
+    """torch 2.13's ScheduleDualPipeV order per rank (FULL_BACKWARD as B, an overlapped F&B pair as
+    its forward then its backward), from its own generator."""
+    from types import SimpleNamespace
+
+    from torch.distributed.pipelining.schedules import ScheduleDualPipeV, _ComputationType as C
+
+    kinds = {C.FORWARD: "F", C.FULL_BACKWARD: "B", C.BACKWARD_INPUT: "I", C.BACKWARD_WEIGHT: "W"}
+    out = {}
+    for r in range(num_ranks):
+        runner = SimpleNamespace(pp_group_size=num_ranks, _n_microbatches=num_mb)
+        acts = ScheduleDualPipeV._calculate_single_rank_operations(runner, r)
+        out[r] = [f"{x.stage_index}{kinds[x.computation_type]}{x.microbatch_index}"
+                  for a in acts for x in (a.sub_actions or (a,))]
+    return out
+
+
+def _deepspeed_dualpipev(num_ranks, num_mb):
+    """DeepSpeed 0.19.8's DualPipeVSchedule's compute per rank (its backward is fused: B)."""
+    from deepspeed.runtime.pipe.schedule import BackwardPass, DualPipeVSchedule, ForwardPass
+
+    out = {}
+    for r in range(num_ranks):
+        acts = []
+        for step in DualPipeVSchedule(micro_batches=num_mb, stages=num_ranks, stage_id=r).steps():
+            for cmd in step:
+                if isinstance(cmd, (ForwardPass, BackwardPass)):
+                    stage = r if cmd.phase == 0 else 2 * num_ranks - 1 - r
+                    kind = K.FORWARD if isinstance(cmd, ForwardPass) else K.BACKWARD
+                    acts.append(Action(stage, kind, cmd.buffer_id % num_mb))
+        out[r] = acts
+    return out
+
+
+@pytest.mark.parametrize("num_ranks,num_mb", [(1, 2), (2, 4), (2, 5), (3, 7), (4, 8), (4, 16)])
+def test_dualpipev_on_a_chain_is_torchs_order_action_for_action(num_ranks, num_mb):
+    from gpp_deepspeed.schedule.virtual import dualpipev_orders
+
+    orders = dualpipev_orders(StageGraph.chain(2 * num_ranks), num_mb, Fold.v_shape(num_stages=2 * num_ranks))
+    assert {r: [str(a) for a in acts] for r, acts in orders.items()} == _torch_dualpipev(num_ranks, num_mb)
+
+
+@pytest.mark.parametrize("num_ranks", [2, 3, 4, 8])
+def test_dualpipev_bubble_and_peak_on_a_chain_against_deepspeeds_and_zbv(num_ranks):
+    # Half-stages of unit layers, T_F = T_I = T_W, 16 (or 2R) micro-batches: the bubble is
+    # (R - 1) T_F of a half-stage, every rank holds 2R + 1 half-stage micro-batches (ZB-V's 2R plus
+    # one, the "PP + 1" of DualPipe's table), and DeepSpeed's DualPipeV (the same order with the
+    # backward fused, arXiv 2412.19437's W not deferred) is no faster.
+    from gpp_deepspeed.schedule.virtual import rank_peak, dualpipev_orders
+
+    chain, fold, m = StageGraph.chain(2 * num_ranks), Fold.v_shape(num_stages=2 * num_ranks), max(16, 2 * num_ranks)
+    orders = dualpipev_orders(chain, m, fold)
+    time = rank_makespan(orders, chain, priced(HALF))
+    assert time == 3.0 * m + (num_ranks - 1) * HALF["F"]
+    assert [rank_peak(orders[r], None) for r in orders] == [2 * num_ranks + 1] * num_ranks
+    deepspeed = _deepspeed_dualpipev(num_ranks, m)
+    assert time <= rank_makespan(deepspeed, chain, priced(HALF))
+    assert max(rank_peak(deepspeed[r], None) for r in deepspeed) == 2 * num_ranks + 1
+    zbv = rank_orders(chain, m, fold, split_backward=True, duration=priced(HALF))
+    assert time < rank_makespan(zbv, chain, priced(HALF))
+
+
+@pytest.mark.parametrize("seed", range(16))
+def test_dualpipev_folded_programs_of_random_dags_run_under_nccl_semantics(seed):
+    # Random DAGs of 2R stages, each rank two stages (a V in topological order, or any pairing):
+    # fold_program raises unless the rendezvous simulation completes and validate_folded passes.
+    from gpp_deepspeed.schedule.validate import simulate
+    from gpp_deepspeed.schedule.virtual import dualpipev_orders, fold_program
+
+    rng = random.Random(seed)
+    num_ranks = rng.randint(1, 4)
+    graph = _random_dag(rng, 2 * num_ranks)
+    if seed % 2:
+        fold = Fold.v_shape(num_stages=2 * num_ranks)
+    else:
+        pairs = list(range(num_ranks)) * 2
+        rng.shuffle(pairs)
+        first: dict[int, int] = {}
+        fold = Fold(tuple(first.setdefault(x, len(first)) for x in pairs))
+    num_mb = rng.randint(2 * num_ranks, 2 * num_ranks + 4)
+    orders = dualpipev_orders(graph, num_mb, fold)
+    program = fold_program(graph, num_mb, fold, orders)
+    timeline = simulate(program, duration=priced(FULL))
+    # Not equal to the order's replay: a stage that sends no input gradient runs its I and W as one
+    # B where the W stood (fold_program's merge), which moves its work by up to one unit either way.
+    end = max(e for spans in timeline.spans.values() for _, _, e in spans)
+    assert abs(end - rank_makespan(orders, graph, priced(FULL))) <= FULL["F"]
+
+
+def test_dualpipev_refuses_a_rank_without_two_stages_and_too_few_micro_batches():
+    from gpp_deepspeed.schedule.virtual import dualpipev_orders
+
+    with pytest.raises(ScheduleError, match=r"rank 0 holds stages \[0, 2, 4\]"):
+        dualpipev_orders(StageGraph.chain(6), 8, Fold.looped(num_stages=6, num_ranks=2))
+    with pytest.raises(ScheduleError, match="at least 7 micro-batches for rank 0"):
+        dualpipev_orders(StageGraph.chain(8), 6, Fold.v_shape(num_stages=8))
+
+
+def test_interleaved_1f1b_never_pairs_a_backward_with_a_forward_run_before_its_own():
+    # The diamond looped on 2 ranks: rank 1 holds stages 1 and 3, whose chunk order would pair 3B0
+    # with 1F1, before 3F0, under Megatron's warm-up alone.
+    from gpp_deepspeed.schedule.virtual import fold_program
+
+    diamond = StageGraph(num_stages=4, edges=tuple(StageEdge(s, t, ()) for s, t in ((0, 1), (0, 2), (1, 3), (2, 3))),
+                         output_stage=3)
+    fold = Fold.looped(num_stages=4, num_ranks=2)
+    orders = interleaved_1f1b(diamond, 4, fold)
+    for acts in orders.values():
+        for i, a in enumerate(acts):
+            if a.kind is K.BACKWARD:
+                assert Action(a.stage_idx, K.FORWARD, a.mb_idx) in acts[:i], a
+    fold_program(diamond, 4, fold, orders)
+
+
+def test_the_fold_search_beyond_brute_force_is_no_worse_than_the_looped_and_v_folds():
+    # 10 stages on 5 ranks: 945 groupings, over the brute-force limit, so the local search runs.
+    from gpp_deepspeed.schedule.virtual import _BRUTE_FORCE_LIMIT, _groupings, search_fold
+
+    graph = StageGraph.chain(10)
+    assert sum(1 for _ in _groupings(10, 5, 2)) > _BRUTE_FORCE_LIMIT
+    work = {s: 1.0 + 0.25 * (s % 3) for s in range(10)}
+    unit = lambda a: work[a.stage_idx] * HALF.get(a.kind.value, 0.0)  # noqa: E731
+    found = search_fold(graph, 10, num_ranks=5, duration=unit)
+    for fold in (Fold.looped(num_stages=10, num_ranks=5), Fold.v_shape(num_stages=10)):
+        for orders in (interleaved_1f1b(graph, 10, fold), rank_orders(graph, 10, fold, split_backward=True,
+                                                                        duration=unit)):
+            assert found.makespan <= rank_makespan(orders, graph, unit)

@@ -2,8 +2,9 @@
 
 ``deepspeed.initialize`` hard-codes its pipeline engine class (``PipelineEngine``, or DualPipeV's),
 so this function mirrors its pipeline branch with :class:`GraphPipelineEngine`, after validating
-the ``"graph_pipeline"`` config section on every rank. Any other model goes to
-``deepspeed.initialize`` unchanged.
+the ``"graph_pipeline"`` config section on every rank. DeepSpeed's ``DualPipeVModule`` is converted
+first (:mod:`.dualpipev`: its stages folded in a V under ``"schedule": "dualpipev"``). Any other
+model goes to ``deepspeed.initialize`` unchanged.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from deepspeed.constants import TORCH_DISTRIBUTED_DEFAULT_PORT
 
 from ..config import CONFIG_KEY, load_config, parse_graph_pipeline_config
 from .compat import configure_python_gc
+from .dualpipev import convert_dualpipev, is_dualpipev_module
 from .engine import GraphPipelineEngine
 from .module import GraphPipelineModule
 from .shm import release_own_shm
@@ -60,6 +62,14 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     Takes what ``deepspeed.initialize`` takes. For a :class:`GraphPipelineModule` the engine is a
     :class:`GraphPipelineEngine`; the config's ``"graph_pipeline"`` section is validated first.
     """
+    if is_dualpipev_module(model):
+        # DeepSpeed's DualPipeV users: the same stages as a folded chain under "dualpipev".
+        conversion = convert_dualpipev(model)
+        config, config_params = conversion.config(_load_config(args, config, config_params)), None
+        if args is not None and getattr(args, "deepspeed_config", None) is not None:
+            args.deepspeed_config = None
+        parse_graph_pipeline_config(config)   # an engine without folded schedules refuses them here, by name
+        model = conversion.module()
     if not isinstance(model, GraphPipelineModule):
         out = deepspeed.initialize(args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
                                    training_data=training_data, lr_scheduler=lr_scheduler,

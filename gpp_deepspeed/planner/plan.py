@@ -50,6 +50,7 @@ class Prediction:
     stage_busy_s: tuple[float, ...]
     bubble_fraction: float               # idle share of all devices over the iteration
     fits_memory: bool
+    rank_mem_bytes: tuple[float, ...] = ()   # a folded plan: per rank, its stages together (else per stage)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -65,6 +66,10 @@ class Plan:
     loading the plan runs it unless its config's ``graph_pipeline.schedule`` names another.
     ``zero_stage`` is the ZeRO stage the plan's memory and collectives were priced with (0 to 3,
     DeepSpeed's ``zero_optimization.stage``; a file written before the field existed loads as 0).
+    ``fold`` is the pipeline rank of each stage when ranks hold several stages (a folded plan,
+    :mod:`gpp_deepspeed.planner.fold`; its ``schedule`` is one of
+    :data:`~gpp_deepspeed.schedule.virtual.FOLDED_SCHEDULES` and every stage has one device), ``()``
+    when each stage has ranks of its own (a file written before the field existed loads so).
 
     >>> p = Plan(model="m", method="manual", source="hand", micro_batch=2, mini_batch=8,
     ...          stages=(PlanStage(layers=("a",)), PlanStage(layers=("b", "c"))))
@@ -88,6 +93,12 @@ class Plan:
     notes: dict = field(default_factory=dict)
     # device ids per stage on a topology (planner/topology.py); () means contiguous rank order
     placement: tuple[tuple[int, ...], ...] = ()
+    fold: tuple[int, ...] = ()
+
+    @property
+    def stages_per_rank(self) -> int:
+        """The most stages a rank holds (1 unless folded)."""
+        return max((self.fold.count(r) for r in set(self.fold)), default=1)
 
     @property
     def num_stages(self) -> int:
@@ -95,7 +106,7 @@ class Plan:
 
     @property
     def num_devices(self) -> int:
-        return sum(s.devices for s in self.stages)
+        return max(self.fold) + 1 if self.fold else sum(s.devices for s in self.stages)
 
     @property
     def num_microbatches(self) -> int:
@@ -117,6 +128,20 @@ class Plan:
         if self.micro_batch < 1 or self.mini_batch % self.micro_batch:
             raise GPPConfigError(f"plan micro-batch {self.micro_batch} must divide mini-batch {self.mini_batch}")
         check_zero_stage(self.zero_stage)
+        if self.fold:
+            self._check_fold()
+
+    def _check_fold(self) -> None:
+        from ..schedule.virtual import FOLDED_SCHEDULES, Fold
+
+        if len(self.fold) != self.num_stages:
+            raise GPPConfigError(f"plan fold places {len(self.fold)} stages, the plan has {self.num_stages}")
+        Fold(self.fold)   # every rank 0..R-1 holds a stage (ScheduleError otherwise)
+        if self.schedule not in FOLDED_SCHEDULES:
+            raise GPPConfigError(f'a folded plan runs a folded schedule ({", ".join(FOLDED_SCHEDULES)}), not '
+                                 f'"{self.schedule}"')
+        if any(s.devices != 1 for s in self.stages):
+            raise GPPConfigError("a folded plan gives every stage one device; per-stage degrees are not folded")
 
     def partition(self, graph: LayerGraph) -> Partition:
         """The runtime's view of this plan: stage ports and the stage graph."""
@@ -138,6 +163,7 @@ class Plan:
             pred = d.pop("predicted", None)
             d["stage_edges"] = tuple(tuple(e) for e in d.get("stage_edges", ()))
             d["placement"] = tuple(tuple(p) for p in d.get("placement", ()))
+            d["fold"] = tuple(d.get("fold", ()))
             if pred is not None:
                 pred = Prediction(**{k: tuple(v) if isinstance(v, list) else v for k, v in pred.items()})
             return cls(**d, stages=stages, predicted=pred)
@@ -159,6 +185,10 @@ class Plan:
             shown = list(s.layers) if len(s.layers) <= 6 else [*s.layers[:3], "...", *s.layers[-2:]]
             lines.append(f"  stage {i} x{s.devices}" + (f" {s.device_class}" if s.device_class else "")
                          + f": {len(s.layers)} layers {shown}" + (" (recompute)" if s.recompute else ""))
+        if self.fold:
+            lines.append(f"  folded: {self.num_devices} ranks, up to {self.stages_per_rank} stages each: "
+                         + ", ".join(f"rank {r} {list(s for s, x in enumerate(self.fold) if x == r)}"
+                                     for r in range(self.num_devices)))
         if self.predicted is not None:
             p = self.predicted
             lines.append(f"  predicted: {p.iteration_time_s * 1e3:.2f} ms/iteration, {p.samples_per_s:.1f} samples/s, "

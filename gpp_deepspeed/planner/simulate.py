@@ -19,17 +19,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from ..errors import GPPConfigError, PartitionError
+from ..errors import GPPConfigError, PartitionError, ScheduleError
 from ..graph.stages import StageGraph
 from ..schedule.ir import Action, ActionKind as K, Schedule
 from ..schedule.program import ProgramFactory
 from ..schedule.registry import is_async
 from ..schedule.validate import Timeline, simulate
+from ..schedule.virtual import FOLDED_SCHEDULES, Fold, fold_program, rank_peak
 from ..schedule.zero_bubble import peak_in_flight
 from .costs import ZERO_STAGES, CommFit, CostDB, StageCost, StageCostModel
 from .plan import Plan, Prediction
 
-__all__ = ["SimulatedPlan", "simulate_plan", "predict", "choose_schedule", "choose_zero_stage"]
+__all__ = ["SimulatedPlan", "PricedStages", "simulate_plan", "priced_stages", "action_duration", "simulate_folded",
+           "predict", "choose_schedule", "choose_zero_stage"]
 
 
 @dataclass(frozen=True)
@@ -58,55 +60,21 @@ def simulate_plan(plan: Plan, db: CostDB, *, schedule: str | None = None, cluste
     a stage that receives ``k`` messages in one grouped action is busy ``k`` times and waits for
     the latency once. With a cluster, the slowest class's link."""
     schedule = schedule or plan.schedule
-    names = set(db.by_name)
-    planned = [n for s in plan.stages for n in s.layers]
-    if set(planned) != names or len(planned) != len(names):
-        missing, extra = sorted(names - set(planned)), sorted(set(planned) - names)
-        raise PartitionError(f"plan for {plan.model} does not cover the cost database's layers exactly: "
-                             f"missing {missing[:5]}, unknown {extra[:5]}")
     if train and plan.zero_stage >= 2 and is_async(schedule):
         raise GPPConfigError(f'schedule "{schedule}" stashes whole weight versions, which ZeRO stage '
                              f"{plan.zero_stage} would have to gather and partition again for every micro-batch: "
                              "plan an asynchronous schedule with ZeRO stage 0 or 1, or a synchronous one")
-    model = StageCostModel(db, plan.mini_batch, p2p_devices=plan.num_devices, zero_stage=plan.zero_stage)
-    masks = [model.mask_of(s.layers) for s in plan.stages]
-    stage_graph = plan.partition(db.graph).stage_graph
-    if plan.pipeline == "chain":
-        # The stages that read the batch are the layers' (a chain relays tensors, not the batch).
-        stage_graph = replace(StageGraph.chain(plan.num_stages), loading=stage_graph.loading)
-    # Every message the engine sends: one per stage edge and peer rank, fan-in, fan-out and
-    # resharding included (a chain relays skip tensors instead).
-    bounds = model.stage_boundaries(masks, [s.devices for s in plan.stages], relay=plan.pipeline == "chain")
-    b = plan.micro_batch
-    models = [model if cluster is None else cluster.stage_model(db, s.device_class, plan.mini_batch, plan.num_devices,
-                                                                zero_stage=plan.zero_stage)
-              for s in plan.stages]
-    costs = tuple(stage_costs) if stage_costs is not None else tuple(
-        mdl.stage(m, b, s.devices, boundary=bd, recompute=s.recompute)
-        for mdl, m, s, bd in zip(models, masks, plan.stages, bounds))
-    step_s = [mdl.db.hardware.step_s for mdl in models]
+    if plan.fold:
+        return simulate_folded(plan, db, schedule=schedule, stage_costs=stage_costs, link=link)
+    priced = priced_stages(plan, db, cluster=cluster, stage_costs=stage_costs, link=link)
+    stage_graph, costs, step_s, link, models = (priced.stage_graph, priced.costs, priced.step_s, priced.link,
+                                                priced.models)
+    masks, bounds, b = priced.masks, priced.bounds, plan.micro_batch
     # The program the engine runs once the pipeline is full (an asynchronous schedule's steady batch).
     programs = ProgramFactory(stage_graph, schedule=schedule)
     lists = programs.program(plan.num_microbatches, train=train).actions
 
-    def duration(a: Action) -> float:
-        c = costs[a.stage_idx]
-        if a.kind is K.FORWARD:
-            return c.fwd_s
-        if a.kind is K.BACKWARD:
-            return c.bwd_s
-        if a.kind is K.BACKWARD_INPUT:
-            return c.bwd_input_s
-        if a.kind is K.BACKWARD_WEIGHT:
-            return c.bwd_weight_s
-        if a.kind is K.REDUCE_GRAD:
-            return c.allreduce_s
-        if a.kind is K.STEP:
-            return step_s[a.stage_idx]
-        return 0.0
-
-    if link is None:
-        link = max((mdl.link for mdl in models), key=lambda x: (x.latency_s, x.late_receive_s))
+    duration = action_duration(costs, step_s)
     timeline = simulate(lists, duration=duration, latency=link.latency_s, late_receive=link.late_receive_s)
     versions, in_flight = [0] * plan.num_stages, tuple(peak_in_flight(lists[s]) for s in range(plan.num_stages))
     if train and is_async(schedule):
@@ -135,12 +103,54 @@ def simulate_plan(plan: Plan, db: CostDB, *, schedule: str | None = None, cluste
     return SimulatedPlan(lists, costs, timeline, prediction)
 
 
+def simulate_folded(plan: Plan, db: CostDB, *, schedule: str | None = None, stage_costs=None,
+                    link=None) -> SimulatedPlan:
+    """Simulate one iteration of a folded ``plan`` as its ranks run it: each rank's one list of
+    actions across its stages (:func:`~gpp_deepspeed.schedule.virtual.fold_program` of the
+    schedule's order), priced as :func:`~gpp_deepspeed.planner.simulate.simulate_plan` prices an
+    unfolded plan, messages between ranks in flight the link's latency, hand-overs inside a rank
+    free. The timeline's lists are per rank; ``rank_mem_bytes`` is each rank's weight state plus the
+    most activation memory its order holds at once, ``peak_mem_bytes`` the largest of them."""
+    schedule = schedule or plan.schedule
+    if schedule not in FOLDED_SCHEDULES:
+        raise ScheduleError(f'a folded plan runs one of {", ".join(FOLDED_SCHEDULES)}, not "{schedule}"')
+    priced = priced_stages(plan, db, stage_costs=stage_costs, link=link)
+    graph, costs, num_mb, fold = priced.stage_graph, priced.costs, plan.num_microbatches, Fold(plan.fold)
+    duration = action_duration(costs, priced.step_s)
+    orders = FOLDED_SCHEDULES[schedule][1](graph, num_mb, fold, duration=duration)
+    program = fold_program(graph, num_mb, fold, orders, duration=duration)
+    timeline = simulate(program, duration=duration, latency=priced.link.latency_s,
+                        late_receive=priced.link.late_receive_s)
+    in_flight = tuple(peak_in_flight([op for op in orders[fold.rank_of[s]] if op.stage_idx == s])
+                      for s in range(plan.num_stages))
+    stash = {s: c.stash_bytes for s, c in enumerate(costs)}
+    rank_mem = tuple(sum(costs[s].memory(0) for s in fold.stages_of(r)) + rank_peak(orders[r], stash)
+                     for r in range(fold.num_ranks))
+    span = timeline.makespan
+    stage_busy = tuple(sum(e - b for a, b, e in timeline.spans[fold.rank_of[s]]
+                           if a.stage_idx == s and (a.kind is K.FORWARD or a.kind.spec.backward))
+                       for s in range(plan.num_stages))
+    busy = sum(timeline.busy(r) for r in range(fold.num_ranks))
+    cm = priced.models[0]
+    prediction = Prediction(
+        iteration_time_s=span, samples_per_s=plan.mini_batch / span if span > 0 else float("inf"),
+        bottleneck_tps_s=max(cm.time_per_sample(m, plan.micro_batch, 1, boundary=bd)
+                             for m, bd in zip(priced.masks, priced.bounds)),
+        peak_mem_bytes=max(rank_mem), stage_mem_bytes=tuple(c.memory(k) for c, k in zip(costs, in_flight)),
+        stage_in_flight=in_flight, stage_busy_s=stage_busy,
+        bubble_fraction=1 - busy / (span * fold.num_ranks) if span > 0 else 0.0,
+        fits_memory=max(rank_mem) <= db.hardware.memory_bytes, rank_mem_bytes=rank_mem)
+    return SimulatedPlan(program, costs, timeline, prediction)
+
+
 def predict(plan: Plan, db: CostDB, *, schedule: str | None = None, cluster=None, train: bool = True) -> Plan:
     """``plan`` with its :class:`Prediction` filled in, priced under ``schedule`` (default: the
     plan's own), which the returned plan carries (``cluster``, ``train``: as :func:`simulate_plan`)."""
     sim = simulate_plan(plan, db, schedule=schedule, cluster=cluster, train=train)
-    edges = tuple(sorted({(op.stage_idx, op.peer) for actions in sim.schedule.values() for a in actions
-                          for op in a.transfers if op.kind is K.SEND_F}))
+    # (a folded program sends nothing on an edge inside a rank: its plan keeps the edges it has)
+    edges = plan.stage_edges if plan.fold else tuple(sorted(
+        {(op.stage_idx, op.peer) for actions in sim.schedule.values() for a in actions
+         for op in a.transfers if op.kind is K.SEND_F}))
     return replace(plan, schedule=schedule or plan.schedule).with_prediction(sim.prediction, edges)
 
 
@@ -199,3 +209,70 @@ def choose_zero_stage(plan: Plan, db: CostDB, *, zero_stages: tuple[int, ...] = 
     fitting = [p for p in priced if p.predicted.fits_memory] or priced[:1]
     fastest = min(p.predicted.iteration_time_s for p in fitting)
     return next(p for p in fitting if p.predicted.iteration_time_s <= fastest * (1 + 1e-9))
+
+
+def action_duration(costs: tuple[StageCost, ...], step_s: list[float]):
+    """The price of an action of stage ``s``: its stage's ``F``, ``B``, ``I``, ``W`` and all-reduce
+    times, the hardware's ``step_s`` for ``STEP``, nothing for the rest (transfers are priced by
+    the link in the simulator)."""
+    def duration(a: Action) -> float:
+        c = costs[a.stage_idx]
+        if a.kind is K.FORWARD:
+            return c.fwd_s
+        if a.kind is K.BACKWARD:
+            return c.bwd_s
+        if a.kind is K.BACKWARD_INPUT:
+            return c.bwd_input_s
+        if a.kind is K.BACKWARD_WEIGHT:
+            return c.bwd_weight_s
+        if a.kind is K.REDUCE_GRAD:
+            return c.allreduce_s
+        if a.kind is K.STEP:
+            return step_s[a.stage_idx]
+        return 0.0
+    return duration
+
+
+@dataclass(frozen=True)
+class PricedStages:
+    """A plan's stage graph and each stage priced by the cost model: what every simulation of the
+    plan runs on, folded or not."""
+
+    stage_graph: StageGraph
+    costs: tuple[StageCost, ...]
+    step_s: list[float]
+    link: CommFit
+    models: list
+    masks: list[int]
+    bounds: list
+
+
+def priced_stages(plan: Plan, db: CostDB, *, cluster=None, stage_costs: tuple[StageCost, ...] | None = None,
+                  link: CommFit | None = None) -> PricedStages:
+    """``plan``'s stage graph and stage prices under ``db`` (``cluster``, ``stage_costs``,
+    ``link``: as :func:`simulate_plan`)."""
+    names = set(db.by_name)
+    planned = [n for s in plan.stages for n in s.layers]
+    if set(planned) != names or len(planned) != len(names):
+        missing, extra = sorted(names - set(planned)), sorted(set(planned) - names)
+        raise PartitionError(f"plan for {plan.model} does not cover the cost database's layers exactly: "
+                             f"missing {missing[:5]}, unknown {extra[:5]}")
+    model = StageCostModel(db, plan.mini_batch, p2p_devices=plan.num_devices, zero_stage=plan.zero_stage)
+    masks = [model.mask_of(s.layers) for s in plan.stages]
+    stage_graph = plan.partition(db.graph).stage_graph
+    if plan.pipeline == "chain":
+        # The stages that read the batch are the layers' (a chain relays tensors, not the batch).
+        stage_graph = replace(StageGraph.chain(plan.num_stages), loading=stage_graph.loading)
+    # Every message the engine sends: one per stage edge and peer rank, fan-in, fan-out and
+    # resharding included (a chain relays skip tensors instead).
+    bounds = model.stage_boundaries(masks, [s.devices for s in plan.stages], relay=plan.pipeline == "chain")
+    models = [model if cluster is None else cluster.stage_model(db, s.device_class, plan.mini_batch, plan.num_devices,
+                                                                zero_stage=plan.zero_stage)
+              for s in plan.stages]
+    costs = tuple(stage_costs) if stage_costs is not None else tuple(
+        mdl.stage(m, plan.micro_batch, s.devices, boundary=bd, recompute=s.recompute)
+        for mdl, m, s, bd in zip(models, masks, plan.stages, bounds))
+    if link is None:
+        link = max((mdl.link for mdl in models), key=lambda x: (x.latency_s, x.late_receive_s))
+    return PricedStages(stage_graph=stage_graph, costs=costs, step_s=[mdl.db.hardware.step_s for mdl in models],
+                        link=link, models=models, masks=masks, bounds=bounds)

@@ -18,26 +18,23 @@ V placement
     Rank ``r`` of ``p`` holds stages ``r`` and ``2 p - 1 - r``, an early and a late one (ZB-V, Qi
     et al., "Pipeline Parallelism with Controllable Memory", arXiv 2405.15362; DualPipeV).
 
-Each rank's compute order is :func:`~gpp_deepspeed.schedule.greedy.rank_orders` (the greedy list
-schedule that ``zb2`` runs with one stage per rank) or :func:`interleaved_1f1b` (Megatron's).
-:func:`fold_program` then lowers it into one list of
-actions per rank across its stages (an edge inside a rank is a hand-over, not a message; one
-``LOAD`` per micro-batch and one step per rank), grouped and ordered for NCCL's rendezvous
-semantics and checked by the simulator in that mode; with free messages it takes exactly the
-compute makespan of its orders (tested on random folds of random DAGs).
+Each rank's compute order is one of :data:`FOLDED_SCHEDULES`: :func:`interleaved_1f1b`
+(Megatron's), :func:`~gpp_deepspeed.schedule.greedy.rank_orders` with the split backward (ZB-V's
+placement, the greedy list schedule ``zb2`` runs with one stage per rank) or :func:`dualpipev_orders`
+(DualPipeV's, torch's ``ScheduleDualPipeV`` order on a chain). :func:`fold_program` then lowers it
+into one list of actions per rank across its stages (an edge inside a rank is a hand-over, not a
+message; one ``LOAD`` per micro-batch and one step per rank), grouped and ordered for NCCL's
+rendezvous semantics and checked by the simulator in that mode (:func:`validate_folded`);
+:func:`search_fold` chooses a fold and its schedule, which GraphPipe's planner calls
+(:mod:`gpp_deepspeed.planner.fold`).
 
 Where it stands (``tests/test_virtual_stages.py``; unit ``F = I = W``, 16 micro-batches, a chain of
-8 half-stages on 4 ranks, whose ideal is 48): with one stage per rank and a fused backward the
-greedy order is exactly 1F1B; in a V with the split backward (ZB-V's placement) it takes 51.5 while
-every rank holds at most 4 whole-layer micro-batches, 1F1B's peak, against 57.0 for 1F1B on the
-same layers as 4 whole stages (ZB-V's claim: less bubble at 1F1B's memory). With a fused backward,
-:func:`interleaved_1f1b` gives Megatron's 52.5 exactly (on a DAG, where Megatron's order may
-deadlock, it falls back to the greedy order, which is poor there: 68.5). A rank's cap is
-:func:`rank_in_flight`; a micro-batch reserves its units on a rank when it first reaches it, and
-where that could deadlock (a micro-batch entering one rank at two stages of a DAG) the cap is
-relaxed for micro-batches already begun there. :func:`validate_folded` checks a folded program rank
-by rank. Left: an engine that runs these programs (a rank building several stages, the hand-over
-as an action of its own), and GraphPipe's planner calling :func:`search_fold` with its stage costs.
+8 half-stages on 4 ranks, whose ideal is 48): 1F1B on the same layers as 4 whole stages takes 57.0;
+interleaved 1F1B 52.5 (Megatron's closed form); ZB-V 51.5 at 1F1B's peak memory (4 whole-layer
+micro-batches a rank); DualPipeV 49.5 (a bubble of ``R - 1`` half-stage forwards) at 4.5. A rank's
+cap in the greedy order is :func:`rank_in_flight`; a micro-batch reserves its units on a rank when it
+first reaches it, and where that could deadlock (a micro-batch entering one rank at two stages of a
+DAG) the cap is relaxed for micro-batches already begun there.
 
 Representative use::
 
@@ -47,6 +44,7 @@ Representative use::
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 from typing import Callable
 
@@ -55,8 +53,8 @@ from ..graph.stages import StageGraph
 from .ir import Action, ActionKind as K
 from .greedy import Fold, rank_in_flight, rank_orders, unit_split_duration
 
-__all__ = ["Fold", "FoldChoice", "search_fold", "rank_orders", "interleaved_1f1b", "fold_program", "validate_folded",
-           "rank_in_flight", "rank_makespan"]
+__all__ = ["Fold", "FoldChoice", "FOLDED_SCHEDULES", "search_fold", "rank_orders", "interleaved_1f1b",
+           "dualpipev_orders", "fold_program", "validate_folded", "rank_peak", "rank_in_flight", "rank_makespan"]
 
 
 def rank_makespan(orders: dict[int, list[Action]], stage_graph: StageGraph,
@@ -126,7 +124,11 @@ def interleaved_1f1b(stage_graph: StageGraph, num_microbatches: int, fold: Fold)
         stages = fold.stages_of(r)
         forwards = _chunk_order(stages, num_mb, num_ranks, K.FORWARD)
         backwards = _chunk_order(stages[::-1], num_mb, num_ranks, K.BACKWARD)
-        warmup = min(rank_in_flight(stage_graph, fold, r) - 1, len(forwards))
+        # Megatron's warm-up, or more where a DAG's chunk order would otherwise pair a backward
+        # with a forward run before its own (the i-th backward follows forward warmup + i).
+        where = {(a.stage_idx, a.mb_idx): i for i, a in enumerate(forwards)}
+        own = max((where[(b.stage_idx, b.mb_idx)] - i for i, b in enumerate(backwards)), default=0)
+        warmup = min(max(rank_in_flight(stage_graph, fold, r) - 1, own), len(forwards))
         order = forwards[:warmup]
         for f, b in zip(forwards[warmup:], backwards):
             order += [f, b]
@@ -278,10 +280,10 @@ def validate_folded(program: dict[int, list[Action]], stage_graph: StageGraph, n
 
 @dataclass(frozen=True, slots=True)
 class FoldChoice:
-    """A fold, the schedule its ranks run (``"interleaved"``: :func:`interleaved_1f1b`; ``"zbv"``:
-    :func:`rank_orders` with the split backward), its compute makespan and each rank's peak
-    activation memory (the sum of its stages' in-flight micro-batches, each weighted by the stage's
-    activation size)."""
+    """A fold, the schedule its ranks run (a name of :data:`FOLDED_SCHEDULES`), its compute
+    makespan and each rank's peak memory (its stages' ``static`` memory plus the most activation
+    memory it holds at once: the sum of its stages' in-flight micro-batches, each weighted by the
+    stage's activation size)."""
 
     fold: Fold
     schedule: str
@@ -289,49 +291,142 @@ class FoldChoice:
     peak: tuple[float, ...]
 
 
+def _zbv(stage_graph, num_mb, fold, duration=None):
+    return rank_orders(stage_graph, num_mb, fold, split_backward=True, duration=duration)
+
+
+FOLDED_SCHEDULES: dict[str, tuple[str, Callable, bool]] = {
+    "interleaved": ("looped", lambda g, m, f, duration=None: interleaved_1f1b(g, m, f), False),
+    "zbv": ("v", _zbv, True),
+    "dualpipev": ("v", lambda g, m, f, duration=None: dualpipev_orders(g, m, f), True),
+}
+"""Every folded schedule by name: (the fold it is made for, its orders function ``(stage_graph,
+num_microbatches, fold, duration=None) -> {rank: [Action, ...]}``, whether it splits the
+backward). ``search_fold`` tries each on every fold it can run on (``dualpipev``: two stages a
+rank); the fold kind is only the default placement (``Fold.looped`` / ``Fold.v_shape``)."""
+
+_BRUTE_FORCE_LIMIT = 400   # groupings priced one by one; above it, structured folds and local moves
+
+
 def search_fold(stage_graph: StageGraph, num_microbatches: int, *, num_ranks: int,
                 duration: Callable[[Action], float], activation: dict[int, float] | None = None,
-                memory: float | None = None, max_stages_per_rank: int = 2) -> FoldChoice:
+                memory: float | None = None, max_stages_per_rank: int = 2, static: dict[int, float] | None = None,
+                schedules: tuple[str, ...] = tuple(FOLDED_SCHEDULES)) -> FoldChoice:
     """The fastest fold of ``stage_graph`` onto ``num_ranks`` ranks and its schedule.
 
     Every way of grouping the stages into ``num_ranks`` non-empty groups of at most
     ``max_stages_per_rank`` (each grouping once: ranks are numbered by their first stage), each
-    under both schedules, priced by :func:`rank_makespan` with ``duration`` (the stages' compute),
-    keeping each rank's peak activation memory (``activation[s]`` per micro-batch in flight on
-    stage ``s``, default 1) within ``memory``. Raises :class:`ScheduleError` when no fold fits.
+    under every one of ``schedules`` that runs on it, priced by :func:`rank_makespan` with
+    ``duration`` (the stages' compute), keeping each rank's peak memory (``static[s]`` for each of
+    its stages, default 0, plus ``activation[s]`` per micro-batch in flight on stage ``s``, default
+    1) within ``memory``. Where there are more than a few hundred groupings, the looped and V folds
+    and the fold pairing stages by depth (the deepest with the shallowest) are priced, and the best
+    is improved by moving and swapping stages between ranks while that helps (a local search, not
+    exhaustive). Raises :class:`ScheduleError` when no fold fits.
 
     >>> chain = StageGraph.chain(4)
     >>> unit = lambda a: {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}.get(a.kind.value, 0.0)
     >>> best = search_fold(chain, 8, num_ranks=2, duration=unit)
     >>> best.schedule, best.fold.stages_of(0), best.makespan
-    ('zbv', (0, 3), 50.0)
+    ('dualpipev', (0, 3), 49.0)
     """
-    best: FoldChoice | None = None
+    price = _FoldPricer(stage_graph, num_microbatches, duration, activation, memory, static, schedules)
+    groupings = []
     for rank_of in _groupings(stage_graph.num_stages, num_ranks, max_stages_per_rank):
-        choice = _price_fold(stage_graph, num_microbatches, Fold(rank_of), duration, activation, memory)
-        if choice is not None and (best is None or choice.makespan < best.makespan):
-            best = choice
+        groupings.append(rank_of)
+        if len(groupings) > _BRUTE_FORCE_LIMIT:
+            best = _local_search(price, stage_graph.num_stages, num_ranks, max_stages_per_rank)
+            break
+    else:
+        best = min((c for c in map(price, groupings) if c is not None), key=lambda c: c.makespan, default=None)
     if best is None:
         raise ScheduleError(f"no fold of {stage_graph.num_stages} stages onto {num_ranks} ranks, at most "
-                            f"{max_stages_per_rank} a rank, keeps every rank's activations within {memory}")
+                            f"{max_stages_per_rank} a rank, keeps every rank's memory within {memory}")
     return best
 
 
-def _price_fold(stage_graph, num_mb, fold, duration, activation, memory) -> FoldChoice | None:
-    """The faster of the fold's two schedules that fits ``memory`` (None: neither does)."""
-    best = None
-    for name, orders in (("interleaved", interleaved_1f1b(stage_graph, num_mb, fold)),
-                         ("zbv", rank_orders(stage_graph, num_mb, fold, split_backward=True, duration=duration))):
-        peak = tuple(_rank_peak(orders[r], activation) for r in sorted(orders))
-        if memory is not None and max(peak) > memory:
-            continue
-        makespan = rank_makespan(orders, stage_graph, duration)
-        if best is None or makespan < best.makespan:
-            best = FoldChoice(fold=fold, schedule=name, makespan=makespan, peak=peak)
+class _FoldPricer:
+    """The fastest of ``schedules`` on one fold that fits ``memory`` (None: none does), cached."""
+
+    def __init__(self, stage_graph, num_mb, duration, activation, memory, static, schedules):
+        self.args = stage_graph, num_mb, duration
+        self.activation, self.memory, self.static, self.schedules = activation, memory, static or {}, schedules
+        self.cache: dict[tuple[int, ...], FoldChoice | None] = {}
+
+    def __call__(self, rank_of: tuple[int, ...]) -> FoldChoice | None:
+        if rank_of not in self.cache:
+            self.cache[rank_of] = self._price(Fold(rank_of))
+        return self.cache[rank_of]
+
+    def _price(self, fold: Fold) -> FoldChoice | None:
+        stage_graph, num_mb, duration = self.args
+        best = None
+        for name in self.schedules:
+            try:
+                orders = FOLDED_SCHEDULES[name][1](stage_graph, num_mb, fold, duration=duration)
+            except ScheduleError:           # dualpipev: not two stages a rank, or too few micro-batches
+                continue
+            peak = tuple(sum(self.static.get(s, 0.0) for s in fold.stages_of(r)) + rank_peak(orders[r], self.activation)
+                         for r in sorted(orders))
+            if self.memory is not None and max(peak) > self.memory:
+                continue
+            makespan = rank_makespan(orders, stage_graph, duration)
+            if best is None or makespan < best.makespan:
+                best = FoldChoice(fold=fold, schedule=name, makespan=makespan, peak=peak)
+        return best
+
+
+def _local_search(price: _FoldPricer, num_stages: int, num_ranks: int, cap: int) -> FoldChoice | None:
+    """The best of the structured folds, improved by single moves and swaps of stages between
+    ranks (first improvement, until none helps)."""
+    stage_graph = price.args[0]
+    by_depth = sorted(range(num_stages), key=lambda s: (-stage_graph.depth(s), s))
+    starts = [tuple(s % num_ranks for s in range(num_stages))]
+    if num_stages == 2 * num_ranks:
+        starts.append(Fold.v_shape(num_stages=num_stages).rank_of)
+        paired = [0] * num_stages
+        for r in range(num_ranks):
+            paired[by_depth[r]], paired[by_depth[num_stages - 1 - r]] = r, r
+        starts.append(tuple(paired))
+    found = [c for c in (price(_renumbered(s)) for s in starts if max(Counter(s).values()) <= cap) if c is not None]
+    best = min(found, key=lambda c: c.makespan, default=None)
+    improved = best is not None
+    while improved:
+        improved = False
+        current = list(best.fold.rank_of)
+        for neighbour in _neighbours(current, num_ranks, cap):
+            c = price(_renumbered(neighbour))
+            if c is not None and c.makespan < best.makespan:
+                best, improved = c, True
+                break
     return best
 
 
-def _rank_peak(actions: list[Action], activation: dict[int, float] | None) -> float:
+def _neighbours(rank_of: list[int], num_ranks: int, cap: int):
+    """Folds one move (a stage to another rank with room, none left empty) or one swap away."""
+    sizes = Counter(rank_of)
+    for s, r in enumerate(rank_of):
+        for t in range(num_ranks):
+            if t != r and sizes[t] < cap and sizes[r] > 1:
+                yield tuple(t if i == s else x for i, x in enumerate(rank_of))
+    for s in range(len(rank_of)):
+        for t in range(s + 1, len(rank_of)):
+            if rank_of[s] != rank_of[t]:
+                swapped = list(rank_of)
+                swapped[s], swapped[t] = swapped[t], swapped[s]
+                yield tuple(swapped)
+
+
+def _renumbered(rank_of) -> tuple[int, ...]:
+    """The same grouping with ranks numbered by their first stage (as :func:`_groupings` numbers them)."""
+    first: dict[int, int] = {}
+    return tuple(first.setdefault(r, len(first)) for r in rank_of)
+
+
+def rank_peak(actions: list[Action], activation: dict[int, float] | None) -> float:
+    """The most activation memory a rank's compute order holds at once: ``activation[s]`` (default
+    1) for each micro-batch whose forward on stage ``s`` has run and whose backward (``B``, or
+    ``W`` when split) has not."""
     live = peak = 0.0
     for a in actions:
         size = (activation or {}).get(a.stage_idx, 1.0)
@@ -363,3 +458,94 @@ def _groupings(num_stages: int, num_ranks: int, cap: int):
                 sizes[r] -= 1
 
     yield from grow(0, 0)
+
+
+def dualpipev_orders(stage_graph: StageGraph, num_microbatches: int, fold: Fold) -> dict[int, list[Action]]:
+    """DualPipeV's compute order on every rank of a fold with two stages a rank (DeepSeek-V3's
+    DualPipe, arXiv 2412.19437, cut in half into a V; torch 2.13's ``ScheduleDualPipeV``
+    ``_calculate_single_rank_operations`` and DeepSpeed 0.19.8's ``DualPipeVSchedule.steps``).
+
+    A rank's two stages are its *early* stage ``e`` (the deeper one: stage ``r`` of the chain's V)
+    and its *late* stage ``l`` (stage ``2R - 1 - r``). Its list goes in DualPipeV's eight steps,
+    with three counts read off the stage graph: ``a = depth(e) - depth(l) - 1`` forwards on ``e``
+    before the first on ``l`` (how far apart the two are on the DAG's longest paths), ``b =
+    depth(l)`` micro-batches the late stage holds (1F1B's in-flight count for it) and ``c = a // 2``
+    (on a chain ``a = 2(R - r - 1)``, ``b = r + 1``, ``c = R - r - 1``, DualPipeV's counts):
+
+    1. ``a`` x ``F_e``;  2. ``b`` x ``F_e F_l``;  3. ``c`` x ``I_l W F_l`` (the split backward);
+    4. ``M - a - b`` x the pairs ``(F_e B_l) (F_l B_e)``: a forward of one micro-batch beside the
+       backward of another on the rank's other stage (the overlapped ``F&B`` chunk, run in that
+       order);
+    5. ``a - c`` x ``B_l (F_l B_e)``;  6. ``b`` x ``B_l B_e``, switching to ``I`` halfway (torch's
+       parity rule, on ``b``);  7. ``c`` x ``W I_e``;  8. the deferred ``W``.
+
+    The weight gradients deferred by an ``I`` run oldest first where a ``W`` stands. On a chain in V
+    placement this is torch's order action for action (``FULL_BACKWARD`` as ``B``, an overlapped
+    pair as its forward then its backward). On a DAG the counts come from the edges (depths), and
+    the orders are checked by a replay (:func:`rank_makespan`): a fold on which they would deadlock
+    raises :class:`ScheduleError`, as does a rank without exactly two stages or fewer micro-batches
+    than a rank needs (``a + b``; ``2R - 1`` on a chain, where torch asks for ``2R``).
+
+    >>> orders = dualpipev_orders(StageGraph.chain(4), 4, Fold.v_shape(num_stages=4))
+    >>> " ".join(str(a) for a in orders[1])
+    '1F0 2F0 1F1 2F1 1F2 2B0 2F2 1B0 1F3 2B1 2F3 1B1 2B2 1B2 2I3 1I3 2W3 1W3'
+    """
+    orders = {}
+    for r in range(fold.num_ranks):
+        stages = fold.stages_of(r)
+        if len(stages) != 2:
+            raise ScheduleError(f"dualpipev runs two stages a rank (a V); rank {r} holds stages {list(stages)}")
+        early, late = sorted(stages, key=lambda s: (-stage_graph.depth(s), s))
+        a = max(stage_graph.depth(early) - stage_graph.depth(late) - 1, 0)
+        b = stage_graph.depth(late)
+        if num_microbatches < a + b:
+            raise ScheduleError(f"dualpipev needs at least {a + b} micro-batches for rank {r} (stages {early} and "
+                                f"{late}); got {num_microbatches}")
+        orders[r] = _dualpipev_rank(early, late, num_microbatches, a, b, a // 2)
+    try:
+        rank_makespan(orders, stage_graph)
+    except ScheduleError as e:
+        raise ScheduleError(f"dualpipev's order deadlocks on the fold {list(fold.rank_of)} of this stage graph "
+                            f"({e}); fold the stages so that each rank's early stage feeds its late one, or run zbv")
+    return orders
+
+
+def _dualpipev_rank(e: int, l: int, m: int, a: int, b: int, c: int) -> list[Action]:  # noqa: E741
+    """One rank's list in DualPipeV's eight steps (see :func:`dualpipev_orders`)."""
+    out: list[Action] = []
+    nxt: dict[tuple[int, K], int] = {}
+    weights: list[Action] = []
+
+    def add(s: int, kind: K) -> None:
+        key = (s, K.FORWARD if kind is K.FORWARD else K.BACKWARD)
+        j = nxt.get(key, 0)
+        nxt[key] = j + 1
+        out.append(Action(s, kind, j))
+        if kind is K.BACKWARD_INPUT:
+            weights.append(Action(s, K.BACKWARD_WEIGHT, j))
+
+    def weight() -> None:
+        if weights:
+            out.append(weights.pop(0))
+
+    for _ in range(a):
+        add(e, K.FORWARD)
+    for _ in range(b):
+        add(e, K.FORWARD), add(l, K.FORWARD)
+    for _ in range(c):
+        add(l, K.BACKWARD_INPUT), weight(), add(l, K.FORWARD)
+    for _ in range(m - a - b):
+        add(e, K.FORWARD), add(l, K.BACKWARD), add(l, K.FORWARD), add(e, K.BACKWARD)
+    for _ in range(a - c):
+        add(l, K.BACKWARD), add(l, K.FORWARD), add(e, K.BACKWARD)
+    split = False
+    for i in range(b):                  # torch switches to I halfway, on the late stage first if b is even
+        split = split or (i == b // 2 and b % 2 == 0)
+        add(l, K.BACKWARD_INPUT if split else K.BACKWARD)
+        split = split or i == b // 2
+        add(e, K.BACKWARD_INPUT if split else K.BACKWARD)
+    for _ in range(c):
+        weight(), add(e, K.BACKWARD_INPUT)
+    while weights:
+        weight()
+    return out
