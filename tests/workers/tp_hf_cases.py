@@ -99,7 +99,7 @@ def run_zero1(out: Path, rank: int) -> None:
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
-    params = whole(model, {n: p for n, p in model.named_parameters()})
+    params = whole(model.model, dict(model.model.named_parameters()))
     torch.save({"losses": losses, "params": params, "optimizer": flat}, out / f"zero1.rank{rank}.pt")
 
 
@@ -151,7 +151,7 @@ def run_load(src: Path, out: Path, rank: int) -> None:
     ids, labels = step_batches(0)[0]
     logits = model(ids)
     torch.save({"read": read, "logits": logits.detach(), "meta_left": [n for n, p in model.named_parameters() if p.is_meta],
-                "marked": sorted(n for n, p in model.named_parameters() if getattr(p, "ds_tensor_model_parallel", False))},
+                "marked": sorted(n for n, p in model.named_parameters() if getattr(p, "tensor_model_parallel", False))},
                out / f"load.rank{rank}.pt")
 
 
