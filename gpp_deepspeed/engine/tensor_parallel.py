@@ -12,10 +12,11 @@ runs on the heads of its shard.
 
 Why DeepSpeed's layers and not torch's ``parallelize_module``: their parameters are plain
 ``torch.nn.Parameter`` shards, which DeepSpeed's ZeRO-1/2 optimizers flatten like any other, and
-they shard a meta module without allocating (``benchmarks/tp_library_probe.py``: DeepSpeed's layers
-train under ZeRO-1 and ZeRO-2 built on the meta device or on the CPU; ``parallelize_module``'s
-DTensor parameters fail in ``deepspeed.initialize``, ``Module._apply``: "Couldn't swap
-Linear.weight", and in ``to_empty`` after a meta build).
+they shard a meta module without allocating. ``benchmarks/tp_library_probe.py`` (its output in
+``benchmarks/results/tp_library_probe.txt``): DeepSpeed's layers train under ZeRO-1 and ZeRO-2,
+built on the meta device or on the CPU; ``parallelize_module``'s DTensor parameters fail in
+``deepspeed.initialize`` either way (``_configure_distributed_model`` moves the module with
+``Module._apply``: "Couldn't swap Linear.weight"), before any optimizer sees them.
 
 Glossary
 --------
