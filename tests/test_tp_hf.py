@@ -103,6 +103,16 @@ def test_a_pretrained_directory_loads_split_each_rank_reading_only_its_slices(tm
                 assert shape == full[name], name
         assert any(n.endswith("q_proj.weight") for n in read)
         assert got["marked"] and all(".mlp." in n or ".self_attn." in n for n in got["marked"])
+        # Gathered in the TP group (what save_pretrained writes), every tensor is the directory's whole one,
+        # and the shards come back after.
+        state, compared = hf.state_dict(), set()
+        for name, t in got["whole"].items():   # GraphModel names: layers.<layer>.m.<name in the HF model>
+            path = name.split(".", 2)[2]
+            if path.startswith("m.") and path[2:] in state:
+                torch.testing.assert_close(t, state[path[2:]], rtol=0, atol=0, msg=name)
+                compared.add(path[2:])
+        assert {n for n in state if n.endswith(("_proj.weight", "layernorm.weight"))} <= compared
+        assert got["split_again"]
 
 
 def test_indivisible_degrees_and_unplanned_layers_are_refused_by_name(tmp_path):

@@ -150,7 +150,12 @@ def run_load(src: Path, out: Path, rank: int) -> None:
     safetensors.safe_open = real_open
     ids, labels = step_batches(0)[0]
     logits = model(ids)
-    torch.save({"read": read, "logits": logits.detach(), "meta_left": [n for n, p in model.named_parameters() if p.is_meta],
+    from gpp_deepspeed.engine.tensor_parallel import gathered
+    shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    with gathered(model):   # what save_pretrained writes: whole tensors
+        whole_state = {n: p.detach().clone() for n, p in model.named_parameters()}
+    split_again = all(tuple(p.shape) == shapes[n] for n, p in model.named_parameters())
+    torch.save({"read": read, "logits": logits.detach(), "whole": whole_state, "split_again": split_again, "meta_left": [n for n, p in model.named_parameters() if p.is_meta],
                 "marked": sorted(n for n, p in model.named_parameters() if getattr(p, "tensor_model_parallel", False))},
                out / f"load.rank{rank}.pt")
 
