@@ -115,10 +115,29 @@ def test_a_pretrained_directory_loads_split_each_rank_reading_only_its_slices(tm
         assert got["split_again"]
 
 
-def test_indivisible_degrees_and_unplanned_layers_are_refused_by_name(tmp_path):
-    errors = _run(tmp_path, "bad")[0]
-    assert errors["heads"][0] == "GPPConfigError" and "num_attention_heads = 3" in errors["heads"][1]
-    assert errors["kv_heads"][0] == "GPPConfigError" and "num_key_value_heads = 1" in errors["kv_heads"][1]
-    assert errors["intermediate"][0] == "GPPConfigError" and "intermediate_size = 63" in errors["intermediate"][1]
-    kind, message = errors["embedding"]
-    assert kind == "GPPConfigError" and "embed_tokens" in message and "base_model_tp_plan" in message
+@pytest.mark.parametrize("overrides, field", [
+    (dict(num_attention_heads=3, num_key_value_heads=3, hidden_size=24), "num_attention_heads = 3"),
+    (dict(num_key_value_heads=1), "num_key_value_heads = 1"),
+    (dict(intermediate_size=63), "intermediate_size = 63"),
+])
+def test_a_tp_degree_that_does_not_divide_the_config_is_refused_naming_the_field(overrides, field):
+    from gpp_deepspeed.engine.tensor_parallel import check_tp_layers
+    from gpp_deepspeed.errors import GPPConfigError
+    decoder = next(s for s in capture_tp_llama(meta=True, **overrides).layers if "layers" in s.name)
+    check_tp_layers([decoder], 1)   # TP 1: nothing to divide
+    with pytest.raises(GPPConfigError, match=f"tensor-parallel degree 2 does not divide config.{field}"):
+        check_tp_layers([decoder], 2)
+
+
+def test_a_layer_the_tp_plan_does_not_cover_is_refused_by_name_and_norms_are_replicated():
+    from gpp_deepspeed.engine.tensor_parallel import check_tp_layers, tp_styles
+    from gpp_deepspeed.errors import GPPConfigError
+    captured = capture_tp_llama(meta=True)
+    embed = next(s for s in captured.layers if "embed" in s.name)
+    with pytest.raises(GPPConfigError, match=r"embed_tokens \(Embedding \[64, 32\]\).*tensor-parallel degree 1"):
+        check_tp_layers([embed], 2)
+    norm = next(s for s in captured.layers if s.name.endswith("norm"))
+    assert tp_styles(norm, 2) == {}   # a norm holds no matrix: replicated on every TP rank
+    decoder = next(s for s in captured.layers if "layers" in s.name)
+    assert sorted(p.split("layers.0.")[-1] for p in tp_styles(decoder, 2)) == ["mlp.down_proj", "mlp.gate_proj", "mlp.up_proj", "self_attn.k_proj",
+                                            "self_attn.o_proj", "self_attn.q_proj", "self_attn.v_proj"]

@@ -51,7 +51,8 @@ from torch import nn
 
 from ..errors import GPPConfigError
 
-__all__ = ["HFTensorParallel", "check_tp_degree", "sharding_specs", "tp_plan", "gathered", "DIVIDED_FIELDS"]
+__all__ = ["HFTensorParallel", "check_tp_degree", "check_tp_layers", "sharding_specs", "tp_plan", "tp_styles",
+           "gathered", "DIVIDED_FIELDS"]
 
 # The config fields a TP degree must divide (Megatron's rule: whole heads per rank; DeepSpeed's
 # AutoTP splits a dimension it cannot divide unevenly or, with one KV head, not at all).
@@ -77,6 +78,54 @@ def check_tp_degree(config: Any, tp: int, *, where: str = "") -> None:
                                  f"of {type(config).__name__}; use a TP degree that divides it")
 
 
+def tp_styles(spec, tp: int) -> dict[str, Any]:
+    """``{submodule path in the layer: DeepSpeed TPLayerSpec}`` for the planned linears of captured
+    layer ``spec`` split ``tp`` ways; raises :class:`GPPConfigError` for a layer outside a Hugging
+    Face model, an indivisible degree or a matrix the plan does not cover. No communication."""
+    from deepspeed.module_inject.autotp_config import AutoTPConfig, PartitionType
+    from deepspeed.module_inject.tp_plan_converter import TPPlanConverter
+    hf, name = getattr(spec, "hf", None), spec.name
+    if hf is None:
+        raise GPPConfigError(f'layer "{name}" is on a stage with tensor-parallel degree {tp} but is not '
+                             "part of a captured Hugging Face model: only those carry a tensor-parallel plan")
+    check_tp_degree(hf.config, tp, where=f'layer "{name}": ')
+    plan = tp_plan(hf.config)
+    try:
+        config = AutoTPConfig(tp_size=tp, layer_specs=TPPlanConverter.convert(plan) or [],
+                              use_default_specs=False)
+    except ValueError as e:
+        raise GPPConfigError(f'layer "{name}": {hf.class_name}.config.base_model_tp_plan: {e}') from None
+    out, unplanned = {}, []
+    for path, sub in spec.module.named_modules():
+        weight = sub._parameters.get("weight")
+        if weight is None or weight.dim() != 2:
+            continue   # norms, biases, buffers: replicated (see the module glossary)
+        full = hf.checkpoint_name(spec.module_path(path)) or spec.module_path(path)
+        found = config.find_matching_spec(f"{full}.weight")
+        if found is None:
+            unplanned.append(f"{full} ({type(sub).__name__} {list(weight.shape)})")
+        elif found.partition_type != PartitionType.SKIP:
+            if not isinstance(sub, nn.Linear) or found.shape is not None:
+                raise GPPConfigError(f'layer "{name}": {full} is planned "{found.partition_type.value}" but is '
+                                     f"a {type(sub).__name__}; only plain nn.Linear layers are split here")
+            out[path] = found
+    if unplanned:
+        raise GPPConfigError(
+            f'layer "{name}" is on a stage with tensor-parallel degree {tp} but '
+            f"{hf.class_name}.config.base_model_tp_plan covers none of: {unplanned[:4]}. Put the layer on a "
+            "stage of tensor-parallel degree 1 (embeddings and output heads usually), or add it to the plan")
+    return out
+
+
+def check_tp_layers(specs: Sequence[Any], tp: int) -> None:
+    """Every error that splitting the captured layers of ``specs`` ``tp`` ways would raise, raised
+    now: what every rank runs for every stage of TP degree above 1 before any communication."""
+    if tp > 1:
+        for spec in specs:
+            if isinstance(getattr(spec, "module", None), nn.Module) and hasattr(spec, "sharding"):
+                tp_styles(spec, tp)
+
+
 @dataclass(frozen=True)
 class HFTensorParallel:
     """How one stage's captured Hugging Face layers are split over its TP group ``group``.
@@ -96,40 +145,8 @@ class HFTensorParallel:
 
     def styles(self, spec) -> dict[str, Any]:
         """``{submodule path in the layer: DeepSpeed TPLayerSpec}`` for the planned linears of
-        captured layer ``spec``; raises for an unplanned matrix or an indivisible degree."""
-        from deepspeed.module_inject.autotp_config import AutoTPConfig, PartitionType
-        from deepspeed.module_inject.tp_plan_converter import TPPlanConverter
-        hf, name = getattr(spec, "hf", None), spec.name
-        if hf is None:
-            raise GPPConfigError(f'layer "{name}" is on a stage with tensor-parallel degree {self.size} but is not '
-                                 "part of a captured Hugging Face model: only those carry a tensor-parallel plan")
-        check_tp_degree(hf.config, self.size, where=f'layer "{name}": ')
-        plan = tp_plan(hf.config)
-        try:
-            config = AutoTPConfig(tp_size=self.size, layer_specs=TPPlanConverter.convert(plan) or [],
-                                  use_default_specs=False)
-        except ValueError as e:
-            raise GPPConfigError(f'layer "{name}": {hf.class_name}.config.base_model_tp_plan: {e}') from None
-        out, unplanned = {}, []
-        for path, sub in spec.module.named_modules():
-            weight = sub._parameters.get("weight")
-            if weight is None or weight.dim() != 2:
-                continue   # norms, biases, buffers: replicated (see the module glossary)
-            full = hf.checkpoint_name(spec.module_path(path)) or spec.module_path(path)
-            found = config.find_matching_spec(f"{full}.weight")
-            if found is None:
-                unplanned.append(f"{full} ({type(sub).__name__} {list(weight.shape)})")
-            elif found.partition_type != PartitionType.SKIP:
-                if not isinstance(sub, nn.Linear) or found.shape is not None:
-                    raise GPPConfigError(f'layer "{name}": {full} is planned "{found.partition_type.value}" but is '
-                                         f"a {type(sub).__name__}; only plain nn.Linear layers are split here")
-                out[path] = found
-        if unplanned:
-            raise GPPConfigError(
-                f'layer "{name}" is on a stage with tensor-parallel degree {self.size} but '
-                f"{hf.class_name}.config.base_model_tp_plan covers none of: {unplanned[:4]}. Put the layer on a "
-                "stage of tensor-parallel degree 1 (embeddings and output heads usually), or add it to the plan")
-        return out
+        captured layer ``spec`` (:func:`tp_styles` at this group's size)."""
+        return tp_styles(spec, self.size)
 
     def check(self, spec) -> None:
         """Every error :meth:`apply` would raise, raised now, before any communication."""

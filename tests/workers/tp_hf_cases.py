@@ -7,7 +7,6 @@ one :class:`~gpp_deepspeed.GraphModel` on every rank, its decoder layers built s
     python tp_hf_cases.py grads OUT          # logits, loss and every gradient, split ones gathered
     python tp_hf_cases.py zero1 OUT          # STEPS steps of DeepSpeed's engine under ZeRO-1; parameters gathered
     python tp_hf_cases.py load IN OUT        # load_pretrained(IN) on the meta device: what was read, logits
-    python tp_hf_cases.py bad OUT            # TP degrees and layers that are refused: the error of each
 
 Each writes ``OUT/<case>.rank<r>.pt``.
 """
@@ -160,37 +159,13 @@ def run_load(src: Path, out: Path, rank: int) -> None:
                out / f"load.rank{rank}.pt")
 
 
-def run_bad(out: Path, rank: int) -> None:
-    from gpp_deepspeed.engine.tensor_parallel import HFTensorParallel
-    errors = {}
-    cases = {"heads": dict(num_attention_heads=3, num_key_value_heads=3, hidden_size=24),
-             "kv_heads": dict(num_key_value_heads=1),
-             "intermediate": dict(intermediate_size=63)}
-    for case, overrides in cases.items():
-        captured = capture_tp_llama(meta=True, **overrides)
-        decoder = next(s for s in captured.layers if "layers" in s.name)
-        try:
-            HFTensorParallel(dist.group.WORLD).check(decoder)
-            errors[case] = None
-        except Exception as e:
-            errors[case] = (type(e).__name__, str(e))
-    captured = capture_tp_llama(meta=True)
-    embed = next(s for s in captured.layers if "embed" in s.name)
-    try:
-        HFTensorParallel(dist.group.WORLD).check(embed)
-        errors["embedding"] = None
-    except Exception as e:
-        errors["embedding"] = (type(e).__name__, str(e))
-    torch.save(errors, out / f"bad.rank{rank}.pt")
-
-
 def main() -> None:
     import deepspeed
     deepspeed.init_distributed(dist_backend="gloo")
     rank = dist.get_rank()
     case, *paths = sys.argv[1:]
     paths = [Path(p) for p in paths]
-    {"grads": run_grads, "zero1": run_zero1, "load": run_load, "bad": run_bad}[case](*paths, rank)
+    {"grads": run_grads, "zero1": run_zero1, "load": run_load}[case](*paths, rank)
 
 
 if __name__ == "__main__":
