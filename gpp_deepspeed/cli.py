@@ -5,7 +5,8 @@ Synopsis::
     gpp profile MODEL -o COSTS [--tiny] [--granularity layer|sublayer] [--analytic v100|a100|h100]
                       [--device cpu|cuda] [--no-link-measure] [--micro-batches 1,2,4] [--size KEY=VALUE ...]
     gpp plan COSTS --devices N --mini-batch B [--method METHOD] [--space full|runtime]
-                   [--micro-batches 1,2,4] [--zero auto|0|1|2|3] [--fold K] [-o PLAN]
+                   [--micro-batches 1,2,4] [--zero auto|0|1|2|3] [--fold K] [--tp auto|1,2,4] [--tp-across-nodes]
+                   [-o PLAN]
     gpp simulate PLAN --costs COSTS
     gpp viz PLAN --costs COSTS [-o OUTDIR] [--format png|svg|both]
     gpp viz-run TRACE_DIR [--step N] [-o OUTDIR] [--format png|svg|both]
@@ -32,6 +33,13 @@ default 0): ZeRO-1, 2 and 3 partition a stage's optimizer state, then its gradie
 parameters over the stage's ranks, and 2 and 3 add collectives per micro-batch. ``--zero auto``
 searches under each and keeps the lowest stage unless a higher one is faster, which happens only
 where memory binds; the printed DeepSpeed config carries the stage chosen.
+
+``plan --tp`` lets GraphPipe give each stage a tensor-parallel degree among those listed (``auto``:
+the powers of two up to the devices of a node): a stage on ``n`` devices runs ``n / tp`` replicas
+of ``tp`` ranks, its compute and weight state per rank divided by ``tp``, each layer's four
+activation all-reduces priced on the node's link (``StageCostModel``). A stage gets the fastest
+degree that fits; TP groups stay inside a node unless ``--tp-across-nodes``. The printed config
+carries the choice as ``graph_pipeline.stage_tp``.
 
 Every subcommand takes ``--json`` (machine-readable JSON on stdout instead of a table) and
 ``--quiet`` (no progress lines on stderr). Errors the package raises and missing files print
@@ -160,6 +168,8 @@ def _plan(args) -> None:
         _warn(f"--space applies to graphpipe only; {args.method} ignores it")
     if args.zero not in (None, (0,)) and args.cluster:
         _warn("--zero does not apply with --cluster: the heterogeneous planner prices ZeRO stage 0")
+    if args.tp is not None and (args.method != "graphpipe" or args.cluster):
+        _warn("--tp applies to graphpipe's search only; this plan has tensor-parallel degree 1 everywhere")
     if args.cluster:
         result = _hetero(db, args)
     else:
@@ -246,7 +256,7 @@ def _placed(plan: Plan, db: CostDB, args) -> Plan:
 
 def _how_to_run(plan: Plan, path: str | None) -> str:
     """The launch line and DeepSpeed config values that run ``plan`` as planned."""
-    degrees = [s.devices for s in plan.stages]
+    degrees = [s.replicas for s in plan.stages]   # data-parallel: a stage's TP ranks share each row
     bad = [i for i, n in enumerate(degrees) if plan.micro_batch % n]
     if bad:
         return (f"  not runnable as is: stage {bad[0]} runs on {degrees[bad[0]]} devices, which do not split the "
@@ -260,6 +270,8 @@ def _how_to_run(plan: Plan, path: str | None) -> str:
             f'  DeepSpeed config: "train_batch_size": {plan.mini_batch}, "train_micro_batch_size_per_gpu": '
             f'{plan.micro_batch}, "gradient_accumulation_steps": {plan.num_microbatches}, '
             f'"zero_optimization": {{"stage": {plan.zero_stage}}}'
+            + (f', "graph_pipeline": {{"stage_tp": {[s.tp for s in plan.stages]}}}'
+               if any(s.tp > 1 for s in plan.stages) else "") +
             f"{'' if set(degrees) == {1} else ' (each rank of stage s processes micro-batch / ranks of s rows)'}"
             + ("" if path else "\n  (write the plan with -o plan.json)"))
     if plan.fold:
@@ -464,6 +476,12 @@ def _search(method: str, db: CostDB, args) -> SearchResult:
     if method == "graphpipe":
         kw = {"space": args.space or "full", "recompute": args.recompute, "schedules": args.schedules or ("1f1b",),
               "zero_stages": getattr(args, "zero", None) or (0,)}
+        tp = getattr(args, "tp", None)
+        if tp is not None:
+            per_node = db.hardware.devices_per_node
+            kw["tp_degrees"] = tuple(1 << i for i in range(per_node.bit_length()) if 1 << i <= per_node) \
+                if tp == "auto" else tp
+            kw["tp_across_nodes"] = args.tp_across_nodes
     elif method == "pipedream":   # PipeDream's DP plans for each schedule (weight versions in its memory)
         kw = {"schedules": args.schedules or ("1f1b",)}
     _say(args, f"{method}: searching {db.model} on {args.devices} devices, mini-batch {args.mini_batch}")
@@ -591,6 +609,20 @@ def _zero_stages(text: str) -> tuple[int, ...]:
     raise argparse.ArgumentTypeError(f'must be "auto" or a ZeRO stage {", ".join(map(str, ZERO_STAGES))}, got "{text}"')
 
 
+def _tp_degrees(text: str) -> tuple[int, ...] | str:
+    """``auto`` (powers of two up to a node's devices, resolved against the cost database) or
+    comma-separated positive degrees."""
+    if text.strip().lower() == "auto":
+        return "auto"
+    try:
+        degrees = tuple(int(t) for t in _names(text))
+    except ValueError:
+        degrees = ()
+    if not degrees or any(d < 1 for d in degrees):
+        raise argparse.ArgumentTypeError(f'must be "auto" or positive tensor-parallel degrees like 1,2,4, got "{text}"')
+    return degrees
+
+
 def _schedule_names(text: str) -> tuple[str, ...]:
     names = tuple(n.lower() for n in _names(text))
     for n in names:
@@ -651,6 +683,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--zero", type=_zero_stages, metavar="auto|0|1|2|3",
                    help="ZeRO stage to price the plan with (DeepSpeed's zero_optimization.stage; default 0); auto: "
                    "the lowest stage unless a higher one is faster because memory binds")
+    p.add_argument("--tp", type=_tp_degrees, metavar="auto|1,2,4",
+                   help="graphpipe: tensor-parallel degrees a stage may run (default 1); auto: powers of two up "
+                   "to a node's devices. The printed config carries the choice (graph_pipeline.stage_tp)")
+    p.add_argument("--tp-across-nodes", action="store_true", help="with --tp: let a TP group span nodes")
     p.add_argument("-o", "--output", metavar="PLAN", help="plan JSON to write")
     p.set_defaults(run=_plan)
 

@@ -190,7 +190,8 @@ def test_gpp_subcommands_and_options_are_frozen():
     assert options == {
         "profile": sorted(common + ["--analytic", "--device", "--granularity", "--micro-batches",
                                     "--no-link-measure", "--output", "--size", "--tiny"]),
-        "plan": sorted(search + ["--cluster", "--method", "--objective", "--output", "--topology", "--zero"]),
+        "plan": sorted(search + ["--cluster", "--method", "--objective", "--output", "--topology", "--tp",
+                                 "--tp-across-nodes", "--zero"]),
         "simulate": sorted(common + ["--costs"]),
         "viz": sorted(common + ["--costs", "--format", "--output-dir"]),
         "viz-run": sorted(common + ["--step", "--format", "--output-dir"]),

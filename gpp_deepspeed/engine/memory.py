@@ -4,7 +4,9 @@ Glossary
 --------
 parameters
     The stage's parameters and buffers on this rank (tied copies included; under ZeRO-3 its
-    partitions, and what is gathered at the moment).
+    partitions, and what is gathered at the moment; on a stage of tensor-parallel degree ``tp``
+    this rank's shards of its split layers, ``1 / tp`` of them, beside the tensors every TP rank
+    holds whole).
 gradients
     One gradient per trainable parameter, the buffers backward fills (under ZeRO-2/3, this rank's
     share of them: the stage's gradients over its ranks).
@@ -38,7 +40,7 @@ from ..errors import InfeasiblePlanError
 from .compat import zero3_stage_partitions
 
 __all__ = ["StageMemory", "MemoryReport", "ActivationMeter", "memory_report", "process_peak_bytes",
-           "check_fits_memory"]
+           "check_fits_memory", "weight_memory"]
 
 _MIB = 2**20
 
@@ -54,6 +56,7 @@ class StageMemory:
     optimizer_bytes: int
     activation_peak_bytes: int
     process_peak_bytes: int
+    tp: int = 1   # the stage's tensor-parallel degree: its split tensors are 1 / tp of the layer's
 
     @property
     def model_bytes(self) -> int:
@@ -80,7 +83,8 @@ class MemoryReport:
                  "activation peak, their sum; process peak"]
         for m in sorted(self.ranks, key=lambda m: (m.stage_idx, m.rank)):
             cols = (m.param_bytes, m.grad_bytes, m.optimizer_bytes, m.activation_peak_bytes, m.model_bytes)
-            lines.append(f"  stage {m.stage_idx} (rank {m.rank}): " + " ".join(f"{b / _MIB:8.1f}" for b in cols)
+            where = f"rank {m.rank}" + (f", tp {m.tp}" if m.tp > 1 else "")
+            lines.append(f"  stage {m.stage_idx} ({where}): " + " ".join(f"{b / _MIB:8.1f}" for b in cols)
                          + f"; {m.process_peak_bytes / _MIB:8.1f}")
         return "\n".join(lines)
 
@@ -191,22 +195,32 @@ def _optimizer_tensors(optimizer) -> Iterable[torch.Tensor]:
         optimizer = getattr(optimizer, "optimizer", None)
 
 
-def stage_memory(engine) -> StageMemory:
-    """This rank's :class:`StageMemory` (no communication)."""
-    module: nn.Module = engine.module
+def weight_memory(module: nn.Module, optimizer, *, grad_partitions: int = 1) -> tuple[int, int, int]:
+    """Bytes of parameters (and buffers), gradients and optimizer state this rank holds for
+    ``module`` under ``optimizer``: what it holds, so a tensor-parallel shard counts as its shard
+    (``1 / tp``) and a ZeRO-3 parameter as its partition. ``grad_partitions``: the ranks that
+    share each gradient (ZeRO-2/3: the data-parallel degree). No communication."""
     params = list(module.parameters())
     held = [*params, *zero3_stage_partitions(params)]   # ZeRO-3: this rank's partitions
     own = {_storage_key(p) for p in held}
     param_bytes = _unique_bytes([*held, *module.buffers()], set())
     grad_bytes = sum(getattr(p, "ds_numel", p.numel()) * p.element_size() for p in params if p.requires_grad)
-    if engine.zero_optimization_partition_gradients():
-        grad_bytes //= engine.dp_world_size   # ZeRO-2/3 keep this rank's partition of the stage's gradients
-    optimizer_bytes = _unique_bytes(_optimizer_tensors(engine.optimizer), own)
+    return param_bytes, grad_bytes // grad_partitions, _unique_bytes(_optimizer_tensors(optimizer), own)
+
+
+def stage_memory(engine) -> StageMemory:
+    """This rank's :class:`StageMemory` (no communication)."""
+    module: nn.Module = engine.module
+    # ZeRO-2/3 keep this rank's partition of the stage's gradients.
+    partitions = engine.dp_world_size if engine.zero_optimization_partition_gradients() else 1
+    param_bytes, grad_bytes, optimizer_bytes = weight_memory(module, engine.optimizer, grad_partitions=partitions)
     meter = getattr(module, "activations", None)
+    grid = getattr(module, "_grid", None)
     return StageMemory(stage_idx=engine.stage_id, rank=engine.global_rank, param_bytes=param_bytes,
                        grad_bytes=grad_bytes, optimizer_bytes=optimizer_bytes,
                        activation_peak_bytes=meter.peak if meter is not None else 0,
-                       process_peak_bytes=process_peak_bytes(engine.device))
+                       process_peak_bytes=process_peak_bytes(engine.device),
+                       tp=grid.get_slice_parallel_world_size() if grid is not None else 1)
 
 
 def memory_report(engine) -> MemoryReport:

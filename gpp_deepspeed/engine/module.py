@@ -36,6 +36,7 @@ from ..spec import LayerEntry, normalize_layers
 from ..checkpoint import layer_model_file, layer_model_files
 from . import compat
 from .compat import broadcast_tied_weights, pipeline_grid
+from .tensor_parallel import sharding_specs
 from .flat import flatten, unflatten
 from .memory import ActivationMeter, check_fits_memory, node_memory_bytes
 from .shm import release_own_shm
@@ -164,7 +165,10 @@ class GraphPipelineModule(PipelineModule):
         user = (self.seed_layers, self.seed_fn)
         self.seed_layers, self.seed_fn = True, self._seed_for_build
         try:
-            with torch.random.fork_rng(devices=_rng_devices()):
+            # Tensor parallelism (issue 29): a stage split over a TP group builds its captured layers split.
+            tp_group = self._grid.get_slice_parallel_group() if self._grid.get_slice_parallel_world_size() > 1 else None
+            local = compat.layer_specs(self)[slice(*compat.local_layer_bounds(self))]
+            with torch.random.fork_rng(devices=_rng_devices()), sharding_specs(local, tp_group):
                 super()._build()
         finally:
             self.seed_layers, self.seed_fn = user

@@ -9,6 +9,7 @@ its tensors are :mod:`gpp_deepspeed.frontend.hf`'s. ::
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
@@ -23,6 +24,7 @@ from torch import nn
 from ..errors import GPPConfigError
 from ..frontend.hf import INDEX_FILE, checkpoint_name, local_state
 from .module import GraphPipelineModule
+from .tensor_parallel import gathered
 
 __all__ = ["save_pretrained"]
 
@@ -34,7 +36,7 @@ def save_pretrained(engine_or_module, directory: str | os.PathLike, captured, *,
     """Write the pipeline's weights as a Hugging Face directory, every stage its own shards.
 
     Collective: every rank calls it. The first rank of each stage (of the first data-parallel
-    replica) writes that stage's tensors to shard files of at most ``max_shard_bytes`` straight from
+    replica; of a stage split over a TP group, after gathering each split tensor whole) writes that stage's tensors to shard files of at most ``max_shard_bytes`` straight from
     its parameters (no copy, no gathering); the ranks exchange only names and sizes, and rank 0
     writes ``model.safetensors.index.json`` and ``config.json`` (``config``, else the captured Hugging
     Face model's, with ``architectures`` set). A tied tensor is written once, under the name the
@@ -70,7 +72,13 @@ def save_pretrained(engine_or_module, directory: str | os.PathLike, captured, *,
     writes = grid.replica_id == 0 and grid.is_stage_leader()
     if peft == "adapter":
         return _save_adapters(module, directory, captured, writes, start)
-    tensors = _stage_tensors(module, captured) if writes else {}
+    # A stage split over a TP group (tp > 1) writes whole tensors, so from_pretrained reads them:
+    # the ranks of the first replica's TP group all-gather each split weight, its leader writes.
+    tp_group = grid.get_slice_parallel_group() if grid.get_slice_parallel_world_size() > 1 else None
+    with gathered(module) if tp_group is not None and grid.replica_id == 0 else contextlib.nullcontext():
+        tensors = _stage_tensors(module, captured) if writes else {}
+        if tp_group is not None:
+            tensors = {n: t.clone() for n, t in tensors.items()}   # the shards come back on leaving
     shards = _shards(tensors, max_shard_bytes)
     counts = [None] * dist.get_world_size()
     dist.all_gather_object(counts, len(shards))

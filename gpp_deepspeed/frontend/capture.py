@@ -87,7 +87,11 @@ class CapturedLayerSpec(GraphLayerSpec):
     ``prefix`` is the path of the layer's submodule in the captured module, with a trailing dot
     (``"model.layers.0."``), or ``""`` for a function layer, whose tensors carry their full paths. A
     meta module is materialised by ``init`` when built (:mod:`gpp_deepspeed.frontend.meta`), or read from
-    ``weights`` (set by :func:`gpp_deepspeed.load_pretrained`).
+    ``weights`` (set by :func:`gpp_deepspeed.load_pretrained`). ``hf`` is the Hugging Face model the
+    layer belongs to (:class:`~gpp_deepspeed.frontend.hf.HFModelInfo`, set by :func:`capture`);
+    ``sharding``, set by the engine while it builds a stage of tensor-parallel degree above 1, splits
+    the built layer over the stage's TP group (``apply(spec, module)`` and ``slices(module)``:
+    :class:`gpp_deepspeed.engine.tensor_parallel.HFTensorParallel`).
     """
 
     def __init__(self, name: str, module: nn.Module, *, inputs: Sequence[str], prefix: str = "",
@@ -97,6 +101,8 @@ class CapturedLayerSpec(GraphLayerSpec):
         self.prefix = prefix
         self.init = init
         self.weights = None
+        self.hf = None
+        self.sharding = None
 
     def build(self, log=False) -> nn.Module:
         if building_on_meta():   # counting parameters: the structure, no memory
@@ -107,7 +113,8 @@ class CapturedLayerSpec(GraphLayerSpec):
         if is_meta(module):
             self.check_buildable()
             materialize(module, init=self.init, path_of=self.module_path)
-        return module
+        # Initialised whole under the layer's seed, so every TP rank splits the same tensors.
+        return module if self.sharding is None else self.sharding.apply(self, module)
 
     def check_buildable(self) -> None:
         """Raise a :class:`GPPConfigError` now, before any communication, if ``build()`` would leave
@@ -141,7 +148,7 @@ class CapturedTiedLayerSpec(CapturedLayerSpec, TiedLayerSpec):
         self.key, self.tied_weight_attr = key, list(tied_weight_attr)
         self.forward_fn = _Member(name)
         self.prefixes = dict(prefixes or {})
-        self.prefix, self.init, self.weights = "", init, None
+        self.prefix, self.init, self.weights, self.hf, self.sharding = "", init, None, None, None
 
     def module_path(self, name: str) -> str:
         member, _, rest = name.partition(".")
@@ -505,8 +512,11 @@ def _to_layers(module: nn.Module, graph: fx.Graph, placeholders: list[fx.Node],
     held = {prefixes[s.name] + n for s in specs for n, _ in s.module.named_parameters()}
     unused = tuple(n for n, _ in module.named_parameters() if not held & set(aliases.get(n, (n, ))))
     paths = {name_of[r]: str(r.target) for r in roots if r.op == "call_module"}
-    return CapturedModel(_tie_shared(specs, init), input_names, name_of[result], prefixes, aliases, unused,
-                         paths=paths, hf=HFModelInfo.find(module))
+    hf = HFModelInfo.find(module)
+    specs = _tie_shared(specs, init)
+    for spec in specs:
+        spec.hf = hf
+    return CapturedModel(specs, input_names, name_of[result], prefixes, aliases, unused, paths=paths, hf=hf)
 
 
 def _ancestors(path: str) -> list[str]:

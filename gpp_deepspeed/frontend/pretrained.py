@@ -135,29 +135,40 @@ class PretrainedWeights:
     def build(self, spec) -> nn.Module:
         """Build captured layer ``spec`` with its tensors read from the directory; on the meta
         device, the tensors the directory lacks (non-persistent buffers such as rotary frequencies,
-        a new head under ``strict=False``) are initialised by the model's own initialisation."""
+        a new head under ``strict=False``) are initialised by the model's own initialisation.
+
+        With ``spec.sharding`` (a stage of tensor-parallel degree above 1) a meta layer is split
+        first, on the meta device, and each split tensor is read as this rank's slice only
+        (``get_slice``); a real layer is read whole and split after."""
+        sharding = getattr(spec, "sharding", None)
         if not is_meta(spec.module):   # a real module: its copy, overwritten with the directory's values
             module = copy.deepcopy(spec.module)
             state = local_state(module, persistent_only=True)
             sources = {n: self.source_of(spec.module_path(n)) for n in state}
-            values = self._read({s for s in sources.values() if s is not None})
+            values = self._read({(s, None) for s in sources.values() if s is not None})
             with torch.no_grad():
                 for n, src in sources.items():
                     if src is not None:
-                        state[n].copy_(values[src])
-            return module
+                        state[n].copy_(values[src, None])
+            return module if sharding is None else sharding.apply(spec, module)
         module = meta_copy(spec.module)
-        sources: dict[int, tuple[str, torch.Tensor]] = {}
+        cuts = {}
+        if sharding is not None:
+            module = sharding.apply(spec, module)
+            cuts = sharding.slices(module)
+        sources: dict[int, tuple[tuple, torch.Tensor]] = {}
         for local, t in local_state(module, persistent_only=True).items():
             src = self.source_of(spec.module_path(local))
             if src is not None:
-                sources.setdefault(id(t), (src, t))
-        values = self._read({src for src, _ in sources.values()})
+                sources.setdefault(id(t), ((src, cuts.get(local)), t))
+        values = self._read({key for key, _ in sources.values()})
         fresh, source_of = {}, {}
-        for tid, (src, t) in sources.items():
-            value = values[src].to(t.dtype)
+        for tid, (key, t) in sources.items():
+            value = values[key].to(t.dtype)
             fresh[tid] = nn.Parameter(value, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else value
-            source_of[id(fresh[tid])] = src
+            if sharding is not None and isinstance(t, nn.Parameter):
+                fresh[tid].__dict__.update(t.__dict__)   # DeepSpeed's marks on a split parameter
+            source_of[id(fresh[tid])] = key
         _assign(module, fresh)
         mixed = [sub for sub in module.modules() if any(t.is_meta for t in _own(sub))]
         if mixed:
@@ -168,12 +179,14 @@ class PretrainedWeights:
             if again:
                 values = self._read(set(again.values()))
                 with torch.no_grad():
-                    for t, src in again.items():
-                        t.copy_(values[src])
+                    for t, key in again.items():
+                        t.copy_(values[key])
         return module
 
-    def _read(self, names: set[str]) -> dict[str, torch.Tensor]:
-        """The tensors ``names``, each file opened once and closed before returning.
+    def _read(self, keys: set[tuple[str, tuple[int, int, int] | None]]) -> dict[tuple, torch.Tensor]:
+        """The tensors ``keys`` (``(name, cut)``: the whole tensor for cut None, else its part
+        ``(dim, start, stop)``, read alone with ``get_slice``), each file opened once and closed
+        before returning.
 
         ``safe_open`` hands out tensors backed by the file's memory mapping; each is copied, so the
         mapping goes with the file: a parameter never written (a frozen one) would otherwise read
@@ -181,13 +194,18 @@ class PretrainedWeights:
         by ``save_pretrained`` to the same path for one."""
         from safetensors import safe_open
         out = {}
-        by_file: dict[str, list[str]] = {}
-        for name in sorted(names):
-            by_file.setdefault(self.files[name], []).append(name)
+        by_file: dict[str, list[tuple]] = {}
+        for key in sorted(keys, key=lambda k: (k[0], k[1] or ())):
+            by_file.setdefault(self.files[key[0]], []).append(key)
         for file, group in by_file.items():
             with safe_open(self.directory / file, framework="pt", device="cpu") as f:
-                for name in group:
-                    out[name] = f.get_tensor(name).clone()
+                for name, cut in group:
+                    if cut is None:
+                        out[name, cut] = f.get_tensor(name).clone()
+                    else:
+                        dim, start, stop = cut
+                        index = (slice(None), ) * dim + (slice(start, stop), )
+                        out[name, cut] = f.get_slice(name)[index].clone()
         return out
 
 

@@ -196,23 +196,22 @@ class FeasibilityDP:
 
     def stage_ok(self, mask: int, n: int, k: int) -> bool:
         """Layer set ``mask`` on ``n`` devices meets ``tmax`` and fits at depth ``k`` (with what the
-        schedule stashes there), as it is or, where the search may recompute, with its
-        activations recomputed."""
-        tps, cost = self._priced(mask, n, False)
+        schedule stashes there) at one of its TP degrees (:meth:`StageCostModel.tp_options`), as
+        it is or, where the search may recompute, with its activations recomputed."""
         stashed = self.stash(k)
-        if tps <= self.tmax and cost.memory(*stashed) <= self.memory:
-            return True
-        if not self.recompute:
-            return False
-        tps, cost = self._priced(mask, n, True)
-        return tps <= self.tmax and cost.memory(*stashed) <= self.memory
+        for recompute in ((False, True) if self.recompute else (False, )):
+            for tp in self.cm.tp_options(n, self.b):
+                tps, cost = self._priced(mask, n, recompute, tp)
+                if tps <= self.tmax and cost.memory(*stashed) <= self.memory:
+                    return True
+        return False
 
-    def _priced(self, mask: int, n: int, recompute: bool):
-        key = (mask, n, recompute)
+    def _priced(self, mask: int, n: int, recompute: bool, tp: int = 1):
+        key = (mask, n, recompute, tp)
         priced = self.priced.get(key)
         if priced is None:
-            priced = self.priced[key] = (self.cm.time_per_sample(mask, self.b, n, recompute=recompute),
-                                         self.cm.stage(mask, self.b, n, recompute=recompute))
+            priced = self.priced[key] = (self.cm.time_per_sample(mask, self.b, n, recompute=recompute, tp=tp),
+                                         self.cm.stage(mask, self.b, n, recompute=recompute, tp=tp))
         return priced
 
     def stage_bits(self, mask: int, k: int) -> int:

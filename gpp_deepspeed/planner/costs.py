@@ -17,6 +17,12 @@ time per sample (TPS)
 in flight
     Micro-batches whose forward ran on a stage and whose backward has not: their activations
     are stashed. Under synchronous 1F1B it is the stage's depth to the sink (Sec. 6).
+tensor parallelism (TP)
+    A stage's devices form ``n / tp`` data-parallel replicas of ``tp`` ranks each, which split
+    every layer's matrices (Megatron-LM, Shoeybi et al., arXiv 1909.08053, Sec. 3): compute,
+    parameters, gradients and optimizer state per rank fall as ``1 / tp``, and every layer with
+    parameters all-reduces its output activations twice in the forward and twice in the backward
+    (:func:`tensor_parallel_time`).
 ZeRO stage
     How a stage's data-parallel group of ``n`` ranks shares its weight state (Rajbhandari et
     al., "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models", SC 2020): 0
@@ -45,7 +51,8 @@ from ..graph.stages import derive_partition
 
 __all__ = ["CommFit", "LayerCost", "Hardware", "CostDB", "Boundary", "StageCost", "StageCostModel", "edge_bytes",
            "plan_boundaries", "allreduce_time", "allreduce_coefficients", "allgather_coefficients", "micro_batch_sizes",
-           "reshard_messages", "ZERO_STAGES", "weight_state_bytes", "zero_collectives", "check_zero_stage"]
+           "reshard_messages", "ZERO_STAGES", "weight_state_bytes", "zero_collectives", "check_zero_stage",
+           "tensor_parallel_time", "TP_ALLREDUCES_PER_PASS"]
 
 ZERO_STAGES = (0, 1, 2, 3)
 
@@ -350,7 +357,16 @@ class StageCostModel:
       per mini-batch (:func:`allreduce_time`); its share per micro-batch is ``b / B`` of it.
       Under ``zero_stage`` 2 and 3 the group's collectives move into the micro-batches
       (:func:`zero_collectives`);
-    * weight state: :func:`weight_state_bytes` of the stage's parameters under ``zero_stage``.
+    * weight state: :func:`weight_state_bytes` of the stage's parameters under ``zero_stage``;
+    * tensor parallelism (``tp``, one of :meth:`tp_options`): the ``n`` devices are ``n / tp``
+      replicas of ``tp`` ranks; each replica gets ``b / (n / tp)`` samples, compute and weight
+      state per rank are divided by ``tp`` and every layer with parameters adds
+      :func:`tensor_parallel_time` of its output bytes on the replica's shard to the forward and to
+      the backward (before the input gradients leave: ``I``). The stashed activations are not
+      divided (a conservative bound: without sequence parallelism Megatron keeps each layer's
+      input and output whole on every TP rank; Korthikanti et al., arXiv 2205.05198, Sec. 4.1).
+      ``tp_degrees`` are the degrees a search may choose; a TP group spans nodes only with
+      ``tp_across_nodes``.
 
     ``layer_degrees`` (per layer, the data-parallel degree of the stage that holds it in a known
     plan, :meth:`with_degrees`) prices a stage's messages with its neighbours' degrees: an edge to
@@ -364,6 +380,8 @@ class StageCostModel:
     p2p_devices: int = 1
     zero_stage: int = 0
     layer_degrees: tuple[int, ...] | None = None
+    tp_degrees: tuple[int, ...] = (1, )
+    tp_across_nodes: bool = False
     _cache: dict = field(default_factory=dict, repr=False)
     _shared: dict = field(default_factory=dict, repr=False)   # what does not depend on layer_degrees
 
@@ -442,7 +460,36 @@ class StageCostModel:
             for i in self._members(mask):
                 degrees[i] = n
         return StageCostModel(self.db, self.mini_batch, p2p_devices=self.p2p_devices, zero_stage=self.zero_stage,
-                              layer_degrees=tuple(degrees), _shared=self._shared)
+                              layer_degrees=tuple(degrees), tp_degrees=self.tp_degrees,
+                              tp_across_nodes=self.tp_across_nodes, _shared=self._shared)
+
+    def tp_options(self, n: int, b: int) -> list[int]:
+        """The TP degrees of ``tp_degrees`` a stage of ``n`` devices at micro-batch ``b`` may run:
+        ``tp`` divides ``n``, the ``n / tp`` replicas divide ``b``, and the group fits a node
+        unless ``tp_across_nodes``.
+
+        >>> from gpp_deepspeed.planner.costs import CommFit, CostDB, Hardware, LayerCost
+        >>> link = CommFit(alpha_s=0.0, beta_s_per_byte=0.0)
+        >>> hw = Hardware(name="h", memory_bytes=1, devices_per_node=4, intra=link, inter=link)
+        >>> db = CostDB(model="m", source="hand", input_names=("x",), output="l", hardware=hw,
+        ...             layers=(LayerCost(name="l", inputs=("x",), micro_batches=(1,), fwd_s=(1.0,), bwd_s=(1.0,),
+        ...                               param_bytes=0, out_bytes=0, stash_bytes=0),))
+        >>> StageCostModel(db, 4, tp_degrees=(1, 2, 4, 8)).tp_options(8, 2)
+        [4]
+        """
+        per_node = self.db.hardware.devices_per_node
+        return [t for t in self.tp_degrees if n % t == 0 and b % (n // t) == 0
+                and (t <= per_node or self.tp_across_nodes)]
+
+    def choose_tp(self, mask: int, b: int, n: int, stashed: tuple[int, int], *,
+                  recompute: bool = False) -> int | None:
+        """The TP degree of :meth:`tp_options` at which layer set ``mask`` on ``n`` devices is
+        fastest and fits with ``stashed`` (micro-batches, weight versions) held; None if none fits.
+        Ties go to the smaller degree (fewer collectives to go wrong)."""
+        limit = self.db.hardware.memory_bytes
+        fitting = [(self.time_per_sample(mask, b, n, recompute=recompute, tp=t), t) for t in self.tp_options(n, b)
+                   if self.stage(mask, b, n, recompute=recompute, tp=t).memory(*stashed) <= limit]
+        return min(fitting)[1] if fitting else None
 
     def stage_successors(self, masks: Sequence[int]) -> dict[int, set[int]]:
         """The stage graph of layer sets ``masks`` (each layer in one of them): per stage, an index
@@ -613,33 +660,40 @@ class StageCostModel:
         return cut
 
     def stage(self, mask: int, b: int, n: int, *, boundary: Boundary | None = None,
-              recompute: bool = False) -> StageCost:
+              recompute: bool = False, tp: int = 1) -> StageCost:
         """Price layer set ``mask`` as one stage with micro-batch ``b`` on ``n`` devices.
 
         ``boundary`` gives the stage's messages when its neighbours are known (a plan's,
         :func:`plan_boundaries`; a chain's, :meth:`chain_boundaries`); by default the estimate
         of :meth:`boundary`. ``recompute``: the stage checkpoints its activations, PipeDream-2BW's
         per-stage choice (arXiv 2006.09503, Sec. 3.3): the backward runs the forward again first,
-        and a micro-batch in flight stashes only the stage's inputs.
+        and a micro-batch in flight stashes only the stage's inputs. ``tp``: the stage's tensor-
+        parallel degree (the class docstring), which divides ``n``.
         """
-        key = (mask, b, n, boundary, recompute)
+        key = (mask, b, n, boundary, recompute, tp)
         hit = self._cache.get(key)
         if hit is not None:
             return hit
         hw = self.db.hardware
+        if n % tp:
+            raise GPPConfigError(f"a stage on {n} devices cannot run tensor-parallel degree {tp}: it must divide them")
+        n //= tp   # from here on, the data-parallel degree
         shard = b / n
         fwd = bwd = grad_in = grad_w = 0.0
-        params = stash = largest = 0.0
+        params = stash = largest = split = 0.0
         rows = self._layer_rows(shard)
         for i in self._members(mask):
             f, bw, gi, gw, p, st = rows[i]
-            fwd += f
-            bwd += bw
-            grad_in += gi
-            grad_w += gw
-            params += p
+            fwd += f / tp
+            bwd += bw / tp
+            grad_in += gi / tp
+            grad_w += gw / tp
+            params += p / tp
             stash += st
-            largest = max(largest, p)
+            largest = max(largest, p / tp)
+            if tp > 1 and p > 0:
+                split += tensor_parallel_time(hw.ring(tp), tp, self.db.layers[i].out_bytes * shard)
+        fwd, bwd, grad_in = fwd + split, bwd + split, grad_in + split
         bd = self.boundary(mask, n) if boundary is None else boundary
         # Activations arrive before the forward and leave after it; gradients mirror them
         # (with a split backward, around I: W talks to no one). Each message keeps the stage busy
@@ -649,7 +703,7 @@ class StageCostModel:
         # The data-parallel group's collectives: once per mini-batch, and under ZeRO-2/3 per
         # micro-batch (the parameter all-gather before F and before I, the gradient reduce-scatter
         # after W; with an unsplit backward B does both of the latter).
-        allreduce, ag_fwd, ag_bwd, rs_bwd = (_affine(c, params) for c in zero_collectives(hw.ring(n), n,
+        allreduce, ag_fwd, ag_bwd, rs_bwd = (_affine(c, params) for c in zero_collectives(hw.ring(n * tp), n,
                                                                                           zero_stage=self.zero_stage))
         fwd += comm + ag_fwd
         bwd += comm + ag_bwd + rs_bwd
@@ -671,29 +725,31 @@ class StageCostModel:
         return cost
 
     def time_per_sample(self, mask: int, b: int, n: int, *, boundary: Boundary | None = None,
-                        recompute: bool = False) -> float:
+                        recompute: bool = False, tp: int = 1) -> float:
         """The stage's seconds per sample: GraphPipe's TPS (Sec. 5, Eq. 1)."""
-        c = self.stage(mask, b, n, boundary=boundary, recompute=recompute)
+        c = self.stage(mask, b, n, boundary=boundary, recompute=recompute, tp=tp)
         return (c.fwd_s + c.bwd_s + c.allreduce_s * b / self.mini_batch) / b
 
-    def memory(self, mask: int, b: int, n: int, in_flight: int, *, recompute: bool = False) -> float:
+    def memory(self, mask: int, b: int, n: int, in_flight: int, *, recompute: bool = False, tp: int = 1) -> float:
         """Peak bytes per device with ``in_flight`` micro-batches stashed (GraphPipe Sec. 3, Eq. 2)."""
-        return self.stage(mask, b, n, recompute=recompute).memory(in_flight)
+        return self.stage(mask, b, n, recompute=recompute, tp=tp).memory(in_flight)
 
     def fits(self, mask: int, b: int, n: int, in_flight: int, *, recompute: bool = False) -> bool:
         return self.memory(mask, b, n, in_flight, recompute=recompute) <= self.db.hardware.memory_bytes
 
-    def time_per_sample_inference(self, mask: int, b: int, n: int, *, boundary: Boundary | None = None) -> float:
+    def time_per_sample_inference(self, mask: int, b: int, n: int, *, boundary: Boundary | None = None,
+                                  tp: int = 1) -> float:
         """A forward-only stage's seconds per sample (EdgePipe's objective, arXiv 2110.14895):
         its forward with the activations in and out; no backward, no all-reduce."""
-        return self.stage(mask, b, n, boundary=boundary).fwd_s / b
+        return self.stage(mask, b, n, boundary=boundary, tp=tp).fwd_s / b
 
-    def inference_memory(self, mask: int, b: int, n: int) -> float:
+    def inference_memory(self, mask: int, b: int, n: int, tp: int = 1) -> float:
         """Bytes per device of a forward-only stage: the parameters (no gradients, no optimizer
         state; partitioned under ZeRO-3, which gathers one layer at a time) and one micro-batch's
         activations."""
-        c = self.stage(mask, b, n)
-        params = weight_state_bytes(c.param_bytes, optimizer_factor=0.0, num_devices=n, zero_stage=self.zero_stage)
+        c = self.stage(mask, b, n, tp=tp)
+        params = weight_state_bytes(c.param_bytes, optimizer_factor=0.0, num_devices=n // tp,
+                                    zero_stage=self.zero_stage)
         return params + c.gathered_bytes + c.stash_bytes
 
 
@@ -768,6 +824,25 @@ def allgather_coefficients(link: CommFit, num_devices: int) -> tuple[float, floa
     if n < 2:
         return 0.0, 0.0
     return (n - 1) * link.alpha_s, (n - 1) / n * link.beta_s_per_byte
+
+
+# Megatron's transformer layer all-reduces its activations twice per pass: after the attention's
+# row-parallel output projection and after the MLP's (the g operators of Shoeybi et al., Fig. 3);
+# the backward mirrors them at the column-parallel inputs (the f operators).
+TP_ALLREDUCES_PER_PASS = 2
+
+
+def tensor_parallel_time(link: CommFit, tp: int, activation_bytes: float) -> float:
+    """Seconds one pass (forward, or backward) of one layer spends in its TP group's all-reduces:
+    :data:`TP_ALLREDUCES_PER_PASS` ring all-reduces (:func:`allreduce_time`) of the layer's
+    activations, ``activation_bytes`` per rank (Megatron-LM, arXiv 1909.08053, Sec. 3; priced from
+    the profile's links, as Piper prices a stage's tensor parallelism: Tarnawski et al., NeurIPS 2021,
+    Sec. 3, "TMPC" communication). Nothing at ``tp`` 1.
+
+    >>> tensor_parallel_time(CommFit(alpha_s=1.0, beta_s_per_byte=1.0), 2, 8.0)   # 2 * (2 * 1 + 1 * 8)
+    20.0
+    """
+    return TP_ALLREDUCES_PER_PASS * allreduce_time(link, tp, activation_bytes)
 
 
 def check_zero_stage(zero_stage: int) -> int:

@@ -28,13 +28,26 @@ __all__ = ["PlanStage", "Prediction", "Plan", "SearchResult"]
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class PlanStage:
-    """One stage: its layers, how many devices run it (data-parallel degree), and whether it
-    recomputes its activations in the backward (activation checkpointing on this stage only)."""
+    """One stage: its layers, how many devices run it, its tensor-parallel degree ``tp`` (the
+    devices are ``devices / tp`` data-parallel replicas of ``tp`` ranks; 1: data parallelism only)
+    and whether it recomputes its activations in the backward (activation checkpointing on this
+    stage only)."""
 
     layers: tuple[str, ...]
     devices: int = 1
     recompute: bool = False
     device_class: str | None = None   # a heterogeneous cluster's class its replicas belong to
+    tp: int = 1
+
+    def __post_init__(self):
+        if self.tp < 1 or self.devices % self.tp:
+            raise GPPConfigError(f"plan stage {list(self.layers)[:3]}: tensor-parallel degree {self.tp} must divide "
+                                 f"its {self.devices} devices")
+
+    @property
+    def replicas(self) -> int:
+        """The stage's data-parallel degree: ``devices / tp``."""
+        return self.devices // self.tp
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -70,6 +83,7 @@ class Plan:
     :mod:`gpp_deepspeed.planner.fold`; its ``schedule`` is one of
     :data:`~gpp_deepspeed.schedule.virtual.FOLDED_SCHEDULES` and every stage has one device), ``()``
     when each stage has ranks of its own (a file written before the field existed loads so).
+    A stage's ``tp`` (its tensor-parallel degree) loads as 1 from a file written before it existed.
 
     >>> p = Plan(model="m", method="manual", source="hand", micro_batch=2, mini_batch=8,
     ...          stages=(PlanStage(layers=("a",)), PlanStage(layers=("b", "c"))))
@@ -157,7 +171,7 @@ class Plan:
     def from_json(cls, text: str) -> "Plan":
         d = json.loads(text)
         try:
-            stages = tuple(PlanStage(layers=tuple(s["layers"]), devices=s["devices"],
+            stages = tuple(PlanStage(layers=tuple(s["layers"]), devices=s["devices"], tp=s.get("tp", 1),
                                      recompute=s.get("recompute", False), device_class=s.get("device_class"))
                            for s in d.pop("stages"))
             pred = d.pop("predicted", None)
@@ -183,7 +197,8 @@ class Plan:
                  + (f", ZeRO stage {self.zero_stage}" if self.zero_stage else "")]
         for i, s in enumerate(self.stages):
             shown = list(s.layers) if len(s.layers) <= 6 else [*s.layers[:3], "...", *s.layers[-2:]]
-            lines.append(f"  stage {i} x{s.devices}" + (f" {s.device_class}" if s.device_class else "")
+            lines.append(f"  stage {i} x{s.devices}" + (f" (tp {s.tp})" if s.tp > 1 else "")
+                         + (f" {s.device_class}" if s.device_class else "")
                          + f": {len(s.layers)} layers {shown}" + (" (recompute)" if s.recompute else ""))
         if self.fold:
             lines.append(f"  folded: {self.num_devices} ranks, up to {self.stages_per_rank} stages each: "

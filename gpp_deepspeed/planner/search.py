@@ -86,12 +86,13 @@ def bottleneck_search(cm: StageCostModel, tree, *, num_devices: int, micro_batch
         # (With recomputation a stage's time depends on its in-flight count: stay at tmax.)
         if recompute:
             return math.inf
-        return max(cm.time_per_sample(mask, micro_batch, n) for mask, n in stages)
+        tps = _stage_tps(cm, stages, micro_batch, stash)
+        return max(cm.time_per_sample(mask, micro_batch, n, tp=t) for (mask, n), t in zip(stages, tps))
 
     # A layer that fits on no stage, even alone with one micro-batch in flight, rules out every plan.
-    widest = max(stage_devices)
-    if not all(cm.stage(1 << i, micro_batch, widest).memory(*stash(1)) <= cm.db.hardware.memory_bytes
-               for i in range(cm.num_layers)):
+    limit = cm.db.hardware.memory_bytes
+    if not all(any(cm.stage(1 << i, micro_batch, n, tp=t).memory(*stash(1)) <= limit
+                   for n in stage_devices for t in cm.tp_options(n, micro_batch)) for i in range(cm.num_layers)):
         return None, None, states
     # No plan beats perfect balance, nor the stage that holds the slowest layer: its compute at
     # least, and the all-reduce of that layer's gradients at least, on the widest stage allowed.
@@ -153,8 +154,9 @@ def _slowest_layer(cm: StageCostModel, b: int, stage_devices: Sequence[int]) -> 
     for i in range(cm.num_layers):
         least = math.inf
         for n in stage_devices:
-            c = cm.stage(1 << i, b, n, boundary=NO_BOUNDARY)
-            least = min(least, (c.fwd_s + c.bwd_s + c.allreduce_s * b / cm.mini_batch) / b)
+            for t in cm.tp_options(n, b):
+                c = cm.stage(1 << i, b, n, boundary=NO_BOUNDARY, tp=t)
+                least = min(least, (c.fwd_s + c.bwd_s + c.allreduce_s * b / cm.mini_batch) / b)
         bound = max(bound, least)
     return bound
 
@@ -162,7 +164,8 @@ def _slowest_layer(cm: StageCostModel, b: int, stage_devices: Sequence[int]) -> 
 def graphpipe_search(db: CostDB, *, num_devices: int, mini_batch: int, micro_batches: Sequence[int] | None = None,
                      space: str = "full", schedules: Sequence[str] = ("1f1b",), rel_tol: float = _REL_TOL,
                      recompute: bool = False, zero_stages: Sequence[int] = (0,),
-                     progress: Callable[[str], None] | None = None) -> SearchResult:
+                     progress: Callable[[str], None] | None = None, tp_degrees: Sequence[int] = (1, ),
+                     tp_across_nodes: bool = False) -> SearchResult:
     """GraphPipe's plan for ``db`` on ``num_devices`` devices: the best predicted throughput over
     the micro-batch sweep of the least-bottleneck stage graphs, under each of ``schedules``.
 
@@ -186,6 +189,13 @@ def graphpipe_search(db: CostDB, *, num_devices: int, mini_batch: int, micro_bat
     less memory but communicates as much or more, so it wins only where memory binds (it admits
     a stage graph, micro-batch or degree the lower one cannot fit). ``(0, 1, 2, 3)`` is ``gpp plan
     --zero auto``. Stages 2 and 3 are not searched under an asynchronous schedule.
+
+    ``tp_degrees`` are the tensor-parallel degrees a stage may run (``gpp plan --tp``): a stage on
+    ``n`` devices runs ``n / tp`` replicas of ``tp`` ranks
+    (:meth:`~gpp_deepspeed.planner.costs.StageCostModel.tp_options`), and each stage of the plan
+    gets the degree at which it is fastest and fits
+    (:meth:`~gpp_deepspeed.planner.costs.StageCostModel.choose_tp`); a TP group stays within a
+    node unless ``tp_across_nodes``.
     """
     if space not in SPACES:
         raise GPPConfigError(f'search space must be one of {SPACES}, got "{space}"')
@@ -198,8 +208,12 @@ def graphpipe_search(db: CostDB, *, num_devices: int, mini_batch: int, micro_bat
             raise GPPConfigError(f'schedule "{name}" stashes whole weight versions: plan it with ZeRO stage 0 or 1, '
                                  f"not {zero_stages}")
     start = time.perf_counter()
+    tp_degrees = tuple(sorted({1, *tp_degrees}))
+    if any(t < 1 for t in tp_degrees):
+        raise GPPConfigError(f"tensor-parallel degrees must be positive, got {list(tp_degrees)}")
     sweeps = [_Sweep(db, num_devices=num_devices, mini_batch=mini_batch, space=space, rel_tol=rel_tol,
-                     recompute=recompute, progress=progress, zero_stage=z) for z in zero_stages]
+                     recompute=recompute, progress=progress, zero_stage=z, tp_degrees=tp_degrees,
+                     tp_across_nodes=tp_across_nodes) for z in zero_stages]
     sizes = micro_batch_sizes(mini_batch, micro_batches)
     bests = []
     for name in schedules:
@@ -227,12 +241,14 @@ class _Sweep:
     micro-batch and data-parallel option, the least-bottleneck stage graphs, each simulated."""
 
     def __init__(self, db: CostDB, *, num_devices: int, mini_batch: int, space: str, rel_tol: float,
-                 recompute: bool, progress: Callable[[str], None] | None, zero_stage: int = 0):
+                 recompute: bool, progress: Callable[[str], None] | None, zero_stage: int = 0,
+                 tp_degrees: tuple[int, ...] = (1, ), tp_across_nodes: bool = False):
         self.db, self.num_devices, self.mini_batch = db, num_devices, mini_batch
         self.space, self.rel_tol, self.recompute, self.progress = space, rel_tol, recompute, progress
         self.zero_stage = zero_stage
         self.tree, self.added = sp_tree(db.graph)
-        self.cm = StageCostModel(db, mini_batch, p2p_devices=num_devices, zero_stage=zero_stage)
+        self.cm = StageCostModel(db, mini_batch, p2p_devices=num_devices, zero_stage=zero_stage,
+                                 tp_degrees=tp_degrees, tp_across_nodes=tp_across_nodes)
         self.states = 0
         self.predict_s = 0.0
         self._priced: dict[int, dict] = {}   # per micro-batch: stage prices shared by every bisection
@@ -251,7 +267,8 @@ class _Sweep:
             # simulator picks among the least-bottleneck plans, as it does among micro-batch sizes.
             uniform = [d for d in _divisors(num_devices) if b % d == 0]
             options = uniform if self.space == "runtime" else [None] + uniform
-            full_devices = [n for n in _powers_of_two(b) if n <= num_devices]
+            # A stage's devices: replicas that divide the micro-batch, times a TP degree.
+            full_devices = sorted({d * t for d in _powers_of_two(b) for t in cm.tp_degrees if d * t <= num_devices})
             full_tps = None   # the full space's least bottleneck at this b: a floor for its subsets
             for d in options:
                 hint = hints.get(d)
@@ -404,10 +421,21 @@ def _fits(cm: StageCostModel, stages: list[tuple[int, int]], b: int, schedule: s
     limit = cm.db.hardware.memory_bytes
     for (mask, n), k in zip(stages, depth):
         stash = schedule_memory(schedule, depth=k, pipeline_depth=top, num_microbatches=num_mb)
-        if cm.stage(mask, b, n).memory(*stash) > limit and not (
-                recompute and cm.stage(mask, b, n, recompute=True).memory(*stash) <= limit):
+        if cm.choose_tp(mask, b, n, stash) is None and not (
+                recompute and cm.choose_tp(mask, b, n, stash, recompute=True) is not None):
             return False
     return True
+
+
+def _stage_tps(cm: StageCostModel, stages: list[tuple[int, int]], b: int, stash: Callable) -> list[int]:
+    """Each stage's TP degree (:meth:`StageCostModel.choose_tp`) at its depth ``k`` in the stage
+    graph of ``stages``, holding ``stash(k)``; the fastest degree where none fits."""
+    out = []
+    for (mask, n), k in zip(stages, _depths(cm, stages)):
+        chosen = cm.choose_tp(mask, b, n, stash(k))
+        out.append(chosen if chosen is not None else min(cm.tp_options(n, b) or [1],
+                                                         key=lambda t: cm.time_per_sample(mask, b, n, tp=t)))
+    return out
 
 
 def _depths(cm: StageCostModel, stages: list[tuple[int, int]]) -> list[int]:
@@ -426,14 +454,20 @@ def _plan(db: CostDB, cm: StageCostModel, stages: list[tuple[int, int]], b: int,
     # depth otherwise, which is the choice the DP's feasibility test made.
     succs = cm.stage_successors(masks)
     depth = stage_in_flight(succs, {s: 1 for s in succs})
-    top, limit = max(depth.values()), db.hardware.memory_bytes
+    top = max(depth.values())
 
-    def recomputes(s: int) -> bool:
+    def choice(s: int) -> tuple[int, bool]:
+        """Stage ``s``'s TP degree and whether it recomputes: the fastest degree that fits as it
+        is, else (where the search may) recomputed."""
         stash = schedule_memory(schedule, depth=depth[s], pipeline_depth=top, num_microbatches=mini_batch // b)
-        return recompute and cm.stage(stages[s][0], b, stages[s][1]).memory(*stash) > limit
+        tp = cm.choose_tp(stages[s][0], b, stages[s][1], stash)
+        if tp is None and recompute:
+            return cm.choose_tp(stages[s][0], b, stages[s][1], stash, recompute=True) or 1, True
+        return tp or 1, False
 
-    plan_stages = tuple(PlanStage(layers=cm.names_of(stages[s][0]), devices=stages[s][1], recompute=recomputes(s))
-                        for s in order)
+    chosen = {s: choice(s) for s in order}
+    plan_stages = tuple(PlanStage(layers=cm.names_of(stages[s][0]), devices=stages[s][1], tp=chosen[s][0],
+                                  recompute=chosen[s][1]) for s in order)
     notes = {"bottleneck_tps_s": tps, "space": space,
              "sp_added_edges": [list(e) for e in added]}
     return Plan(model=db.model, method="graphpipe", source=db.source, micro_batch=b, mini_batch=mini_batch,

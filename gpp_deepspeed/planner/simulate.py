@@ -87,13 +87,13 @@ def simulate_plan(plan: Plan, db: CostDB, *, schedule: str | None = None, cluste
         # or optimizer state, which stay with the live weights).
         mem = tuple(c.memory(k, v) for c, k, v in zip(costs, in_flight, versions))
     else:
-        mem = tuple(mdl.inference_memory(m, b, s.devices) for mdl, m, s in zip(models, masks, plan.stages))
+        mem = tuple(mdl.inference_memory(m, b, s.devices, s.tp) for mdl, m, s in zip(models, masks, plan.stages))
     limits = [mdl.db.hardware.memory_bytes for mdl in models]
     span = timeline.makespan
     busy = tuple(timeline.busy(s) for s in range(plan.num_stages))
     device_busy = sum(t * s.devices for t, s in zip(busy, plan.stages))
-    tps = max(mdl.time_per_sample(m, b, s.devices, boundary=bd) if train
-              else mdl.time_per_sample_inference(m, b, s.devices, boundary=bd)
+    tps = max(mdl.time_per_sample(m, b, s.devices, boundary=bd, tp=s.tp) if train
+              else mdl.time_per_sample_inference(m, b, s.devices, boundary=bd, tp=s.tp)
               for mdl, m, s, bd in zip(models, masks, plan.stages, bounds))
     prediction = Prediction(
         iteration_time_s=span, samples_per_s=plan.mini_batch / span if span > 0 else float("inf"),
@@ -265,12 +265,12 @@ def priced_stages(plan: Plan, db: CostDB, *, cluster=None, stage_costs: tuple[St
         stage_graph = replace(StageGraph.chain(plan.num_stages), loading=stage_graph.loading)
     # Every message the engine sends: one per stage edge and peer rank, fan-in, fan-out and
     # resharding included (a chain relays skip tensors instead).
-    bounds = model.stage_boundaries(masks, [s.devices for s in plan.stages], relay=plan.pipeline == "chain")
+    bounds = model.stage_boundaries(masks, [s.replicas for s in plan.stages], relay=plan.pipeline == "chain")
     models = [model if cluster is None else cluster.stage_model(db, s.device_class, plan.mini_batch, plan.num_devices,
                                                                 zero_stage=plan.zero_stage)
               for s in plan.stages]
     costs = tuple(stage_costs) if stage_costs is not None else tuple(
-        mdl.stage(m, plan.micro_batch, s.devices, boundary=bd, recompute=s.recompute)
+        mdl.stage(m, plan.micro_batch, s.devices, boundary=bd, recompute=s.recompute, tp=s.tp)
         for mdl, m, s, bd in zip(models, masks, plan.stages, bounds))
     if link is None:
         link = max((mdl.link for mdl in models), key=lambda x: (x.latency_s, x.late_receive_s))

@@ -155,7 +155,10 @@ def placement_time(plan: Plan, db: CostDB, topo: Topology, placement: Sequence[S
     comm, slowest = _edge_times(topo, placement, plan.micro_batch, edges)
     costs = []
     for s, stage in enumerate(plan.stages):
-        c = cm.stage(cm.mask_of(stage.layers), plan.micro_batch, stage.devices, recompute=stage.recompute)
+        # A stage's TP all-reduces are priced on free links here (its TP group sits in one node;
+        # the placement moves stages, not the links inside a TP group).
+        c = cm.stage(cm.mask_of(stage.layers), plan.micro_batch, stage.devices, recompute=stage.recompute,
+                     tp=stage.tp)
         step, ag_fwd, ag_bwd, rs_bwd = _ring_collectives(topo, placement[s], c.param_bytes, plan.zero_stage)
         costs.append(replace(c, fwd_s=c.fwd_s + comm[s] + ag_fwd, bwd_s=c.bwd_s + comm[s] + ag_bwd + rs_bwd,
                              bwd_input_s=c.bwd_input_s + comm[s] + ag_bwd, bwd_weight_s=c.bwd_weight_s + rs_bwd,
