@@ -473,6 +473,15 @@ class GraphPipelineEngine(PipelineEngine):
             for timer in timers:
                 timer.stop()
 
+    def _exec_schedule(self, pipe_schedule):
+        """DeepSpeed's loop over a schedule, for a :class:`GraphPipeSchedule` its compiled steps
+        (:meth:`GraphPipeSchedule.run`: handlers called directly, releases with the action before)."""
+        if not isinstance(pipe_schedule, GraphPipeSchedule):
+            return super()._exec_schedule(pipe_schedule)
+        self._reserve_pipe_buffers(pipe_schedule.num_pipe_buffers())
+        self.fwd_outputs = []
+        pipe_schedule.run(self)
+
     _INSTRUCTION_MAP = {
         **PipelineEngine._INSTRUCTION_MAP,
         ds.LoadMicroBatch: data.load_micro_batch,
