@@ -5,10 +5,12 @@ One launch of ``N + 1`` gloo ranks trains, round after round, one 1F1B step of e
 
 * ``fanin``: N one-layer branches, each reading its own input, into one output layer that sums them
   (the fan-in stage: it receives from every branch and sends a gradient back to every branch);
-* ``chain``: the same ``N + 1`` layers as a chain (one layer per stage and rank);
+* ``chain``: the same ``N + 1`` layers as a chain (one layer per stage and rank).
 
-each with the transport posting a transfer action's receives before its sends (the default) and,
-as before, its sends first (``, sends first``).
+With ``--strict`` every rank runs under ``tests/strict_p2p.py`` (NCCL's rendezvous semantics on
+gloo: a send completes when its receive is launched, a group as a whole, groups in posting order),
+where a group that pairs sends to every branch with receives from every branch would wait for the
+slowest branch if anything did.
 
 Every layer is the sleeping layer of ``benchmarks/peers.py`` (forward, input gradient and weight
 gradient each sleep ``T`` ms; a branch's first layer has no input gradient). Each row gives the
@@ -33,10 +35,7 @@ from pathlib import Path
 import peers
 
 ROOT = Path(__file__).resolve().parent.parent
-# label -> (model, the transport posts a transfer action's receives before its sends): the order
-# before this round (sends first) and after, the same model alternating in one launch.
-VARIANTS = {"fanin": ("fanin", True), "fanin, sends first": ("fanin", False), "chain": ("chain", True),
-            "chain, sends first": ("chain", False)}
+VARIANTS = ("fanin", "chain")
 
 
 def topology(name: str, branches: int) -> str:
@@ -119,11 +118,13 @@ def worker(branches: int, rounds: int, out: str, profile: bool = False) -> None:
     import deepspeed
 
     deepspeed.init_distributed(dist_backend="gloo")
+    if os.environ.get("GPP_STRICT_P2P") == "1":
+        sys.path.insert(0, str(ROOT / "tests"))
+        import strict_p2p
+
+        strict_p2p.install()
     unit = peers.sleep_unit_class()
-    built = {}
-    for label, (model, receives_first) in VARIANTS.items():
-        built[label] = build(model, branches, unit)
-        built[label][1].transfers.transport.receives_first = receives_first
+    built = {name: build(name, branches, unit) for name in VARIANTS}
     times = {name: [] for name in VARIANTS}
     costs = {name: [] for name in VARIANTS}
     profiler = cProfile.Profile() if profile and torch.distributed.get_rank() == branches else None
@@ -188,6 +189,7 @@ def main() -> None:
     parser.add_argument("--branches", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--label", default="", help="a name for this run in the results file")
+    parser.add_argument("--strict", action="store_true", help="run under tests/strict_p2p.py (NCCL's semantics)")
     parser.add_argument("--profile", action="store_true", help="cProfile the output stage (printed in its log)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
@@ -202,17 +204,20 @@ def main() -> None:
     load = os.getloadavg()[0]
     res = launch(args.branches + 1, Path(__file__), "--worker", "--branches", str(args.branches), "--rounds",
                  str(args.rounds), "--out", str(out), *(["--profile"] if args.profile else []),
-                 timeout=900 + 60 * args.rounds, log_dir=tmp / "logs" / "fanin")
+                 timeout=900 + 60 * args.rounds, log_dir=tmp / "logs" / "fanin",
+                 env={"GPP_STRICT_P2P": "1"} if args.strict else None)
     if args.profile:
         print(res.outputs[args.branches][-6000:])
     if not res.ok:
         raise SystemExit(res.report())
     rows = summarize(json.loads(out.read_text()))
-    print(f"{args.branches} branches, {args.rounds} rounds, load average {load:.1f} -> {os.getloadavg()[0]:.1f}")
+    strict = ", strict transport" if args.strict else ""
+    print(f"{args.branches} branches, {args.rounds} rounds{strict}, load average {load:.1f} -> {os.getloadavg()[0]:.1f}")
     print(table(rows))
     path = ROOT / "benchmarks" / "results" / f"fanin_{args.branches}.json"
     saved = json.loads(path.read_text()) if path.exists() else {}
-    saved[args.label or time.strftime("%Y-%m-%d %H:%M")] = {"rounds": args.rounds, "load_average": load, "rows": rows}
+    saved[args.label or time.strftime("%Y-%m-%d %H:%M")] = {"rounds": args.rounds, "load_average": load,
+                                                             "strict": args.strict, "rows": rows}
     path.write_text(json.dumps(saved, indent=1))
 
 

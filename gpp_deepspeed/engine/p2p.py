@@ -228,10 +228,6 @@ class EdgeTransport:
     background until :meth:`wait_sends`; layouts received by the program, kept per edge and peer
     rank."""
 
-    receives_first = True
-    """Post a transfer action's receives before its sends (see :meth:`exchange`; ``benchmarks/fanin.py``
-    measures the other order on an instance)."""
-
     def __init__(self, grid, device, *, stage: int, timeout_s: float):
         self.grid = grid
         self.device = device
@@ -290,26 +286,18 @@ class EdgeTransport:
 
     def exchange(self, sends: list[Outgoing], recvs: list[Incoming]) -> None:
         """Post every send and receive of one transfer action as one ``batch_isend_irecv`` and wait
-        for the receives (their buffers are then filled); the sends complete in the background.
-
-        The receives are posted first: where ops are posted one by one (gloo), a receive's data
-        then flows while the sends are being posted (at a fan-in stage, one per branch, each a
-        fraction of a millisecond on a loaded machine) instead of after them; a group completes as
-        a whole (NCCL, the strict transport) whatever the order inside it."""
+        for the receives (their buffers are then filled); the sends complete in the background."""
         self._reap()
-        recv_ops = [self._op(dist.irecv, b, m.rank) for m in recvs for b in m.buffers]
-        send_ops = [self._op(dist.isend, b, m.rank) for m in sends for b in m.buffers]
-        ops = recv_ops + send_ops if self.receives_first else send_ops + recv_ops
+        ops = [self._op(dist.isend, b, m.rank) for m in sends for b in m.buffers]
+        num_sends = len(ops)
+        ops += [self._op(dist.irecv, b, m.rank) for m in recvs for b in m.buffers]
         if not ops:
             return
         works = dist.batch_isend_irecv(ops)
         if len(works) == len(ops):  # one request per operation (gloo)
-            at = len(recv_ops) if self.receives_first else 0   # where the sends' requests start
-            send_works = works[at:at + len(send_ops)]
-            recv_works = works[:len(recv_ops)] if self.receives_first else works[len(send_ops):]
-            self._pending += [(w, [op.tensor]) for w, op in zip(send_works, send_ops)]
+            self._pending += [(w, [op.tensor]) for w, op in zip(works[:num_sends], ops)]
             owners = [(m.peer, m.rank) for m in recvs for _ in m.buffers]
-            waits = list(zip(recv_works, owners))
+            waits = list(zip(works[num_sends:], owners))
         else:  # one request for the coalesced group (NCCL): it completes as a whole
             first = (recvs or sends)[0]
             if not recvs:
