@@ -19,7 +19,7 @@ messages) and their ratio; "wait" is the share of the step the fan-in (output) s
 transfer actions, and "messages" how many it posted per step. The ratio is what the runtime and the
 machine add to the schedule; the fan-in row against the chain row is what a fan-in adds.
 
-    python benchmarks/fanin.py [--branches 4] [--rounds 8]   # benchmarks/results/fanin_<N>.json + table
+    python benchmarks/fanin.py [--branches 4] [--rounds 8] [--strict]   # results/fanin_<N>.json, fanin.md
 """
 
 from __future__ import annotations
@@ -189,6 +189,7 @@ def main() -> None:
     parser.add_argument("--branches", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--label", default="", help="a name for this run in the results file")
+    parser.add_argument("--table-only", action="store_true", help="rewrite results/fanin.md from the saved runs")
     parser.add_argument("--strict", action="store_true", help="run under tests/strict_p2p.py (NCCL's semantics)")
     parser.add_argument("--profile", action="store_true", help="cProfile the output stage (printed in its log)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -196,6 +197,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.worker:
         return worker(args.branches, args.rounds, args.out, args.profile)
+    if args.table_only:
+        return write_section()
     sys.path.insert(0, str(ROOT / "tests"))
     from dist import launch
 
@@ -219,6 +222,26 @@ def main() -> None:
     saved[args.label or time.strftime("%Y-%m-%d %H:%M")] = {"rounds": args.rounds, "load_average": load,
                                                              "strict": args.strict, "rows": rows}
     path.write_text(json.dumps(saved, indent=1))
+    write_section()
+
+
+def write_section() -> None:
+    """``benchmarks/results/fanin.md``, the section of docs/benchmarks.md: every saved run."""
+    lines = ["## A fan-in stage against a chain of the same layers (fanin.py)", "",
+             "`python benchmarks/fanin.py --branches N [--strict]` (issue 28, point 5). One launch of N + 1 gloo "
+             "ranks trains a DAG whose output stage takes N one-layer branches and a chain of the same N + 1 "
+             "layers, one 1F1B step of each per round (16 micro-batches; each layer's forward, input gradient and "
+             "weight gradient sleep 20 ms); medians after the first round. The output stage's time in transfer "
+             "actions is split by the timelines of every rank: before the last sender had posted the matching send "
+             "(waiting for a peer: what coupling to the slowest branch would cost), and after (the transport's own "
+             "work, per message of the receiving actions). `--strict` runs it under `tests/strict_p2p.py` (NCCL's "
+             "semantics). The machine was shared with other jobs (load averages in the run column).", ""]
+    for path in sorted((ROOT / "benchmarks" / "results").glob("fanin_*.json")):
+        branches = int(path.stem.split("_")[1])
+        for label, run in json.loads(path.read_text()).items():
+            lines += [f"{branches} branches, {label} ({run['rounds']} rounds, load average "
+                      f"{run['load_average']:.1f} at the start):", "", table(run["rows"]), ""]
+    (ROOT / "benchmarks" / "results" / "fanin.md").write_text("\n".join(lines))
 
 
 if __name__ == "__main__":

@@ -10,7 +10,8 @@ aggregation and checkpoints are DeepSpeed's. What changes:
   the schedule's :class:`~gpp_deepspeed.schedule.ProgramFactory` (validated once per shape: deadlock
   under NCCL's rendezvous semantics, buffer reuse, release points); the program decides the
   buffer slot of every micro-batch, when buffers are freed and which transfers are posted
-  together. The engine only executes it, one instruction per action (:mod:`.instructions`).
+  together. The engine only executes it, one instruction per action, a release in the dispatch of
+  the action before it (:mod:`.instructions`).
 
 The engine owns one object per job (``docs/architecture.md``, "The engine's rooms"):
 
