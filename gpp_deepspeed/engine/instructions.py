@@ -124,11 +124,11 @@ def _instruction(action: Action, slots: tuple) -> ds.PipeInstruction:
 @dataclass(frozen=True, slots=True)
 class Step:
     """One dispatch of the engine: the instruction of ``action``, then the releases the program puts
-    right after it, each ``(release action, buffers it frees, slot)``."""
+    right after it, each ``(release action, its instruction)``."""
 
     instruction: ds.PipeInstruction
     action: Action
-    releases: tuple[tuple[Action, frozenset, int], ...] = ()
+    releases: tuple[tuple[Action, Release], ...] = ()
 
 
 def compile_steps(actions: list[Action], slot_of: dict[int, int]) -> tuple[Step, ...]:
@@ -138,15 +138,15 @@ def compile_steps(actions: list[Action], slot_of: dict[int, int]) -> tuple[Step,
     action; only the number of trips through the dispatch loop changes.
 
     >>> acts = [Action.parse(t) for t in "1F0 1RELEASE_OUT0 1RELEASE_IN0 1SEND_B0@0".split()]
-    >>> [(s.action, [r for r, _, _ in s.releases]) for s in compile_steps(acts, {0: 0})]
+    >>> [(s.action, [r for r, _ in s.releases]) for s in compile_steps(acts, {0: 0})]
     [(1F0, [1RELEASE_OUT0, 1RELEASE_IN0]), (1SEND_B0@0, [])]
     """
     steps: list[Step] = []
     for action in actions:
         if action.kind.is_release and steps:
             last = steps[-1]
-            release = (action, action.kind.spec.frees, slot_of[action.mb_idx])
-            steps[-1] = Step(last.instruction, last.action, last.releases + (release, ))
+            steps[-1] = Step(last.instruction, last.action,
+                             last.releases + ((action, to_instruction(action, slot_of)), ))
         else:
             steps.append(Step(to_instruction(action, slot_of), action))
     return tuple(steps)
@@ -190,14 +190,15 @@ class GraphPipeSchedule(ds.PipeSchedule):
     def steps(self):
         """What :meth:`run` executes, as DeepSpeed's instruction lists (one per dispatch)."""
         for step in self._steps:
-            yield [step.instruction, *(Release(slot, release.kind) for release, _, slot in step.releases)]
+            yield [step.instruction, *(instruction for _, instruction in step.releases)]
 
     def run(self, engine) -> None:
         """Execute every step on ``engine``: each instruction's handler from the engine's
         ``_INSTRUCTION_MAP``, called directly (DeepSpeed's loop makes a bound method and sets it on
-        the engine, an ``nn.Module``, per instruction), then the step's releases."""
+        the engine, an ``nn.Module``, per instruction), then the step's releases (the engine's
+        ``Release`` handler, looked up once)."""
         table = engine._INSTRUCTION_MAP
-        free = engine.pipe_buffers.free
+        free = table[Release]
         record = self._record if self._record is not None else []
         clock = time.perf_counter
         for step in self._steps:
@@ -208,7 +209,7 @@ class GraphPipeSchedule(ds.PipeSchedule):
             handler(engine, **step.instruction.kwargs)
             end = clock()
             record.append((step.action, start, end))
-            for release, frees, slot in step.releases:
-                free(frees, slot)
+            for release, instruction in step.releases:
+                free(engine, **instruction.kwargs)
                 start, end = end, clock()
                 record.append((release, start, end))
