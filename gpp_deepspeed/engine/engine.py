@@ -10,7 +10,8 @@ aggregation and checkpoints are DeepSpeed's. What changes:
   the schedule's :class:`~gpp_deepspeed.schedule.ProgramFactory` (validated once per shape: deadlock
   under NCCL's rendezvous semantics, buffer reuse, release points); the program decides the
   buffer slot of every micro-batch, when buffers are freed and which transfers are posted
-  together. The engine only executes it, one instruction per action (:mod:`.instructions`).
+  together. The engine only executes it, one instruction per action, a release in the dispatch of
+  the action before it (:mod:`.instructions`).
 
 The engine owns one object per job (``docs/architecture.md``, "The engine's rooms"):
 
@@ -472,6 +473,15 @@ class GraphPipelineEngine(PipelineEngine):
         finally:
             for timer in timers:
                 timer.stop()
+
+    def _exec_schedule(self, pipe_schedule):
+        """DeepSpeed's loop over a schedule, for a :class:`GraphPipeSchedule` its compiled steps
+        (:meth:`GraphPipeSchedule.run`: handlers called directly, releases with the action before)."""
+        if not isinstance(pipe_schedule, GraphPipeSchedule):
+            return super()._exec_schedule(pipe_schedule)
+        self._reserve_pipe_buffers(pipe_schedule.num_pipe_buffers())
+        self.fwd_outputs = []
+        pipe_schedule.run(self)
 
     _INSTRUCTION_MAP = {
         **PipelineEngine._INSTRUCTION_MAP,

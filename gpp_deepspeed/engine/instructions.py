@@ -14,13 +14,17 @@ in one table, :data:`INSTRUCTION_OF`; what the instruction is given follows from
 
 :class:`GraphPipeSchedule` maps each :class:`~gpp_deepspeed.schedule.Action` of the stage
 one-to-one to an instruction, with the buffer slot the schedule gave its micro-batch
-(:func:`~gpp_deepspeed.schedule.assign_buffers`): the engine runs exactly the list that was validated.
+(:func:`~gpp_deepspeed.schedule.assign_buffers`): the engine runs exactly the list that was validated,
+in its order. It compiles the list once per program into dispatches (:func:`compile_steps`): a
+release runs in the dispatch of the action before it, and :meth:`GraphPipeSchedule.run` calls the
+handlers directly, so an action costs its handler and little else.
 """
 
 from __future__ import annotations
 
 import functools
 import time
+from dataclasses import dataclass
 
 from deepspeed.runtime.pipe import schedule as ds
 
@@ -28,7 +32,7 @@ from ..schedule.ir import Action, ActionKind as K
 from . import asynchronous as _async
 
 __all__ = ["Transfers", "Release", "WaitSends", "BackwardInputPass", "BackwardWeightPass", "INSTRUCTION_OF",
-           "GraphPipeSchedule", "to_instruction"]
+           "GraphPipeSchedule", "Step", "compile_steps", "to_instruction"]
 
 
 class Transfers(ds.PipeInstruction):
@@ -117,19 +121,66 @@ def _instruction(action: Action, slots: tuple) -> ds.PipeInstruction:
     return cls(slot_of[action.mb_idx])
 
 
-class GraphPipeSchedule(ds.PipeSchedule):
-    """Yields one stage's actions as DeepSpeed instructions, one step per action.
+@dataclass(frozen=True, slots=True)
+class Step:
+    """One dispatch of the engine: the instruction of ``action``, then the releases the program puts
+    right after it, each ``(release action, its instruction)``."""
 
-    With ``record`` (a list), every action is appended with its start and end time
-    (``time.perf_counter``): the engine runs a step's instruction between yielding it and asking
-    for the next one, so the generator itself can time it without touching the engine's loop.
+    instruction: ds.PipeInstruction
+    action: Action
+    releases: tuple[tuple[Action, Release], ...] = ()
+
+
+def compile_steps(actions: list[Action], slot_of: dict[int, int]) -> tuple[Step, ...]:
+    """The dispatches that run ``actions``: one per action, save that a release runs inside the
+    dispatch of the action before it (a release is a few buffer slots set to ``None``; dispatching
+    it alone cost as much as the release). The order of execution is the program's, action for
+    action; only the number of trips through the dispatch loop changes.
+
+    >>> acts = [Action.parse(t) for t in "1F0 1RELEASE_OUT0 1RELEASE_IN0 1SEND_B0@0".split()]
+    >>> [(s.action, [r for r, _ in s.releases]) for s in compile_steps(acts, {0: 0})]
+    [(1F0, [1RELEASE_OUT0, 1RELEASE_IN0]), (1SEND_B0@0, [])]
+    """
+    steps: list[Step] = []
+    for action in actions:
+        if action.kind.is_release and steps:
+            last = steps[-1]
+            steps[-1] = Step(last.instruction, last.action,
+                             last.releases + ((action, to_instruction(action, slot_of)), ))
+        else:
+            steps.append(Step(to_instruction(action, slot_of), action))
+    return tuple(steps)
+
+
+_COMPILED: dict[int, tuple[list[Action], dict, tuple[Step, ...]]] = {}
+"""Compiled steps by the identity of a stage's action list (which the program factory keeps for
+the run; the entry holds it, so an id is never reused while cached)."""
+
+
+def _steps_of(actions: list[Action], slot_of: dict[int, int]) -> tuple[Step, ...]:
+    hit = _COMPILED.get(id(actions))
+    if hit is not None and hit[0] is actions and hit[1] is slot_of:
+        return hit[2]
+    if len(_COMPILED) >= 256:   # programs are few (one per shape); a bound keeps a pathological run small
+        _COMPILED.clear()
+    steps = compile_steps(actions, slot_of)
+    _COMPILED[id(actions)] = (actions, slot_of, steps)
+    return steps
+
+
+class GraphPipeSchedule(ds.PipeSchedule):
+    """One stage's actions as DeepSpeed instructions, compiled once per program
+    (:func:`compile_steps`) and run by :meth:`run`.
+
+    With ``record`` (a list), every action, releases included, is appended with its start and end
+    time (``time.perf_counter``); a release's span starts where the action before it ended.
     """
 
     def __init__(self, actions: list[Action], *, micro_batches: int, stages: int, stage_id: int,
                  slot_of: dict[int, int], record: list | None = None):
         super().__init__(micro_batches=micro_batches, stages=stages, stage_id=stage_id)
         self.actions = actions
-        self._slot_of = slot_of
+        self._steps = _steps_of(actions, slot_of)
         self._num_buffers = max(slot_of.values(), default=0) + 1
         self._record = record
 
@@ -137,8 +188,28 @@ class GraphPipeSchedule(ds.PipeSchedule):
         return self._num_buffers
 
     def steps(self):
-        for action in self.actions:
-            start = time.perf_counter()
-            yield [to_instruction(action, self._slot_of)]
-            if self._record is not None:
-                self._record.append((action, start, time.perf_counter()))
+        """What :meth:`run` executes, as DeepSpeed's instruction lists (one per dispatch)."""
+        for step in self._steps:
+            yield [step.instruction, *(instruction for _, instruction in step.releases)]
+
+    def run(self, engine) -> None:
+        """Execute every step on ``engine``: each instruction's handler from the engine's
+        ``_INSTRUCTION_MAP``, called directly (DeepSpeed's loop makes a bound method and sets it on
+        the engine, an ``nn.Module``, per instruction), then the step's releases (the engine's
+        ``Release`` handler, looked up once)."""
+        table = engine._INSTRUCTION_MAP
+        free = table[Release]
+        record = self._record if self._record is not None else []
+        clock = time.perf_counter
+        for step in self._steps:
+            handler = table.get(type(step.instruction))
+            if handler is None:
+                raise RuntimeError(f"{type(engine).__name__} does not understand instruction {step.instruction!r}")
+            start = clock()
+            handler(engine, **step.instruction.kwargs)
+            end = clock()
+            record.append((step.action, start, end))
+            for release, instruction in step.releases:
+                free(engine, **instruction.kwargs)
+                start, end = end, clock()
+                record.append((release, start, end))

@@ -1,0 +1,248 @@
+"""What a fan-in stage costs: a DAG whose output stage takes N branches against a chain of the same
+layers, each against its simulated step (issue 28, point 5).
+
+One launch of ``N + 1`` gloo ranks trains, round after round, one 1F1B step of each:
+
+* ``fanin``: N one-layer branches, each reading its own input, into one output layer that sums them
+  (the fan-in stage: it receives from every branch and sends a gradient back to every branch);
+* ``chain``: the same ``N + 1`` layers as a chain (one layer per stage and rank).
+
+With ``--strict`` every rank runs under ``tests/strict_p2p.py`` (NCCL's rendezvous semantics on
+gloo: a send completes when its receive is launched, a group as a whole, groups in posting order),
+where a group that pairs sends to every branch with receives from every branch would wait for the
+slowest branch if anything did.
+
+Every layer is the sleeping layer of ``benchmarks/peers.py`` (forward, input gradient and weight
+gradient each sleep ``T`` ms; a branch's first layer has no input gradient). Each row gives the
+median step over the rounds after the first, the simulator's step for the same sleeps (free
+messages) and their ratio; "wait" is the share of the step the fan-in (output) stage spent in its
+transfer actions, and "messages" how many it posted per step. The ratio is what the runtime and the
+machine add to the schedule; the fan-in row against the chain row is what a fan-in adds.
+
+    python benchmarks/fanin.py [--branches 4] [--rounds 8] [--strict]   # results/fanin_<N>.json, fanin.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import peers
+
+ROOT = Path(__file__).resolve().parent.parent
+VARIANTS = ("fanin", "chain")
+
+
+def topology(name: str, branches: int) -> str:
+    """Register the variant's topology with peers.py (its layer rows and sleeping units) and name it."""
+    key = f"{name}{branches}"
+    peers.TOPOLOGIES[key] = ((1, ) * branches, 1) if name == "fanin" else ((branches, ), 1)
+    return key
+
+
+def build(name: str, branches: int, unit):
+    """(step, engine) of one variant: our engine, 1F1B, one layer per stage and rank."""
+    import torch
+    from torch import nn
+    import gpp_deepspeed
+    from gpp_deepspeed import GraphLayerSpec, GraphPipelineModule
+
+    key = topology(name, branches)
+    rows = peers.layer_rows(key)
+    inputs = len(peers.TOPOLOGIES[key][0])
+    gen = torch.Generator().manual_seed(0)
+    data = [(tuple(torch.randn(peers.MBS, peers.DIM, generator=gen) for _ in range(inputs)),
+             torch.randn(peers.MBS, peers.DIM, generator=gen)) for _ in range(peers.M)]
+    layers = [GraphLayerSpec(r["name"], unit, peers.DIM, inputs, r["branch"], r["merge"], 1.0, r["source"], False,
+                             inputs=r["inputs"]) for r in rows]
+    module = GraphPipelineModule(layers, input_names=[f"x{b}" for b in range(inputs)], num_stages=len(rows),
+                                 loss_fn=nn.MSELoss(), partition_method={r["name"]: i for i, r in enumerate(rows)})
+    cfg = peers._ds_config() | {"graph_pipeline": {"schedule": "1f1b", "print_stage_graph": False,
+                                                    "print_idle_fractions": False}}
+    engine, *_ = gpp_deepspeed.initialize(model=module, model_parameters=list(module.parameters()), config=cfg)
+    return (lambda: engine.train_batch(data_iter=iter(data))), engine
+
+
+def stage_costs(engine) -> dict:
+    """The output stage's transfers in the last batch, split by what they waited for, from every
+    rank's timeline (``time.perf_counter`` is the machine's monotonic clock, one for all ranks).
+
+    For each transfer action of the output stage that receives activations, ``ready`` is when the
+    last of its senders posted the matching send (the start of the sender's action that holds it:
+    sends are posted first). Its time before ``ready`` is waiting for a peer (the schedule and the
+    peers' speed), its time after is the transport's own work once every message could flow.
+    Collective: every rank calls it."""
+    import torch
+
+    mine = [(a, t0, t1) for a, t0, t1 in engine.last_timeline]
+    every = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(every, (engine.stage_id, [(str(a), t0, t1) for a, t0, t1 in mine]))
+    out_stage = engine.stage_graph.num_stages - 1
+    if engine.stage_id != out_stage:
+        return {}
+    from gpp_deepspeed.schedule.ir import Action, ActionKind as K
+
+    posted = {}   # (sender stage, mb) -> when the action holding SEND_F(mb)@out_stage started
+    for stage, spans in every:
+        for text, t0, _ in spans:
+            for op in Action.parse(text).transfers:
+                if op.kind is K.SEND_F and op.peer == out_stage:
+                    posted[(stage, op.mb_idx)] = t0
+    waiting = working = 0.0
+    messages = groups = 0
+    for a, t0, t1 in mine:
+        recvs = [op for op in a.transfers if op.kind is K.RECV_F]
+        if not recvs:
+            continue
+        ready = max(posted[(op.peer, op.mb_idx)] for op in recvs)
+        waiting += min(max(ready - t0, 0.0), t1 - t0)
+        working += t1 - max(ready, t0)
+        messages += len(a.transfers)
+        groups += 1
+    transfers = [(a, t0, t1) for a, t0, t1 in mine if a.kind.is_transfer]
+    return {"stage": engine.stage_id, "wall": mine[-1][2] - mine[0][1],
+            "transfer_s": sum(t1 - t0 for _, t0, t1 in transfers), "waiting_s": waiting, "working_s": working,
+            "recv_groups": groups, "recv_group_messages": messages,
+            "messages": sum(len(a.transfers) for a, _, _ in transfers), "actions": len(mine)}
+
+
+def worker(branches: int, rounds: int, out: str, profile: bool = False) -> None:
+    import cProfile
+    import pstats
+    import torch
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    if os.environ.get("GPP_STRICT_P2P") == "1":
+        sys.path.insert(0, str(ROOT / "tests"))
+        import strict_p2p
+
+        strict_p2p.install()
+    unit = peers.sleep_unit_class()
+    built = {name: build(name, branches, unit) for name in VARIANTS}
+    times = {name: [] for name in VARIANTS}
+    costs = {name: [] for name in VARIANTS}
+    profiler = cProfile.Profile() if profile and torch.distributed.get_rank() == branches else None
+    for r in range(rounds):
+        for name, (step, engine) in built.items():
+            torch.distributed.barrier()
+            start = time.perf_counter()
+            if profiler is not None and name == "fanin" and r:
+                profiler.enable()
+            step()
+            if profiler is not None:
+                profiler.disable()
+            torch.distributed.barrier()
+            times[name].append(time.perf_counter() - start)
+            costs[name].append(stage_costs(engine))
+        if torch.distributed.get_rank() == 0:
+            print(f"round {r}: " + " ".join(f"{k}={v[-1] * 1e3:.0f}" for k, v in times.items()), flush=True)
+    if profiler is not None:   # the output stage's own time per step, sleeps left out
+        stats = pstats.Stats(profiler)
+        stats.stats = {k: v for k, v in stats.stats.items() if "sleep" not in k[2]}
+        print(f"output stage of fanin, own time over {rounds - 1} steps:", flush=True)
+        stats.sort_stats("tottime").print_stats(25)
+    results = {}
+    for name, (_, engine) in built.items():
+        gathered = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(gathered, costs[name][1:] or costs[name])
+        results[name] = {"times": times[name], "predicted": peers.predicted(engine.stage_graph, "1f1b"),
+                         "depth": engine.stage_graph.pipeline_depth, "costs": gathered,
+                         "output_stage": engine.stage_graph.num_stages - 1}
+    if torch.distributed.get_rank() == 0:
+        Path(out).write_text(json.dumps(results))
+    torch.distributed.destroy_process_group()
+
+
+def summarize(results: dict) -> dict:
+    """Per variant: median step, simulated step, ratio, the output stage's transfer share and messages."""
+    rows = {}
+    for name, r in results.items():
+        median = statistics.median(r["times"][1:] or r["times"])
+        out = [c for c in next(cs for cs in r["costs"] if cs and cs[0]) if c]
+        med = lambda key: 1e3 * statistics.median(c[key] for c in out)  # noqa: E731
+        rows[name] = {"median_ms": 1e3 * median, "predicted_ms": 1e3 * r["predicted"], "ratio": median / r["predicted"],
+                      "depth": r["depth"], "transfer_ms": med("transfer_s"), "waiting_ms": med("waiting_s"),
+                      "working_ms": med("working_s"), "messages": out[0]["messages"],
+                      "us_per_message": 1e3 * med("working_s") / out[0]["recv_group_messages"]}
+    return rows
+
+
+def table(rows: dict) -> str:
+    lines = ["| variant | depth | median step (ms) | simulated (ms) | measured / simulated | output stage: in transfers "
+             "(ms) | of which waiting for a peer's send | of which after every send was posted | per message (us) "
+             "| messages |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for name, r in rows.items():
+        lines.append(f"| {name} | {r['depth']} | {r['median_ms']:.1f} | {r['predicted_ms']:.1f} | {r['ratio']:.3f} | "
+                     f"{r['transfer_ms']:.1f} | {r['waiting_ms']:.1f} | {r['working_ms']:.1f} | "
+                     f"{r['us_per_message']:.0f} | {r['messages']} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="a fan-in stage against a chain of the same layers")
+    parser.add_argument("--branches", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--label", default="", help="a name for this run in the results file")
+    parser.add_argument("--table-only", action="store_true", help="rewrite results/fanin.md from the saved runs")
+    parser.add_argument("--strict", action="store_true", help="run under tests/strict_p2p.py (NCCL's semantics)")
+    parser.add_argument("--profile", action="store_true", help="cProfile the output stage (printed in its log)")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        return worker(args.branches, args.rounds, args.out, args.profile)
+    if args.table_only:
+        return write_section()
+    sys.path.insert(0, str(ROOT / "tests"))
+    from dist import launch
+
+    tmp = ROOT / "benchmarks" / "results" / "tmp"
+    out = tmp / f"fanin_{args.branches}.json"
+    load = os.getloadavg()[0]
+    res = launch(args.branches + 1, Path(__file__), "--worker", "--branches", str(args.branches), "--rounds",
+                 str(args.rounds), "--out", str(out), *(["--profile"] if args.profile else []),
+                 timeout=900 + 60 * args.rounds, log_dir=tmp / "logs" / "fanin",
+                 env={"GPP_STRICT_P2P": "1"} if args.strict else None)
+    if args.profile:
+        print(res.outputs[args.branches][-6000:])
+    if not res.ok:
+        raise SystemExit(res.report())
+    rows = summarize(json.loads(out.read_text()))
+    strict = ", strict transport" if args.strict else ""
+    print(f"{args.branches} branches, {args.rounds} rounds{strict}, load average {load:.1f} -> {os.getloadavg()[0]:.1f}")
+    print(table(rows))
+    path = ROOT / "benchmarks" / "results" / f"fanin_{args.branches}.json"
+    saved = json.loads(path.read_text()) if path.exists() else {}
+    saved[args.label or time.strftime("%Y-%m-%d %H:%M")] = {"rounds": args.rounds, "load_average": load,
+                                                             "strict": args.strict, "rows": rows}
+    path.write_text(json.dumps(saved, indent=1))
+    write_section()
+
+
+def write_section() -> None:
+    """``benchmarks/results/fanin.md``, the section of docs/benchmarks.md: every saved run."""
+    lines = ["## A fan-in stage against a chain of the same layers (fanin.py)", "",
+             "`python benchmarks/fanin.py --branches N [--strict]` (issue 28, point 5). One launch of N + 1 gloo "
+             "ranks trains a DAG whose output stage takes N one-layer branches and a chain of the same N + 1 "
+             "layers, one 1F1B step of each per round (16 micro-batches; each layer's forward, input gradient and "
+             "weight gradient sleep 20 ms); medians after the first round. The output stage's time in transfer "
+             "actions is split by the timelines of every rank: before the last sender had posted the matching send "
+             "(waiting for a peer: what coupling to the slowest branch would cost), and after (the transport's own "
+             "work, per message of the receiving actions). `--strict` runs it under `tests/strict_p2p.py` (NCCL's "
+             "semantics). The machine was shared with other jobs (load averages in the run column).", ""]
+    for path in sorted((ROOT / "benchmarks" / "results").glob("fanin_*.json")):
+        branches = int(path.stem.split("_")[1])
+        for label, run in json.loads(path.read_text()).items():
+            lines += [f"{branches} branches, {label} ({run['rounds']} rounds, load average "
+                      f"{run['load_average']:.1f} at the start):", "", table(run["rows"]), ""]
+    (ROOT / "benchmarks" / "results" / "fanin.md").write_text("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
