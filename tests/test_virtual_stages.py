@@ -148,8 +148,16 @@ def test_a_folded_program_with_a_hand_over_out_of_order_or_a_release_missing_is_
     first, second = (rank1.index(next(a for a in rank1 if str(a) == t)) for t in ("1F0", "2F0"))
     swapped = list(rank1)
     swapped[first], swapped[second] = swapped[second], swapped[first]
-    with pytest.raises(ScheduleError, match=r"runs 2F0 before 1F0"):
+    with pytest.raises(ScheduleError, match=r"2HAND_F0@1 must run after 1F0 and before 2F0"):
         validate_folded({**program, 1: swapped}, chain, 2, fold)
+    for hand in ("2HAND_F0@1", "1HAND_B1@2"):      # each hand-over is an action the program must hold
+        with pytest.raises(ScheduleError, match="never takes"):
+            validate_folded({**program, 1: [a for a in rank1 if str(a) != hand]}, chain, 2, fold)
+    b = rank1.index(next(a for a in rank1 if str(a) == "1HAND_B0@2"))
+    late = [a for i, a in enumerate(rank1) if i != b]
+    late.insert(len(late) - 4, rank1[b])           # after stage 1's backward of micro-batch 0
+    with pytest.raises(ScheduleError, match=r"1HAND_B0@2"):
+        validate_folded({**program, 1: late}, chain, 2, fold)
     without = [a for a in rank1 if str(a) != "2RELEASE_IN0"]
     with pytest.raises(ScheduleError, match="2RELEASE_IN0"):
         validate_folded({**program, 1: without}, chain, 2, fold)
