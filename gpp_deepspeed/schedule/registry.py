@@ -21,7 +21,7 @@ from .generators import gpipe, one_f_one_b
 from .ir import Schedule
 from .zero_bubble import zb1, zb2
 
-__all__ = ["ScheduleSpec", "SCHEDULES", "get_schedule", "is_async"]
+__all__ = ["ScheduleSpec", "FoldedSchedule", "SCHEDULES", "get_schedule", "is_async"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -49,11 +49,38 @@ class ScheduleSpec:
     """The backward runs as ``I`` (input gradients) and ``W`` (weight gradients)."""
     stash_reads_pipeline_depth: bool = False
     """``stash`` depends on the stage graph's longest path, not only on the stage's own depth."""
+    folded: "FoldedSchedule | None" = None
+    """A schedule of several stages per rank (virtual stages): its fold and each rank's order."""
 
     @property
     def asynchronous(self) -> bool:
         """The pipeline never drains between batches; weights update inside it."""
         return self.weights is not None
+
+
+@dataclass(frozen=True, slots=True)
+class FoldedSchedule:
+    """How a schedule of several stages per rank is made (:mod:`.virtual`): the fold it needs
+    (``"looped"``: any fold, Megatron's looped placement by default; ``"v"``: the V placement, two
+    stages per rank), the compute order of every rank, ``orders(stage_graph, M, fold)``, and
+    whether the backward is split. Registering one more is one :class:`ScheduleSpec` line."""
+
+    fold: str
+    orders: Callable
+    split_backward: bool = False
+
+
+def _zbv_orders(stage_graph: StageGraph, num_microbatches: int, fold) -> Schedule:
+    """ZB-V's order: the greedy rank order with the split backward on a V fold."""
+    from .virtual import rank_orders
+
+    return rank_orders(stage_graph, num_microbatches, fold, split_backward=True)
+
+
+def _interleaved_orders(stage_graph: StageGraph, num_microbatches: int, fold) -> Schedule:
+    from .virtual import interleaved_1f1b
+
+    return interleaved_1f1b(stage_graph, num_microbatches, fold)
 
 
 def _own_depth(depth: int, pipeline_depth: int, m: int) -> int:
@@ -94,6 +121,12 @@ SCHEDULES: dict[str, ScheduleSpec] = {spec.name: spec for spec in (
                  summary="zero-bubble ZB-H1 on a DAG (Qi et al., arXiv 2401.10241 Sec. 3.1)"),
     ScheduleSpec(name="zb2", generator=zb2, splits_backward=True, stash=_zb_h2, stash_reads_pipeline_depth=True,
                  summary="ZB-H2-like greedy schedule (Qi et al., arXiv 2401.10241 Sec. 3)"),
+    ScheduleSpec(name="interleaved", folded=FoldedSchedule("looped", _interleaved_orders), stash=_own_depth,
+                 summary="interleaved 1F1B, several stages per rank in looped placement (Narayanan et al., SC'21 "
+                         "Sec. 2.2), on a DAG"),
+    ScheduleSpec(name="zbv", folded=FoldedSchedule("v", _zbv_orders, split_backward=True), splits_backward=True,
+                 stash=_own_depth,
+                 summary="ZB-V: two stages per rank in a V, split backward (Qi et al., arXiv 2405.15362), on a DAG"),
     ScheduleSpec(name="pipedream", weights=WeightRule.STASH, stash=_pipeline_full,
                  summary="asynchronous 1F1B with weight stashing (PipeDream, SOSP'19 Sec. 3.3)"),
     ScheduleSpec(name="2bw", weights=WeightRule.DOUBLE_BUFFER, stash=_pipeline_full,

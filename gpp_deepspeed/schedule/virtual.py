@@ -22,7 +22,7 @@ Each rank's compute order is :func:`~gpp_deepspeed.schedule.greedy.rank_orders` 
 schedule that ``zb2`` runs with one stage per rank) or :func:`interleaved_1f1b` (Megatron's).
 :func:`fold_program` then lowers it into one list of
 actions per rank across its stages (an edge inside a rank is a hand-over, not a message; one
-``LOAD`` per micro-batch and one step per rank), grouped and ordered for NCCL's rendezvous
+``LOAD`` per micro-batch and stage that reads the batch, one step per rank), grouped and ordered for NCCL's rendezvous
 semantics and checked by the simulator in that mode; with free messages it takes exactly the
 compute makespan of its orders (tested on random folds of random DAGs).
 
@@ -164,7 +164,8 @@ def fold_program(stage_graph: StageGraph, num_microbatches: int, fold: Fold, ord
       (``HAND_F``: the consumer takes the producer's outputs; ``HAND_B``: the producer takes the
       gradients the consumer computed for them) and the sends are dropped; the producer keeps what
       a hand-over reads until it has run (the releases count it as a use);
-    * a micro-batch is loaded once per rank, before the first of its stages that reads the batch;
+    * every stage that reads the batch has its ``LOAD`` (the engine reads each micro-batch from
+      the data once per rank and gives each such stage its part);
     * the batch ends once per rank (``WAIT_SENDS``, and in training ``REDUCE_TIED``,
       ``REDUCE_GRAD``, ``STEP``).
 
@@ -197,24 +198,17 @@ def fold_program(stage_graph: StageGraph, num_microbatches: int, fold: Fold, ord
     per_stage = _lowered_stages(compute, stage_graph)
     per_stage = merge_backward(per_stage, stage_graph) if train else per_stage
     per_stage = add_layouts(per_stage) if layouts else per_stage
-    loaded: set[tuple[int, int]] = set()
-
     def rewrite(a: Action) -> Action | None:
         if a.kind.has_peer and fold.rank_of[a.stage_idx] == fold.rank_of[a.peer]:
             if a.kind in (K.RECV_F, K.RECV_B):   # a hand-over inside the rank: no message
                 return Action(a.stage_idx, K.HAND_F if a.kind is K.RECV_F else K.HAND_B, a.mb_idx, peer=a.peer)
             return None
-        if a.kind is K.LOAD:                   # one load of a micro-batch per rank
-            key = (fold.rank_of[a.stage_idx], a.mb_idx)
-            if key in loaded:
-                return None
-            loaded.add(key)
         return a
 
     tail = (K.WAIT_SENDS, K.REDUCE_TIED, K.REDUCE_GRAD, K.STEP) if train else (K.WAIT_SENDS, )
     lists = {r: acts + [Action(fold.stages_of(r)[0], k) for k in tail]
              for r, acts in _interleave(per_stage, orders, rewrite=rewrite).items()}
-    lowered = _add_releases(group_for_rendezvous(lists, duration=duration))
+    lowered = _add_releases(group_for_rendezvous(lists, duration=duration, rank_of=fold.rank_of))
     validate_folded(lowered, stage_graph, num_microbatches, fold, train=train, layouts=layouts)
     return lowered
 
@@ -289,7 +283,7 @@ def validate_folded(program: dict[int, list[Action]], stage_graph: StageGraph, n
     for e in stage_graph.edges:
         if fold.rank_of[e.src] == fold.rank_of[e.dst]:
             _check_hand_over(program[fold.rank_of[e.src]], e, num_microbatches, train=train)
-    simulate(program, mode="rendezvous")
+    simulate(program, mode="rendezvous", rank_of=fold.rank_of)
 
 
 def _check_hand_over(actions: list[Action], edge, num_microbatches: int, *, train: bool) -> None:
