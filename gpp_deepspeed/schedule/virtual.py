@@ -135,10 +135,23 @@ def interleaved_1f1b(stage_graph: StageGraph, num_microbatches: int, fold: Fold)
         order += backwards[len(forwards) - warmup:]
         orders[r] = order
     try:
+        _backward_after_forward(orders)
         rank_makespan(orders, stage_graph)
     except ScheduleError:
         return rank_orders(stage_graph, num_microbatches, fold, split_backward=False)
     return orders
+
+
+def _backward_after_forward(orders: dict[int, list[Action]]) -> None:
+    """Raise :class:`ScheduleError` where a rank's order runs a backward before its forward (on a
+    DAG, Megatron's warm-up can be shorter than a stage's distance to the output)."""
+    for r, acts in orders.items():
+        done = set()
+        for a in acts:
+            if a.kind is K.FORWARD:
+                done.add((a.stage_idx, a.mb_idx))
+            elif (a.stage_idx, a.mb_idx) not in done:
+                raise ScheduleError(f"rank {r} runs {a} before its forward")
 
 
 def _chunk_order(stages, num_mb: int, group: int, kind: K) -> list[Action]:
