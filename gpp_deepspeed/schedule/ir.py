@@ -88,6 +88,11 @@ class ActionKind(str, Enum):
         return KINDS[self].message != ""
 
     @property
+    def takes_peer(self) -> bool:
+        """The action names a peer stage: a transfer (``has_peer``) or a hand-over."""
+        return self.has_peer or bool(KINDS[self].hand_over)
+
+    @property
     def is_transfer(self) -> bool:
         """A point-to-point transfer, alone or grouped."""
         return self.has_peer or self is ActionKind.P2P
@@ -324,9 +329,8 @@ class Action:
             raise ScheduleError(f"{self.kind.name} {'needs' if self.kind.has_mb else 'takes no'} micro-batch index")
         if self.peer is not None and self.peer < 0:
             raise ScheduleError(f"{self.kind.name} of stage {self.stage_idx} has no peer stage {self.peer}")
-        needs_peer = self.kind.has_peer or bool(self.kind.spec.hand_over)
-        if needs_peer != (self.peer is not None):
-            raise ScheduleError(f"{self.kind.name} {'needs' if needs_peer else 'takes no'} peer stage")
+        if self.kind.takes_peer != (self.peer is not None):
+            raise ScheduleError(f"{self.kind.name} {'needs' if self.kind.takes_peer else 'takes no'} peer stage")
 
     def __str__(self) -> str:
         if self.kind is ActionKind.P2P:

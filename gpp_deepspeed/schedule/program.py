@@ -139,6 +139,8 @@ def default_fold(stage_graph: StageGraph, schedule: str) -> Fold:
     spec = get_schedule(schedule)
     n = stage_graph.num_stages
     if spec.folded is not None and spec.folded.fold == "v":
+        if n % 2:
+            raise GPPConfigError(f'schedule "{spec.name}" places two stages per rank in a V; {n} stages do not pair up')
         return Fold.v_shape(num_stages=n)
     return Fold.looped(num_stages=n, num_ranks=max(1, (n + 1) // 2))
 
