@@ -112,3 +112,97 @@ def test_a_folded_schedule_with_per_stage_degrees_trains_like_one_device(run_cas
 def test_a_folded_schedule_in_bf16_tracks_the_fp32_single_device_model(run_cases, c):
     # bf16 keeps 8 mantissa bits: agreement to a few percent is what bf16 can promise.
     _check(run_cases("fold_bf16_w2", 2, BF16, timeout=900, env=STRICT), c, 2, rel=3e-2)
+
+
+# -- checkpoints: each rank saves and loads its own stages' layers --------------------------------
+
+# Save after 2 steps, train 2 more; rebuild, load, train the same 2: both runs must agree. The
+# checkpoint of a folded pipeline also loads into one stage per rank (layer files by name).
+CKPT = [case("chain", 4, 0, "interleaved", stages_per_rank=2, optimizer="adam", lr=0.01, tag="-ckpt",
+             checkpoint=True),
+        case("skip", 4, 1, "zbv", fold="v", optimizer="adam", lr=0.01, tag="-ckpt-moved", checkpoint=True,
+             resume_as={"stages": 2, "schedule": "1f1b", "fold": None, "partition": "uniform"})]
+
+
+@pytest.mark.parametrize("c", CKPT, ids=[c["id"] for c in CKPT])
+def test_a_folded_checkpoint_resumes_like_an_uninterrupted_run(run_cases, c):
+    out = run_cases("fold_ckpt_w2", 2, CKPT, timeout=900, env=STRICT)
+    ref = train_reference(c, dp=1, steps=range(4))
+    for r in range(2):
+        res = torch.load(out / f"{c['id']}.rank{r}.pt")
+        assert res["trained"] == pytest.approx(ref.losses[:2], rel=1e-5), f"rank {r}"
+        assert res["resumed"] == pytest.approx(ref.losses[2:], rel=1e-5), f"rank {r}"
+        if "resume_as" not in c:
+            assert res["resumed"] == res["uninterrupted"], f"rank {r}"
+
+
+# -- what is refused, by name, before any process blocks ------------------------------------------
+
+def _module(fold, graph, *, interval=0):
+    from types import SimpleNamespace
+
+    from gpp_deepspeed.graph.placement import Placement
+    placement = Placement.build((1, ) * graph.num_stages, world_size=max(fold) + 1 if fold else graph.num_stages,
+                                fold=fold)
+    return SimpleNamespace(placement=placement, partition=SimpleNamespace(stage_graph=graph),
+                           activation_checkpoint_interval=interval)
+
+
+@pytest.mark.parametrize("schedule,fold,config,message", [
+    ("interleaved", (), {}, "holds one per rank: build it with GraphPipelineModule"),
+    ("1f1b", (0, 1, 0, 1), {}, 'runs one stage per rank, but the module holds several'),
+    ("zbv", (0, 1, 0, 1), {}, "the fold \\[0, 1, 0, 1\\] is not it"),
+    ("interleaved", (0, 1, 0, 1), {"stages_per_rank": 3}, "stages_per_rank 3 does not match"),
+    ("interleaved", (0, 1, 0, 1), {"fold": "v"}, "graph_pipeline.fold 'v' is not the module's fold"),
+    ("1f1b", (), {"stages_per_rank": 2}, "stages_per_rank / fold ask for several stages per rank"),
+])
+def test_what_a_fold_cannot_run_or_does_not_agree_with_is_refused_by_name(schedule, fold, config, message):
+    from gpp_deepspeed.config import GraphPipelineConfig
+    from gpp_deepspeed.engine.rooms import check_folding
+    from gpp_deepspeed.errors import GPPConfigError
+    from gpp_deepspeed.graph.stages import StageGraph
+    from gpp_deepspeed.schedule import get_schedule
+
+    with pytest.raises(GPPConfigError, match=message):
+        check_folding(get_schedule(schedule), _module(fold, StageGraph.chain(4)),
+                      GraphPipelineConfig(schedule=schedule, **config))
+
+
+def test_activation_checkpointing_and_zero3_under_a_fold_are_refused_by_name():
+    from types import SimpleNamespace
+
+    from gpp_deepspeed.config import GraphPipelineConfig
+    from gpp_deepspeed.engine.rooms import check_folding
+    from gpp_deepspeed.errors import GPPConfigError
+    from gpp_deepspeed.graph.stages import StageGraph
+    from gpp_deepspeed.schedule import get_schedule
+
+    spec, chain, config = get_schedule("interleaved"), StageGraph.chain(4), GraphPipelineConfig(schedule="interleaved")
+    with pytest.raises(GPPConfigError, match="activation checkpointing"):
+        check_folding(spec, _module((0, 1, 0, 1), chain, interval=1), config)
+    with pytest.raises(GPPConfigError, match='"zero_optimization.stage": 3'):
+        check_folding(spec, _module((0, 1, 0, 1), chain), config,
+                      SimpleNamespace(pipeline={}, zero_optimization_stage=3))
+
+
+def test_stages_sharing_a_rank_with_different_degrees_are_refused_naming_both():
+    from gpp_deepspeed.errors import GPPConfigError
+    from gpp_deepspeed.graph.placement import Placement
+
+    with pytest.raises(GPPConfigError, match="stages 0 and 3 share pipeline rank 0 .* degrees 2 and 1"):
+        Placement.build((2, 1, 1, 1), world_size=3, fold=(0, 1, 1, 0))
+    assert Placement.build((2, 1, 1, 2), world_size=3, fold=(0, 1, 1, 0)).position_degrees == (2, 1)
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"fold": "zigzag"}, 'fold must be "looped", "v"'),
+    ({"stages_per_rank": 3, "num_stages": 4}, "num_stages \\(4\\) must be stages_per_rank \\(3\\) x pipeline ranks"),
+    ({"fold": [0, 2, 2, 0]}, "ranks 0..R-1"),
+    ({"fold": [0, 1, 1, 0], "num_stages": 6}, "places 4 stages, num_stages is 6"),
+])
+def test_a_module_fold_that_does_not_fit_is_refused_before_any_communication(kwargs, message):
+    from gpp_deepspeed.engine.module import _fold
+    from gpp_deepspeed.errors import PartitionError
+
+    with pytest.raises(PartitionError, match=message):
+        _fold(kwargs.get("fold"), kwargs.get("stages_per_rank", 1), kwargs.get("num_stages"), 2)

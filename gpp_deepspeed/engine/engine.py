@@ -92,8 +92,7 @@ class GraphPipelineEngine(PipelineEngine):
         check_zero_supported(config_class, self.schedule_spec)
         check_split_backward_supported(self.schedule_spec, kwargs.get("model"),
                                        config_class.pipeline if config_class is not None else None)
-        check_folding(self.schedule_spec, kwargs.get("model"), gpp_config,
-                      config_class.pipeline if config_class is not None else None)
+        check_folding(self.schedule_spec, kwargs.get("model"), gpp_config, config_class)
         super().__init__(*args, **kwargs)
         if not isinstance(self.module, GraphPipelineModule):
             raise GPPConfigError("GraphPipelineEngine needs a GraphPipelineModule")

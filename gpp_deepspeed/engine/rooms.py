@@ -149,10 +149,11 @@ class RankStages:
         return batch
 
 
-def check_folding(spec, module, gpp_config, pipeline_config: dict | None) -> None:
+def check_folding(spec, module, gpp_config, config_class=None) -> None:
     """Refuse, naming the setting, before any communication, what several stages per rank cannot
     run or what does not agree: the schedule and the module's fold, the config's
-    ``stages_per_rank`` / ``fold`` and the module's, activation checkpointing."""
+    ``stages_per_rank`` / ``fold`` and the module's, activation checkpointing, ZeRO-3."""
+    pipeline_config = config_class.pipeline if config_class is not None else None
     fold = tuple(getattr(getattr(module, "placement", None), "fold", ()) or ())
     folded = spec.folded is not None
     names = "GraphPipelineModule(..., stages_per_rank=v) or fold=[...]"
@@ -185,3 +186,7 @@ def check_folding(spec, module, gpp_config, pipeline_config: dict | None) -> Non
     if interval > 0:
         raise GPPConfigError(f'graph_pipeline.schedule "{spec.name}" (several stages per rank) does not run activation '
                              "checkpointing yet: set activation_checkpoint_interval to 0")
+    if config_class is not None and config_class.zero_optimization_stage == 3:
+        raise GPPConfigError(f'graph_pipeline.schedule "{spec.name}" (several stages per rank) does not run '
+                             '"zero_optimization.stage": 3 (its hooks gather and release one stage\'s parameters per '
+                             "pass); use stage 1 or 2")
