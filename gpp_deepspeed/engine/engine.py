@@ -343,7 +343,10 @@ class GraphPipelineEngine(PipelineEngine):
 
         def describe(rank: int) -> str:
             coord = topo.get_coord(rank)
-            return f"stage {coord.pipe} of pipeline replica {coord.data}"
+            stages = self.placement.stages_of(coord.pipe)   # several under a fold
+            what = (f"stage {stages[0]}" if len(stages) == 1 else
+                    f"stages {', '.join(map(str, stages))} (pipeline rank {coord.pipe})")
+            return f"{what} of pipeline replica {coord.data}"
 
         return start_watchdog(rank=self.global_rank, peers=[*self.grid.pp_group, *self.grid.dp_group],
                               describe=describe, heartbeat_s=self.gpp_config.heartbeat_s,

@@ -54,6 +54,8 @@ class StageMemory:
     optimizer_bytes: int
     activation_peak_bytes: int
     process_peak_bytes: int
+    stages: tuple[int, ...] = ()
+    """Every stage the rank holds when it holds several (a fold): the numbers are their sum."""
 
     @property
     def model_bytes(self) -> int:
@@ -72,15 +74,19 @@ class MemoryReport:
 
         >>> m = StageMemory(stage_idx=0, rank=0, param_bytes=2**20, grad_bytes=2**20, optimizer_bytes=0,
         ...                 activation_peak_bytes=2**19, process_peak_bytes=2**22)
-        >>> print(MemoryReport((m, )).describe())
+        >>> v = StageMemory(stage_idx=1, rank=1, param_bytes=2**20, grad_bytes=2**20, optimizer_bytes=0,
+        ...                 activation_peak_bytes=2**19, process_peak_bytes=2**22, stages=(1, 2))
+        >>> print(MemoryReport((m, v)).describe())
         memory per rank (MiB): parameters, gradients, optimizer state, activation peak, their sum; process peak
           stage 0 (rank 0):      1.0      1.0      0.0      0.5      2.5;      4.0
+          stages 1+2 (rank 1):      1.0      1.0      0.0      0.5      2.5;      4.0
         """
         lines = [f"memory per rank (MiB){' ' + when if when else ''}: parameters, gradients, optimizer state, "
                  "activation peak, their sum; process peak"]
-        for m in sorted(self.ranks, key=lambda m: (m.stage_idx, m.rank)):
+        for m in sorted(self.ranks, key=lambda m: (m.stage_idx, m.rank)):   # stage_idx: the pipeline rank
             cols = (m.param_bytes, m.grad_bytes, m.optimizer_bytes, m.activation_peak_bytes, m.model_bytes)
-            lines.append(f"  stage {m.stage_idx} (rank {m.rank}): " + " ".join(f"{b / _MIB:8.1f}" for b in cols)
+            what = f"stage {m.stage_idx}" if not m.stages else "stages " + "+".join(map(str, m.stages))
+            lines.append(f"  {what} (rank {m.rank}): " + " ".join(f"{b / _MIB:8.1f}" for b in cols)
                          + f"; {m.process_peak_bytes / _MIB:8.1f}")
         return "\n".join(lines)
 
@@ -206,7 +212,8 @@ def stage_memory(engine) -> StageMemory:
     return StageMemory(stage_idx=engine.stage_id, rank=engine.global_rank, param_bytes=param_bytes,
                        grad_bytes=grad_bytes, optimizer_bytes=optimizer_bytes,
                        activation_peak_bytes=meter.peak if meter is not None else 0,
-                       process_peak_bytes=process_peak_bytes(engine.device))
+                       process_peak_bytes=process_peak_bytes(engine.device),
+                       stages=tuple(module.stages) if len(module.stages) > 1 else ())
 
 
 def memory_report(engine) -> MemoryReport:

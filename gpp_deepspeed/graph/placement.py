@@ -156,6 +156,10 @@ class Placement:
         """The pipeline position that runs ``stage``."""
         return self.fold[stage] if self.fold else stage
 
+    def stages_of(self, position: int) -> tuple[int, ...]:
+        """The stages pipeline position ``position`` runs (``(position, )`` without a fold)."""
+        return tuple(s for s in range(self.num_stages) if self.position(s) == position)
+
     def pipeline(self) -> "Placement":
         """The placement of the pipeline positions, one "stage" each: what DeepSpeed's grid sees
         (itself without a fold)."""
