@@ -63,6 +63,8 @@ def _check(out, c, world, *, rel=1e-5):
         assert res["schedule"] == c["schedule"]
         assert res["losses"] == pytest.approx(ref.losses, rel=rel), f"rank {r}"
         assert res["eval"] == pytest.approx(ref.eval_loss, rel=rel), f"rank {r}"
+        if c["schedule"] == "zbv" and not c.get("checkpoint"):   # a V always joins two stages on a rank
+            assert any({"HAND_F", "HAND_B"} <= set(x["ran"]) for x in ranks), "the hand-overs ran as actions"
         if c["zero"] == 2:
             assert res["partitions_grads"], f"rank {r}: ZeRO-2 partitions the gradients"
         if rel > 1e-5:
@@ -96,6 +98,12 @@ def _check(out, c, world, *, rel=1e-5):
 @pytest.mark.parametrize("c", W2, ids=[c["id"] for c in W2])
 def test_a_folded_schedule_on_two_ranks_trains_like_one_device_under_the_strict_transport(run_cases, c):
     _check(run_cases("fold_w2", 2, W2, timeout=900, env=STRICT), c, 2)
+
+
+def test_the_memory_report_names_every_stage_a_rank_holds(run_cases):
+    log = (run_cases("fold_w2", 2, W2, timeout=900, env=STRICT) / "logs" / "rank0.log").read_text()
+    assert "stages 0+2 (rank 0)" in log and "stages 1+3 (rank 1)" in log      # interleaved: looped
+    assert "stages 0+3 (rank 0)" in log and "stages 1+2 (rank 1)" in log      # zbv: the V
 
 
 @pytest.mark.parametrize("c", W4, ids=[c["id"] for c in W4])
