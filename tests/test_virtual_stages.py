@@ -196,3 +196,19 @@ def test_the_fold_search_finds_what_a_brute_force_over_every_map_of_stages_to_ra
                 time = rank_makespan(orders, graph, unit)
                 best = time if best is None else min(best, time)
     assert found.makespan == best and max(found.peak) <= memory
+
+
+def test_two_channels_between_the_same_two_ranks_share_one_wire_in_the_simulator():
+    # A V on four stages: rank 0 (stages 0, 3) sends rank 1 (stages 1, 2) activations on 0 -> 1 and
+    # gradients on 3 -> 2. Per stage channel both orders look fine; on the wire (messages between
+    # two ranks match in posting order) the receiver must take them in the order they were sent.
+    from gpp_deepspeed.schedule.ir import Action
+    from gpp_deepspeed.schedule.validate import simulate
+
+    rank0 = [Action.parse(t) for t in ("0SEND_F0@1", "3SEND_B0@2", "0WAIT_SENDS")]
+    crossed = {0: rank0, 1: [Action.parse(t) for t in ("2RECV_B0@3", "1RECV_F0@0")]}
+    simulate(crossed, mode="async")                        # per stage pair: nothing wrong
+    with pytest.raises(ScheduleError, match="post their messages in different orders"):
+        simulate(crossed, mode="async", rank_of=(0, 1, 1, 0))
+    in_order = {0: rank0, 1: [Action.parse(t) for t in ("1RECV_F0@0", "2RECV_B0@3")]}
+    simulate(in_order, mode="async", rank_of=(0, 1, 1, 0))

@@ -36,8 +36,9 @@ deadlock, it falls back to the greedy order, which is poor there: 68.5). A rank'
 :func:`rank_in_flight`; a micro-batch reserves its units on a rank when it first reaches it, and
 where that could deadlock (a micro-batch entering one rank at two stages of a DAG) the cap is
 relaxed for micro-batches already begun there. :func:`validate_folded` checks a folded program rank
-by rank. Left: an engine that runs these programs (a rank building several stages, the hand-over
-as an action of its own), and GraphPipe's planner calling :func:`search_fold` with its stage costs.
+by rank. The engine runs these programs (``"interleaved"`` and ``"zbv"`` in the schedule
+registry; :mod:`gpp_deepspeed.engine.rooms`); left: GraphPipe's planner calling :func:`search_fold`
+with its stage costs.
 
 Representative use::
 
