@@ -52,6 +52,10 @@ class ScheduleSpec:
     folded: "FoldedSchedule | None" = None
     """A schedule of several stages per rank (virtual stages): its fold and each rank's order."""
 
+    def __post_init__(self):
+        if self.folded is not None:   # a folded schedule's entry says once whether it splits the backward
+            object.__setattr__(self, "splits_backward", self.folded.split_backward)
+
     @property
     def asynchronous(self) -> bool:
         """The pipeline never drains between batches; weights update inside it."""
@@ -124,8 +128,7 @@ SCHEDULES: dict[str, ScheduleSpec] = {spec.name: spec for spec in (
     ScheduleSpec(name="interleaved", folded=FoldedSchedule("looped", _interleaved_orders), stash=_own_depth,
                  summary="interleaved 1F1B, several stages per rank in looped placement (Narayanan et al., SC'21 "
                          "Sec. 2.2), on a DAG"),
-    ScheduleSpec(name="zbv", folded=FoldedSchedule("v", _zbv_orders, split_backward=True), splits_backward=True,
-                 stash=_own_depth,
+    ScheduleSpec(name="zbv", folded=FoldedSchedule("v", _zbv_orders, split_backward=True), stash=_own_depth,
                  summary="ZB-V: two stages per rank in a V, split backward (Qi et al., arXiv 2405.15362), on a DAG"),
     ScheduleSpec(name="pipedream", weights=WeightRule.STASH, stash=_pipeline_full,
                  summary="asynchronous 1F1B with weight stashing (PipeDream, SOSP'19 Sec. 3.3)"),
