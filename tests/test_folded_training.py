@@ -50,6 +50,11 @@ W4 = [case("chain", 4, 1, "interleaved", stages_per_rank=2, tag="-dp2"),
 # on one; looped: stages 0 and 2 on 2 ranks); rows reshard between ranks of different degrees.
 W3 = [case("chain", 4, 0, "zbv", fold="v", degrees=[2, 1, 1, 2]),
       case("skip", 4, 1, "interleaved", stages_per_rank=2, degrees=[2, 1, 2, 1])]
+# Activation checkpointing: each stage's layers in chunks of their own (reentrant under the fused
+# backward, torch's non-reentrant checkpoint under zbv's split backward, recomputing in I and W).
+RECOMPUTE = [case("four_branch", 4, 0, "interleaved", stages_per_rank=2, ckpt_interval=1, tag="-ckpt1"),
+             case("skip", 4, 1, "zbv", fold="v", ckpt_interval=2, tag="-ckpt2")]
+W2 += RECOMPUTE
 # bf16 (DeepSpeed's bf16 optimizer): tracks the fp32 model as the other bf16 cases do.
 BF16 = [case("chain", 4, 0, "zbv", fold="v", bf16=True, tag="-bf16"),
         case("four_branch", 4, 1, "interleaved", stages_per_rank=2, bf16=True, tag="-bf16")]
@@ -65,6 +70,9 @@ def _check(out, c, world, *, rel=1e-5):
         assert res["eval"] == pytest.approx(ref.eval_loss, rel=rel), f"rank {r}"
         if c["schedule"] == "zbv" and not c.get("checkpoint"):   # a V always joins two stages on a rank
             assert any({"HAND_F", "HAND_B"} <= set(x["ran"]) for x in ranks), "the hand-overs ran as actions"
+        if c.get("ckpt_interval"):
+            assert res["ckpt_interval"] == c["ckpt_interval"], f"rank {r}"
+            assert res["ckpt_func"] == ("recompute" if c["schedule"] == "zbv" else "checkpoint"), f"rank {r}"
         if c["zero"] == 2:
             assert res["partitions_grads"], f"rank {r}: ZeRO-2 partitions the gradients"
         if rel > 1e-5:
@@ -146,14 +154,13 @@ def test_a_folded_checkpoint_resumes_like_an_uninterrupted_run(run_cases, c):
 
 # -- what is refused, by name, before any process blocks ------------------------------------------
 
-def _module(fold, graph, *, interval=0):
+def _module(fold, graph):
     from types import SimpleNamespace
 
     from gpp_deepspeed.graph.placement import Placement
     placement = Placement.build((1, ) * graph.num_stages, world_size=max(fold) + 1 if fold else graph.num_stages,
                                 fold=fold)
-    return SimpleNamespace(placement=placement, partition=SimpleNamespace(stage_graph=graph),
-                           activation_checkpoint_interval=interval)
+    return SimpleNamespace(placement=placement, partition=SimpleNamespace(stage_graph=graph))
 
 
 @pytest.mark.parametrize("schedule,fold,config,message", [
@@ -176,7 +183,7 @@ def test_what_a_fold_cannot_run_or_does_not_agree_with_is_refused_by_name(schedu
                       GraphPipelineConfig(schedule=schedule, **config))
 
 
-def test_activation_checkpointing_and_zero3_under_a_fold_are_refused_by_name():
+def test_zero3_under_a_fold_is_refused_by_name():
     from types import SimpleNamespace
 
     from gpp_deepspeed.config import GraphPipelineConfig
@@ -186,11 +193,8 @@ def test_activation_checkpointing_and_zero3_under_a_fold_are_refused_by_name():
     from gpp_deepspeed.schedule import get_schedule
 
     spec, chain, config = get_schedule("interleaved"), StageGraph.chain(4), GraphPipelineConfig(schedule="interleaved")
-    with pytest.raises(GPPConfigError, match="activation checkpointing"):
-        check_folding(spec, _module((0, 1, 0, 1), chain, interval=1), config)
     with pytest.raises(GPPConfigError, match='"zero_optimization.stage": 3'):
-        check_folding(spec, _module((0, 1, 0, 1), chain), config,
-                      SimpleNamespace(pipeline={}, zero_optimization_stage=3))
+        check_folding(spec, _module((0, 1, 0, 1), chain), config, SimpleNamespace(zero_optimization_stage=3))
 
 
 def test_stages_sharing_a_rank_with_different_degrees_are_refused_naming_both():
@@ -209,8 +213,8 @@ def test_stages_sharing_a_rank_with_different_degrees_are_refused_naming_both():
     ({"fold": [0, 1, 1, 0], "num_stages": 6}, "places 4 stages, num_stages is 6"),
 ])
 def test_a_module_fold_that_does_not_fit_is_refused_before_any_communication(kwargs, message):
-    from gpp_deepspeed.engine.module import _fold
+    from gpp_deepspeed.engine.rooms import resolve_fold
     from gpp_deepspeed.errors import PartitionError
 
     with pytest.raises(PartitionError, match=message):
-        _fold(kwargs.get("fold"), kwargs.get("stages_per_rank", 1), kwargs.get("num_stages"), 2)
+        resolve_fold(kwargs.get("fold"), kwargs.get("stages_per_rank", 1), kwargs.get("num_stages"), 2)

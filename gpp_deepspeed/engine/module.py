@@ -38,6 +38,7 @@ from . import compat
 from .compat import broadcast_tied_weights, pipeline_grid
 from .flat import flatten, unflatten
 from .memory import ActivationMeter, check_fits_memory, node_memory_bytes
+from .rooms import resolve_fold
 from .shm import release_own_shm
 from .topology import StageGrid, StageTopology
 
@@ -105,7 +106,7 @@ class GraphPipelineModule(PipelineModule):
             option = _measured(option, layers, input_names, output)
             measured = option.cost_db
         num_stages = _pipe_stages(num_stages, topology, world_size)
-        folded = _fold(fold, stages_per_rank, num_stages, world_size)
+        folded = resolve_fold(fold, stages_per_rank, num_stages, world_size)
         resolved = resolve_partition(graph, option, num_stages=len(folded) if folded else num_stages,
                                      stage_degrees=stage_degrees, world_size=None if folded else world_size,
                                      param_count=lambda name: _count_params(by_name[name]),
@@ -309,7 +310,13 @@ class GraphPipelineModule(PipelineModule):
         function; a chunk takes the values it reads from outside and returns those read after it."""
         num = len(self._local_entries)
         interval = self.activation_checkpoint_interval
-        for chunk, checkpointable in zip(range(0, num, interval), self.is_checkpointable_results):
+        chunks = zip(range(0, num, interval), self.is_checkpointable_results)
+        if len(self.stages) > 1:   # several stages per rank: the chunks of the selected stage's layers
+            own = self._stage_idxs[self.stage]
+            num = own.stop
+            chunks = ((c, compat.is_checkpointable(self, self.forward_funcs[c:min(c + interval, num)]))
+                      for c in range(own.start, own.stop, interval))
+        for chunk, checkpointable in chunks:
             idxs = range(chunk, min(chunk + interval, num))
             if not checkpointable:
                 self._run(env, idxs)
@@ -459,45 +466,6 @@ def _pipe_stages(num_stages: int | None, topology, world_size: int) -> int | Non
     if topology.world_size() != world_size:
         raise PartitionError(f"the topology has {topology.world_size()} ranks but the world size is {world_size}")
     return topology.get_dim("pipe")
-
-
-def _fold(fold: Any, stages_per_rank: int, num_stages: int | None, world_size: int) -> tuple[int, ...]:
-    """The pipeline rank of every stage (empty: one stage per rank), checked before any
-    communication: ``fold`` a list, ``"looped"`` or ``"v"``, else looped when ``stages_per_rank > 1``."""
-    from ..schedule.greedy import Fold
-    from ..errors import ScheduleError
-
-    if not isinstance(stages_per_rank, int) or stages_per_rank < 1:
-        raise PartitionError(f"stages_per_rank must be a positive integer, got {stages_per_rank!r}")
-    if fold is None and stages_per_rank == 1:
-        return ()
-    if fold is not None and not isinstance(fold, str):
-        rank_of = tuple(fold)
-    else:
-        kind = fold or "looped"
-        per_rank = 2 if kind == "v" else stages_per_rank
-        if kind not in ("looped", "v") or (kind == "v" and stages_per_rank not in (1, 2)):
-            raise PartitionError(f'fold must be "looped", "v" (two stages per rank) or the pipeline rank of every '
-                                 f"stage, got {fold!r} with stages_per_rank={stages_per_rank}")
-        total = num_stages if num_stages is not None else per_rank * world_size
-        if total % per_rank:
-            raise PartitionError(f"num_stages ({total}) must be stages_per_rank ({per_rank}) x pipeline ranks")
-        try:
-            rank_of = (Fold.v_shape(num_stages=total) if kind == "v"
-                       else Fold.looped(num_stages=total, num_ranks=total // per_rank)).rank_of
-        except ScheduleError as exc:
-            raise PartitionError(str(exc)) from None
-    try:
-        Fold(rank_of)
-    except ScheduleError as exc:
-        raise PartitionError(str(exc)) from None
-    if num_stages is not None and len(rank_of) != num_stages:
-        raise PartitionError(f"the fold {list(rank_of)} places {len(rank_of)} stages, num_stages is {num_stages}")
-    if stages_per_rank > 1 and isinstance(fold, (list, tuple)) and \
-            len(rank_of) != stages_per_rank * (max(rank_of) + 1):
-        raise PartitionError(f"the fold {list(rank_of)} does not give every rank stages_per_rank={stages_per_rank} "
-                             "stages")
-    return rank_of
 
 
 def _placement(resolved: ResolvedPartition, world_size: int, fold: tuple[int, ...] = ()) -> Placement:

@@ -36,13 +36,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..errors import GPPConfigError
+from ..errors import GPPConfigError, PartitionError, ScheduleError
+from ..schedule.greedy import Fold
 from ..schedule.ir import ActionKind as K
 from . import compat
 from .buffers import StageBuffers
 from .transfers import StageTransfers
 
-__all__ = ["StageRoom", "RankStages", "check_folding"]
+__all__ = ["StageRoom", "RankStages", "check_folding", "resolve_fold"]
 
 
 @dataclass
@@ -152,8 +153,7 @@ class RankStages:
 def check_folding(spec, module, gpp_config, config_class=None) -> None:
     """Refuse, naming the setting, before any communication, what several stages per rank cannot
     run or what does not agree: the schedule and the module's fold, the config's
-    ``stages_per_rank`` / ``fold`` and the module's, activation checkpointing, ZeRO-3."""
-    pipeline_config = config_class.pipeline if config_class is not None else None
+    ``stages_per_rank`` / ``fold`` and the module's, ZeRO-3."""
     fold = tuple(getattr(getattr(module, "placement", None), "fold", ()) or ())
     folded = spec.folded is not None
     names = "GraphPipelineModule(..., stages_per_rank=v) or fold=[...]"
@@ -168,7 +168,6 @@ def check_folding(spec, module, gpp_config, config_class=None) -> None:
     if not folded:
         raise GPPConfigError(f'graph_pipeline.schedule "{spec.name}" runs one stage per rank, but the module holds '
                              f"several per rank (fold {list(fold)}): use schedule \"interleaved\" or \"zbv\"")
-    from ..schedule.greedy import Fold
     from ..schedule.program import check_fold
 
     check_fold(Fold(fold), module.partition.stage_graph, spec.name)
@@ -181,12 +180,43 @@ def check_folding(spec, module, gpp_config, config_class=None) -> None:
     if gpp_config.stages_per_rank != 1 and gpp_config.stages_per_rank * num_ranks != len(fold):
         raise GPPConfigError(f"graph_pipeline.stages_per_rank {gpp_config.stages_per_rank} does not match the module, "
                              f"which holds {len(fold)} stages on {num_ranks} pipeline ranks (fold {list(fold)})")
-    interval = max(getattr(module, "activation_checkpoint_interval", 0) or 0,
-                   (pipeline_config or {}).get("activation_checkpoint_interval", 0) or 0)
-    if interval > 0:
-        raise GPPConfigError(f'graph_pipeline.schedule "{spec.name}" (several stages per rank) does not run activation '
-                             "checkpointing yet: set activation_checkpoint_interval to 0")
     if config_class is not None and config_class.zero_optimization_stage == 3:
         raise GPPConfigError(f'graph_pipeline.schedule "{spec.name}" (several stages per rank) does not run '
                              '"zero_optimization.stage": 3 (its hooks gather and release one stage\'s parameters per '
                              "pass); use stage 1 or 2")
+
+
+def resolve_fold(fold, stages_per_rank: int, num_stages: int | None, world_size: int) -> tuple[int, ...]:
+    """The pipeline rank of every stage (empty: one stage per rank), checked before any
+    communication: ``fold`` a list, ``"looped"`` or ``"v"``, else looped when ``stages_per_rank > 1``."""
+    if not isinstance(stages_per_rank, int) or stages_per_rank < 1:
+        raise PartitionError(f"stages_per_rank must be a positive integer, got {stages_per_rank!r}")
+    if fold is None and stages_per_rank == 1:
+        return ()
+    if fold is not None and not isinstance(fold, str):
+        rank_of = tuple(fold)
+    else:
+        kind = fold or "looped"
+        per_rank = 2 if kind == "v" else stages_per_rank
+        if kind not in ("looped", "v") or (kind == "v" and stages_per_rank not in (1, 2)):
+            raise PartitionError(f'fold must be "looped", "v" (two stages per rank) or the pipeline rank of every '
+                                 f"stage, got {fold!r} with stages_per_rank={stages_per_rank}")
+        total = num_stages if num_stages is not None else per_rank * world_size
+        if total % per_rank:
+            raise PartitionError(f"num_stages ({total}) must be stages_per_rank ({per_rank}) x pipeline ranks")
+        try:
+            rank_of = (Fold.v_shape(num_stages=total) if kind == "v"
+                       else Fold.looped(num_stages=total, num_ranks=total // per_rank)).rank_of
+        except ScheduleError as exc:
+            raise PartitionError(str(exc)) from None
+    try:
+        Fold(rank_of)
+    except ScheduleError as exc:
+        raise PartitionError(str(exc)) from None
+    if num_stages is not None and len(rank_of) != num_stages:
+        raise PartitionError(f"the fold {list(rank_of)} places {len(rank_of)} stages, num_stages is {num_stages}")
+    if stages_per_rank > 1 and isinstance(fold, (list, tuple)) and \
+            len(rank_of) != stages_per_rank * (max(rank_of) + 1):
+        raise PartitionError(f"the fold {list(rank_of)} does not give every rank stages_per_rank={stages_per_rank} "
+                             "stages")
+    return rank_of
