@@ -48,6 +48,19 @@ class GraphPipelineConfig(BaseModel):
     ``partition_method="plan.json"`` brings the schedule it was priced with (``gpp plan
     --schedules``); otherwise ``"1f1b"``."""
 
+    stages_per_rank: int = Field(default=1, ge=1)
+    """Stages each pipeline rank holds (virtual stages; Megatron's
+    ``virtual_pipeline_model_parallel_size``): ``"interleaved"`` runs any number, ``"zbv"`` two.
+    The module is cut into ``stages_per_rank`` x pipeline ranks stages and must be built with the
+    same value (``GraphPipelineModule(..., stages_per_rank=v)``: it builds each rank's stages
+    before the config is read); 1 is one stage per rank."""
+
+    fold: Literal["looped", "v"] | list[int] | None = None
+    """Where the stages sit: ``"looped"`` (stage ``s`` on rank ``s mod R``, Megatron's), ``"v"``
+    (rank ``r`` holds stages ``r`` and ``2R - 1 - r``, ZB-V's) or the pipeline rank of every stage
+    (a planner's fold). The module must be built with the same (``GraphPipelineModule(...,
+    fold=...)``); ``"zbv"`` runs the V only."""
+
     validate_schedule: bool = True
     """Check every stage's instruction list for deadlock and buffer misuse before running it; the
     deadlock check assumes NCCL's semantics (a send completes only when its receive is posted)."""

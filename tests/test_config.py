@@ -48,7 +48,7 @@ def test_parse_graph_pipeline_config_names_every_unknown_key():
 
 
 @pytest.mark.parametrize("section, field", [
-    ({"schedule": "interleaved"}, "schedule"),
+    ({"schedule": "chimera"}, "schedule"),
     ({"schedule": 1}, "schedule"),
     ({"validate_schedule": "maybe"}, "validate_schedule"),
     ({"print_stage_graph": [True]}, "print_stage_graph"),

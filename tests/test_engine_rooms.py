@@ -37,10 +37,20 @@ def test_every_action_kind_has_an_instruction_class_that_the_engine_dispatches()
 
 def test_every_transfer_alone_or_grouped_is_one_transfers_instruction():
     from gpp_deepspeed.engine.instructions import to_instruction
-    single = to_instruction(Action(1, K.SEND_F, 3, 2), {3: 1})
-    group = to_instruction(Action.parse("(1SEND_F3@2;1RECV_B2@2)P2P"), {3: 1, 2: 0})
-    assert type(single) is Transfers and single.kwargs == {"ops": ((K.SEND_F, 1, 2), )}
-    assert type(group) is Transfers and group.kwargs == {"ops": ((K.SEND_F, 1, 2), (K.RECV_B, 0, 2))}
+    single = to_instruction(Action(1, K.SEND_F, 3, 2), {1: {3: 1}})
+    group = to_instruction(Action.parse("(1SEND_F3@2;1RECV_B2@2)P2P"), {1: {3: 1, 2: 0}})
+    assert type(single) is Transfers and single.kwargs == {"ops": ((K.SEND_F, 1, 2, 1), )}
+    assert type(group) is Transfers and group.kwargs == {"ops": ((K.SEND_F, 1, 2, 1), (K.RECV_B, 0, 2, 1))}
+    # A rank holding stages 1 and 3 posts both stages' transfers in one group, each in its slot.
+    mixed = to_instruction(Action.parse("(1SEND_F3@2;3RECV_B3@4)P2P"), {1: {3: 1}, 3: {3: 0}})
+    assert mixed.kwargs == {"ops": ((K.SEND_F, 1, 2, 1), (K.RECV_B, 0, 4, 3))}
+
+
+def test_a_hand_over_names_both_stages_and_their_slots():
+    from gpp_deepspeed.engine.instructions import HandOver, to_instruction
+    hand = to_instruction(Action.parse("2HAND_F5@1"), {1: {5: 0}, 2: {5: 3}})
+    assert type(hand) is HandOver
+    assert hand.kwargs == {"kind": K.HAND_F, "stage": 2, "buffer_id": 3, "peer": 1, "peer_buffer_id": 0}
 
 
 def test_the_composed_engine_has_at_most_45_methods_of_its_own():

@@ -148,8 +148,16 @@ def test_a_folded_program_with_a_hand_over_out_of_order_or_a_release_missing_is_
     first, second = (rank1.index(next(a for a in rank1 if str(a) == t)) for t in ("1F0", "2F0"))
     swapped = list(rank1)
     swapped[first], swapped[second] = swapped[second], swapped[first]
-    with pytest.raises(ScheduleError, match=r"runs 2F0 before 1F0"):
+    with pytest.raises(ScheduleError, match=r"2HAND_F0@1 must run after 1F0 and before 2F0"):
         validate_folded({**program, 1: swapped}, chain, 2, fold)
+    for hand in ("2HAND_F0@1", "1HAND_B1@2"):      # each hand-over is an action the program must hold
+        with pytest.raises(ScheduleError, match="never takes"):
+            validate_folded({**program, 1: [a for a in rank1 if str(a) != hand]}, chain, 2, fold)
+    b = rank1.index(next(a for a in rank1 if str(a) == "1HAND_B0@2"))
+    late = [a for i, a in enumerate(rank1) if i != b]
+    late.insert(len(late) - 4, rank1[b])           # after stage 1's backward of micro-batch 0
+    with pytest.raises(ScheduleError, match=r"1HAND_B0@2"):
+        validate_folded({**program, 1: late}, chain, 2, fold)
     without = [a for a in rank1 if str(a) != "2RELEASE_IN0"]
     with pytest.raises(ScheduleError, match="2RELEASE_IN0"):
         validate_folded({**program, 1: without}, chain, 2, fold)
@@ -323,3 +331,19 @@ def test_the_fold_search_beyond_brute_force_is_no_worse_than_the_looped_and_v_fo
         for orders in (interleaved_1f1b(graph, 10, fold), rank_orders(graph, 10, fold, split_backward=True,
                                                                         duration=unit)):
             assert found.makespan <= rank_makespan(orders, graph, unit)
+
+
+def test_two_channels_between_the_same_two_ranks_share_one_wire_in_the_simulator():
+    # A V on four stages: rank 0 (stages 0, 3) sends rank 1 (stages 1, 2) activations on 0 -> 1 and
+    # gradients on 3 -> 2. Per stage channel both orders look fine; on the wire (messages between
+    # two ranks match in posting order) the receiver must take them in the order they were sent.
+    from gpp_deepspeed.schedule.ir import Action
+    from gpp_deepspeed.schedule.validate import simulate
+
+    rank0 = [Action.parse(t) for t in ("0SEND_F0@1", "3SEND_B0@2", "0WAIT_SENDS")]
+    crossed = {0: rank0, 1: [Action.parse(t) for t in ("2RECV_B0@3", "1RECV_F0@0")]}
+    simulate(crossed, mode="async")                        # per stage pair: nothing wrong
+    with pytest.raises(ScheduleError, match="post their messages in different orders"):
+        simulate(crossed, mode="async", rank_of=(0, 1, 1, 0))
+    in_order = {0: rank0, 1: [Action.parse(t) for t in ("1RECV_F0@0", "2RECV_B0@3")]}
+    simulate(in_order, mode="async", rank_of=(0, 1, 1, 0))

@@ -142,9 +142,9 @@ class StageBackward:
         engine, buffers = self.engine, self.engine.pipe_buffers
         inputs = [t for t in buffers[Buffer.INPUTS, slot] or () if t.requires_grad]
         if not inputs:
-            raise ScheduleError(f"stage {engine.stage_id} runs an input-gradient pass (I) but none of its inputs "
+            raise ScheduleError(f"stage {engine.stage} runs an input-gradient pass (I) but none of its inputs "
                                 "needs a gradient; a program for such a stage runs B (lower it with merge_backward)")
-        params = [p for p in engine.module.parameters() if p.requires_grad]
+        params = [p for p in engine.module.stage_parameters(engine.stage) if p.requires_grad]
         with compat.engine_backward(engine):
             if engine.is_last_stage():
                 work = self._loss_backward_input(buffers[Buffer.LOSS, slot], inputs, params)

@@ -401,3 +401,9 @@ def layer_specs(module) -> list:
 def precompute_checkpointable_values(module) -> None:
     """Recompute ``PipelineModule``'s activation-checkpointing chunks after its interval changed."""
     module._precompute_checkpointable_values()
+
+
+def is_checkpointable(module, funcs) -> bool:
+    """Whether ``PipelineModule`` would checkpoint a chunk of these forward functions (a chunk of
+    one stage of a rank holding several, whose bounds its precomputed list does not know)."""
+    return module._is_checkpointable(funcs)

@@ -76,7 +76,7 @@ def stage_loader(engine, dataset, *, start: int = 0) -> RepeatingLoader:
     else:
         sampler = torch.utils.data.distributed.DistributedSampler(dataset, num_replicas=placement.replicas,
                                                                   rank=engine.grid.replica_id, shuffle=False)
-    rows = engine.train_micro_batch_size_per_gpu() * placement.degrees[engine.stage_id]
+    rows = engine.train_micro_batch_size_per_gpu() * placement.position_degrees[engine.stage_id]
     return RepeatingLoader(engine.deepspeed_io(dataset, batch_size=rows, data_sampler=sampler))
 
 
@@ -110,7 +110,7 @@ def split_inputs(names, inputs) -> dict[str, torch.Tensor]:
 def load_micro_batch(engine, buffer_id: int) -> None:
     """``LOAD``: read the next micro-batch and keep what this rank needs of it."""
     try:
-        batch = compat.next_batch(engine)
+        batch = engine.rooms.next_batch()
     except StopIteration:
         raise GPPConfigError(
             f"data_iter ran out of micro-batches: a batch reads gradient_accumulation_steps={engine.micro_batches} "
@@ -120,7 +120,7 @@ def load_micro_batch(engine, buffer_id: int) -> None:
                              + (f" of {len(batch)} elements" if isinstance(batch, (tuple, list)) else ""))
     inputs, labels = batch
     values = split_inputs(engine.module.graph.input_names, inputs)
-    placement, stage, idx = engine.placement, engine.stage_id, engine.grid.stage_idx
+    placement, stage, idx = engine.placement, engine.stage, engine.grid.stage_idx
     if engine.spec.loads:
         loaded = {}
         for name in engine.spec.loads:

@@ -15,10 +15,10 @@ aggregation and checkpoints are DeepSpeed's. What changes:
 
 The engine owns one object per job (``docs/architecture.md``, "The engine's rooms"):
 
-``pipe_buffers``
-    :class:`~.buffers.StageBuffers`, what the stage holds per micro-batch slot;
-``transfers``
-    :class:`~.transfers.StageTransfers`, the stage's edges and peers, every transfer action;
+``rooms``
+    :class:`~.rooms.RankStages`, this rank's stages (one, or several under a fold), each with its
+    buffers (:class:`~.buffers.StageBuffers`, ``pipe_buffers`` points at the entered stage's) and
+    its edges (:class:`~.transfers.StageTransfers`); every transfer action and hand-over;
 ``stage_backward``
     :class:`~.backward.StageBackward`, ``B``, ``I``, ``W`` and the parameter-gradient bracket;
 ``zero``
@@ -50,6 +50,7 @@ from ..config import GraphPipelineConfig, with_plan_schedule
 from ..errors import GPPConfigError
 from ..graph.stages import mark_gradient_flow
 from ..schedule import KINDS, Program, ProgramFactory, get_schedule
+from ..schedule.greedy import Fold
 from ..schedule.ir import Action, ActionKind as K, Buffer
 from .flat import flatten
 from . import asynchronous as _async
@@ -58,15 +59,14 @@ from .compat import count_each_stage_once
 from . import data, elastic, portable
 from .backward import (StageBackward, check_split_backward_supported, reentrant_checkpointing,
                        use_split_backward_recompute)
-from .buffers import StageBuffers
-from .instructions import (BackwardInputPass, BackwardWeightPass, GraphPipeSchedule, Release, Transfers,
+from .instructions import (BackwardInputPass, BackwardWeightPass, GraphPipeSchedule, HandOver, Release, Transfers,
                            WaitSends)
 from .watchdog import start_watchdog
 from .memory import MemoryReport, memory_report
 from .module import GraphPipelineModule
 from .p2p import EdgeTransport
 from .reshard import warm_up_pairs
-from .transfers import StageTransfers
+from .rooms import RankStages, check_folding
 from .zero import StageZero, check_zero_supported
 
 __all__ = ["GraphPipelineEngine"]
@@ -93,6 +93,7 @@ class GraphPipelineEngine(PipelineEngine):
         check_zero_supported(config_class, self.schedule_spec)
         check_split_backward_supported(self.schedule_spec, kwargs.get("model"),
                                        config_class.pipeline if config_class is not None else None)
+        check_folding(self.schedule_spec, kwargs.get("model"), gpp_config, config_class)
         super().__init__(*args, **kwargs)
         if not isinstance(self.module, GraphPipelineModule):
             raise GPPConfigError("GraphPipelineEngine needs a GraphPipelineModule")
@@ -101,34 +102,30 @@ class GraphPipelineEngine(PipelineEngine):
                                  "activation partitioning) are not supported by the graph pipeline; set them false")
         self.gpp_config = gpp_config
         use_split_backward_recompute(self)
-        self.spec = self.module.stage_spec
         self.module.partition = mark_gradient_flow(self.module.partition, self._trainable_layers())
         self.stage_graph = self.module.partition.stage_graph
-        self.module.frozen = self.stage_id in self.stage_graph.frozen
         self._layouts_sent = False   # a program has sent every edge's layout (see program())
         self.placement = self.module.placement
-        # The rooms the engine owns: this stage's transfers, its backward, ZeRO-2/3's part.
-        self.transfers = StageTransfers(
-            self.stage_graph, self.placement, stage_idx=self.stage_id, replica=self.grid.replica_id,
-            rank_idx=self.grid.stage_idx, out_ports=self.spec.out_ports,
-            transport=EdgeTransport(self.grid, self.device, stage=self.stage_id, timeout_s=self.gpp_config.p2p_timeout_s))
+        # The rooms the engine owns: this rank's stages (buffers, transfers), its backward, ZeRO-2/3's part.
+        self.rooms = RankStages(self, EdgeTransport(self.grid, self.device, stage=self.module.stages[0],
+                                                    timeout_s=self.gpp_config.p2p_timeout_s))
         self.stage_backward = StageBackward(self)
         self.zero = StageZero(self)
         count_each_stage_once(self.optimizer, is_stage_leader=self.grid.is_stage_leader(),
                               group=self.grid.get_model_parallel_group())
         self._programs = ProgramFactory(self.stage_graph, schedule=self.schedule_spec.name,
-                                        validate=self.gpp_config.validate_schedule)
+                                        validate=self.gpp_config.validate_schedule,
+                                        fold=Fold(self.placement.fold) if self.placement.fold else None)
         self.last_timeline: list[tuple[Action, float, float]] = []   # this stage's last batch, timed
         self._trace_events: list[dict] = []
         self._trace_t0 = time.perf_counter()
-        self.pipe_buffers = StageBuffers(self.pipe_buffers, num_slots=self.num_pipe_buffers)
         self.module.engine_attached = True
         self._dag_ready = True
         self.watchdog = self._start_watchdog()
         elastic.check_elastic_launch(self.global_rank)
         # Every pair of ranks that exchanges tensors talks once now, in one order on all ranks, so
         # NCCL creates no communicator in the middle of a schedule.
-        self.transfers.transport.warm_up(warm_up_pairs(self.placement, self.stage_graph, replica=self.grid.replica_id))
+        self.rooms.transport.warm_up(warm_up_pairs(self.placement, self.stage_graph, replica=self.grid.replica_id))
         self._async = None
         if self.schedule_spec.asynchronous:
             _async.check_async_options(self)
@@ -200,15 +197,15 @@ class GraphPipelineEngine(PipelineEngine):
     # 0..S-1 (a chain, which neither the stage DAG nor per-stage degrees are) and hands the data
     # loader, if any, to every stage.
     def is_first_stage(self):
-        """True if this stage reads graph inputs from the batch."""
-        return bool(self.spec.loads) if self._dag_ready else True
+        """True if this stage reads graph inputs from the batch (between schedules: one of this rank's)."""
+        return self.rooms.is_first() if self._dag_ready else True
 
     def is_last_stage(self):
-        """True if this is the output stage (labels, loss)."""
-        return self.stage_id == self.stage_graph.output_stage if self._dag_ready else True
+        """True if this is the output stage, labels and loss (between schedules: this rank holds it)."""
+        return self.rooms.is_last() if self._dag_ready else True
 
     def _loss_stage_global_rank(self):
-        return self.grid.stage_to_global(self.stage_graph.output_stage)
+        return self.grid.stage_to_global(self.placement.position(self.stage_graph.output_stage))
 
     def _aggregate_total_loss(self):
         """The batch's mean loss, on every rank: averaged over the output stage's data-parallel
@@ -286,9 +283,11 @@ class GraphPipelineEngine(PipelineEngine):
             self._async.runs(program)
         self._layouts_sent |= program.layouts
         self.last_timeline = []
-        return GraphPipeSchedule(program.actions[self.stage_id], micro_batches=micro_batches, stages=self.num_stages,
-                                 stage_id=self.stage_id, slot_of=program.slots[self.stage_id],
-                                 record=self.last_timeline)
+        schedule = GraphPipeSchedule(program.actions[self.stage_id], micro_batches=micro_batches,
+                                     stages=self.num_stages, stage_id=self.stage_id, slots=program.slots,
+                                     record=self.last_timeline, enter=self.rooms.enter)
+        self.rooms.reserve(schedule.num_pipe_buffers())
+        return schedule
 
     # -- what the last batch did ------------------------------------------------------------------
 
@@ -345,7 +344,10 @@ class GraphPipelineEngine(PipelineEngine):
 
         def describe(rank: int) -> str:
             coord = topo.get_coord(rank)
-            return f"stage {coord.pipe} of pipeline replica {coord.data}"
+            stages = self.placement.stages_of(coord.pipe)   # several under a fold
+            what = (f"stage {stages[0]}" if len(stages) == 1 else
+                    f"stages {', '.join(map(str, stages))} (pipeline rank {coord.pipe})")
+            return f"{what} of pipeline replica {coord.data}"
 
         return start_watchdog(rank=self.global_rank, peers=[*self.grid.pp_group, *self.grid.dp_group],
                               describe=describe, heartbeat_s=self.gpp_config.heartbeat_s,
@@ -400,7 +402,7 @@ class GraphPipelineEngine(PipelineEngine):
 
     def reset_activation_shape(self):
         super().reset_activation_shape()
-        self.transfers.transport.reset_layouts()
+        self.rooms.transport.reset_layouts()
         self._layouts_sent = False
 
     # -- compute ----------------------------------------------------------------------------------
@@ -464,12 +466,12 @@ class GraphPipelineEngine(PipelineEngine):
     def _exec_transfers(self, ops):
         """One transfer action (:meth:`.transfers.StageTransfers.run`), timed under each of its
         kinds' DeepSpeed pipe timers when ``wall_clock_breakdown`` is on."""
-        timers = [self.timers(name) for name in dict.fromkeys(_TIMERS[kind] for kind, _, _ in ops)
+        timers = [self.timers(name) for name in dict.fromkeys(_TIMERS[kind] for kind, *_ in ops)
                   ] if self.wall_clock_breakdown() else []
         for timer in timers:
             timer.start()
         try:
-            self.transfers.run(ops, self.pipe_buffers)
+            self.rooms.run(ops)
         finally:
             for timer in timers:
                 timer.stop()
@@ -493,7 +495,8 @@ class GraphPipelineEngine(PipelineEngine):
         BackwardInputPass: lambda engine, buffer_id: engine.stage_backward.input(buffer_id),
         BackwardWeightPass: lambda engine, buffer_id: engine.stage_backward.weight(buffer_id),
         Transfers: _exec_transfers,
-        WaitSends: lambda engine: engine.transfers.wait_sends(),
+        WaitSends: lambda engine: engine.rooms.transport.wait_sends(),
+        HandOver: lambda engine, **hand: engine.rooms.hand_over(**hand),
         # A release frees what the schedule's table says its kind frees.
         Release: lambda engine, buffer_id, kind: engine.pipe_buffers.free(kind.spec.frees, buffer_id),
         _async.StashWeights: _async.exec_stash,

@@ -84,7 +84,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     gpp_config = parse_graph_pipeline_config(config)
     ds_config = {k: v for k, v in config.items() if k != CONFIG_KEY}
     # Per-stage degrees: the user's batch values describe the pipeline; DeepSpeed gets this rank's.
-    ds_config = stage_batch_config(ds_config, model.placement, model.stage_id)
+    ds_config = stage_batch_config(ds_config, model.placement.pipeline(), model.stage_id)
     rows = _rows_per_stage(config, model.placement)
     if rows is not None:
         check_captured_rows(model._entries, model.partition.stage_of, rows)

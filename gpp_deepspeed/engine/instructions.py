@@ -6,7 +6,9 @@ in one table, :data:`INSTRUCTION_OF`; what the instruction is given follows from
 :class:`~gpp_deepspeed.schedule.ir.KindSpec`:
 
 * every transfer, alone or grouped (``P2P``), layouts included, is one :class:`Transfers` holding
-  ``(kind, slot, peer)`` per message: one handler, one timing path;
+  ``(kind, slot, peer, stage)`` per message: one handler, one timing path (a group of a rank
+  holding several stages may hold several stages' transfers);
+* a hand-over between two stages of one rank is a :class:`HandOver` naming both and their slots;
 * a release is a :class:`Release` naming its kind, whose handler frees what the table says it
   frees;
 * a weight-version action is given the version (its micro-batch index names one);
@@ -31,14 +33,15 @@ from deepspeed.runtime.pipe import schedule as ds
 from ..schedule.ir import Action, ActionKind as K
 from . import asynchronous as _async
 
-__all__ = ["Transfers", "Release", "WaitSends", "BackwardInputPass", "BackwardWeightPass", "INSTRUCTION_OF",
+__all__ = ["Transfers", "HandOver", "Release", "WaitSends", "BackwardInputPass", "BackwardWeightPass", "INSTRUCTION_OF",
            "GraphPipeSchedule", "Step", "compile_steps", "to_instruction"]
 
 
 class Transfers(ds.PipeInstruction):
     """Post one or several transfers at once and wait for their receives (``batch_isend_irecv``).
 
-    ``ops`` holds ``(kind, buffer_id, peer)`` per transfer, ``kind`` an ``ActionKind`` transfer.
+    ``ops`` holds ``(kind, buffer_id, peer, stage)`` per transfer, ``kind`` an ``ActionKind``
+    transfer of ``stage`` (the rank's stage whose buffer it is).
 
     Roughly::
 
@@ -47,6 +50,20 @@ class Transfers(ds.PipeInstruction):
 
     def __init__(self, ops):
         super().__init__(ops=tuple(ops))
+
+
+class HandOver(ds.PipeInstruction):
+    """``HAND_F`` or ``HAND_B`` (``kind``): ``stage`` (slot ``buffer_id``) takes from ``peer``
+    (slot ``peer_buffer_id``), a stage of the same rank, what a receive would have brought.
+
+    Roughly::
+
+        HAND_F: received[stage] := detach(outputs[peer] on the edge)
+        HAND_B: grads[stage] += input gradients of received[peer] on the edge
+    """
+
+    def __init__(self, kind, stage, buffer_id, peer, peer_buffer_id):
+        super().__init__(kind=kind, stage=stage, buffer_id=buffer_id, peer=peer, peer_buffer_id=peer_buffer_id)
 
 
 class Release(ds.BufferOpInstruction):
@@ -89,6 +106,7 @@ INSTRUCTION_OF: dict[K, type[ds.PipeInstruction]] = {
     K.BACKWARD_INPUT: BackwardInputPass, K.BACKWARD_WEIGHT: BackwardWeightPass,
     **{k: Transfers for k in K if k.is_transfer},
     **{k: Release for k in K if k.is_release},
+    K.HAND_F: HandOver, K.HAND_B: HandOver,
     K.WAIT_SENDS: WaitSends, K.REDUCE_TIED: ds.ReduceTiedGrads, K.REDUCE_GRAD: ds.ReduceGrads,
     K.STEP: ds.OptimizerStep,
     K.STASH: _async.StashWeights, K.PREDICT: _async.PredictWeights, K.PREDICT_INPLACE: _async.PredictInPlace,
@@ -97,28 +115,33 @@ INSTRUCTION_OF: dict[K, type[ds.PipeInstruction]] = {
 """The instruction class of every action kind (a test checks that none is missing)."""
 
 
-def to_instruction(action: Action, slot_of: dict[int, int]) -> ds.PipeInstruction:
-    """The DeepSpeed instruction that executes ``action``; ``slot_of`` maps micro-batches to buffers."""
-    slots = tuple(slot_of[j] if not action.kind.spec.version else None for j in action.mb_idxs)
-    return _instruction(action, slots)
+def to_instruction(action: Action, slots: dict[int, dict[int, int]]) -> ds.PipeInstruction:
+    """The DeepSpeed instruction that executes ``action``; ``slots[stage][mb]`` is the buffer
+    slot of a micro-batch on a stage (:attr:`~gpp_deepspeed.schedule.Program.slots`)."""
+    key = tuple(None if op.mb_idx is None or op.kind.spec.version else slots[op.stage_idx][op.mb_idx]
+                for op in action.parts)
+    if action.kind.spec.hand_over:
+        key += (slots[action.peer][action.mb_idx], )
+    return _instruction(action, key)
 
 
 @functools.lru_cache(maxsize=8192)
 def _instruction(action: Action, slots: tuple) -> ds.PipeInstruction:
-    """The instruction of ``action`` whose micro-batches (``action.mb_idxs``) sit in ``slots``: made
-    once, then the same object every batch (handlers only read an instruction's arguments), which
-    keeps building instructions out of the cost of an action."""
-    slot_of = dict(zip(action.mb_idxs, slots))
+    """The instruction of ``action`` whose parts' micro-batches sit in ``slots`` (a hand-over's
+    peer slot last): made once, then the same object every batch (handlers only read an
+    instruction's arguments), which keeps building instructions out of the cost of an action."""
     cls = INSTRUCTION_OF[action.kind]
     if action.kind.is_transfer:
-        return Transfers((op.kind, slot_of[op.mb_idx], op.peer) for op in action.parts)
+        return Transfers((op.kind, slot, op.peer, op.stage_idx) for op, slot in zip(action.parts, slots))
+    if action.kind.spec.hand_over:
+        return HandOver(action.kind, action.stage_idx, slots[0], action.peer, slots[1])
     if not action.kind.has_mb or action.mb_idx is None:
         return cls()
     if action.kind.spec.version:   # weight versions are named by micro-batch, not buffer
         return cls(action.mb_idx)
     if action.kind.is_release:
-        return Release(slot_of[action.mb_idx], action.kind)
-    return cls(slot_of[action.mb_idx])
+        return Release(slots[0], action.kind)
+    return cls(slots[0])
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,14 +154,14 @@ class Step:
     releases: tuple[tuple[Action, Release], ...] = ()
 
 
-def compile_steps(actions: list[Action], slot_of: dict[int, int]) -> tuple[Step, ...]:
+def compile_steps(actions: list[Action], slots: dict[int, dict[int, int]]) -> tuple[Step, ...]:
     """The dispatches that run ``actions``: one per action, save that a release runs inside the
     dispatch of the action before it (a release is a few buffer slots set to ``None``; dispatching
     it alone cost as much as the release). The order of execution is the program's, action for
     action; only the number of trips through the dispatch loop changes.
 
     >>> acts = [Action.parse(t) for t in "1F0 1RELEASE_OUT0 1RELEASE_IN0 1SEND_B0@0".split()]
-    >>> [(s.action, [r for r, _ in s.releases]) for s in compile_steps(acts, {0: 0})]
+    >>> [(s.action, [r for r, _ in s.releases]) for s in compile_steps(acts, {1: {0: 0}})]
     [(1F0, [1RELEASE_OUT0, 1RELEASE_IN0]), (1SEND_B0@0, [])]
     """
     steps: list[Step] = []
@@ -146,43 +169,49 @@ def compile_steps(actions: list[Action], slot_of: dict[int, int]) -> tuple[Step,
         if action.kind.is_release and steps:
             last = steps[-1]
             steps[-1] = Step(last.instruction, last.action,
-                             last.releases + ((action, to_instruction(action, slot_of)), ))
+                             last.releases + ((action, to_instruction(action, slots)), ))
         else:
-            steps.append(Step(to_instruction(action, slot_of), action))
+            steps.append(Step(to_instruction(action, slots), action))
     return tuple(steps)
 
 
 _COMPILED: dict[int, tuple[list[Action], dict, tuple[Step, ...]]] = {}
-"""Compiled steps by the identity of a stage's action list (which the program factory keeps for
+"""Compiled steps by the identity of a rank's action list (which the program factory keeps for
 the run; the entry holds it, so an id is never reused while cached)."""
 
 
-def _steps_of(actions: list[Action], slot_of: dict[int, int]) -> tuple[Step, ...]:
+def _steps_of(actions: list[Action], slots: dict[int, dict[int, int]]) -> tuple[Step, ...]:
     hit = _COMPILED.get(id(actions))
-    if hit is not None and hit[0] is actions and hit[1] is slot_of:
+    if hit is not None and hit[0] is actions and hit[1] is slots:
         return hit[2]
     if len(_COMPILED) >= 256:   # programs are few (one per shape); a bound keeps a pathological run small
         _COMPILED.clear()
-    steps = compile_steps(actions, slot_of)
-    _COMPILED[id(actions)] = (actions, slot_of, steps)
+    steps = compile_steps(actions, slots)
+    _COMPILED[id(actions)] = (actions, slots, steps)
     return steps
 
 
 class GraphPipeSchedule(ds.PipeSchedule):
-    """One stage's actions as DeepSpeed instructions, compiled once per program
+    """One rank's actions as DeepSpeed instructions, compiled once per program
     (:func:`compile_steps`) and run by :meth:`run`.
 
-    With ``record`` (a list), every action, releases included, is appended with its start and end
-    time (``time.perf_counter``); a release's span starts where the action before it ended.
+    ``slots`` is the program's buffer slot of every micro-batch on every stage; ``enter(stage)``,
+    if given, is called before each action (releases included) whose stage differs from the last
+    one's (a rank holding several stages switches to that stage's buffers and layers) and
+    ``enter(None)`` once the list is done. With ``record`` (a list), every action, releases
+    included, is appended with its start and end time (``time.perf_counter``); a release's span
+    starts where the action before it ended.
     """
 
     def __init__(self, actions: list[Action], *, micro_batches: int, stages: int, stage_id: int,
-                 slot_of: dict[int, int], record: list | None = None):
+                 slots: dict[int, dict[int, int]], record: list | None = None, enter=None):
         super().__init__(micro_batches=micro_batches, stages=stages, stage_id=stage_id)
         self.actions = actions
-        self._steps = _steps_of(actions, slot_of)
-        self._num_buffers = max(slot_of.values(), default=0) + 1
+        self._steps = _steps_of(actions, slots)
+        self._num_buffers = max((k for st in {a.stage_idx for a in actions} for k in slots[st].values()),
+                                default=0) + 1
         self._record = record
+        self._enter = enter
 
     def num_pipe_buffers(self) -> int:
         return self._num_buffers
@@ -196,20 +225,29 @@ class GraphPipeSchedule(ds.PipeSchedule):
         """Execute every step on ``engine``: each instruction's handler from the engine's
         ``_INSTRUCTION_MAP``, called directly (DeepSpeed's loop makes a bound method and sets it on
         the engine, an ``nn.Module``, per instruction), then the step's releases (the engine's
-        ``Release`` handler, looked up once)."""
+        ``Release`` handler, looked up once), each in the stage its action names."""
         table = engine._INSTRUCTION_MAP
         free = table[Release]
         record = self._record if self._record is not None else []
         clock = time.perf_counter
+        enter, current = self._enter, None
         for step in self._steps:
             handler = table.get(type(step.instruction))
             if handler is None:
                 raise RuntimeError(f"{type(engine).__name__} does not understand instruction {step.instruction!r}")
             start = clock()
+            if enter is not None and step.action.stage_idx != current:
+                current = step.action.stage_idx
+                enter(current)
             handler(engine, **step.instruction.kwargs)
             end = clock()
             record.append((step.action, start, end))
             for release, instruction in step.releases:
+                if enter is not None and release.stage_idx != current:
+                    current = release.stage_idx
+                    enter(current)
                 free(engine, **instruction.kwargs)
                 start, end = end, clock()
                 record.append((release, start, end))
+        if enter is not None:
+            enter(None)

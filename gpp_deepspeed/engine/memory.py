@@ -57,6 +57,8 @@ class StageMemory:
     activation_peak_bytes: int
     process_peak_bytes: int
     tp: int = 1   # the stage's tensor-parallel degree: its split tensors are 1 / tp of the layer's
+    stages: tuple[int, ...] = ()
+    """Every stage the rank holds when it holds several (a fold): the numbers are their sum."""
 
     @property
     def model_bytes(self) -> int:
@@ -75,16 +77,20 @@ class MemoryReport:
 
         >>> m = StageMemory(stage_idx=0, rank=0, param_bytes=2**20, grad_bytes=2**20, optimizer_bytes=0,
         ...                 activation_peak_bytes=2**19, process_peak_bytes=2**22)
-        >>> print(MemoryReport((m, )).describe())
+        >>> v = StageMemory(stage_idx=1, rank=1, param_bytes=2**20, grad_bytes=2**20, optimizer_bytes=0,
+        ...                 activation_peak_bytes=2**19, process_peak_bytes=2**22, stages=(1, 2))
+        >>> print(MemoryReport((m, v)).describe())
         memory per rank (MiB): parameters, gradients, optimizer state, activation peak, their sum; process peak
           stage 0 (rank 0):      1.0      1.0      0.0      0.5      2.5;      4.0
+          stages 1+2 (rank 1):      1.0      1.0      0.0      0.5      2.5;      4.0
         """
         lines = [f"memory per rank (MiB){' ' + when if when else ''}: parameters, gradients, optimizer state, "
                  "activation peak, their sum; process peak"]
-        for m in sorted(self.ranks, key=lambda m: (m.stage_idx, m.rank)):
+        for m in sorted(self.ranks, key=lambda m: (m.stage_idx, m.rank)):   # stage_idx: the pipeline rank
             cols = (m.param_bytes, m.grad_bytes, m.optimizer_bytes, m.activation_peak_bytes, m.model_bytes)
+            what = f"stage {m.stage_idx}" if not m.stages else "stages " + "+".join(map(str, m.stages))
             where = f"rank {m.rank}" + (f", tp {m.tp}" if m.tp > 1 else "")
-            lines.append(f"  stage {m.stage_idx} ({where}): " + " ".join(f"{b / _MIB:8.1f}" for b in cols)
+            lines.append(f"  {what} ({where}): " + " ".join(f"{b / _MIB:8.1f}" for b in cols)
                          + f"; {m.process_peak_bytes / _MIB:8.1f}")
         return "\n".join(lines)
 
@@ -220,7 +226,8 @@ def stage_memory(engine) -> StageMemory:
                        grad_bytes=grad_bytes, optimizer_bytes=optimizer_bytes,
                        activation_peak_bytes=meter.peak if meter is not None else 0,
                        process_peak_bytes=process_peak_bytes(engine.device),
-                       tp=grid.get_slice_parallel_world_size() if grid is not None else 1)
+                       tp=grid.get_slice_parallel_world_size() if grid is not None else 1,
+                       stages=tuple(module.stages) if len(module.stages) > 1 else ())
 
 
 def memory_report(engine) -> MemoryReport:

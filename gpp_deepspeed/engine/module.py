@@ -39,6 +39,7 @@ from .compat import broadcast_tied_weights, pipeline_grid
 from .tensor_parallel import sharding_specs
 from .flat import flatten, unflatten
 from .memory import ActivationMeter, check_fits_memory, node_memory_bytes
+from .rooms import resolve_fold
 from .shm import release_own_shm
 from .topology import StageGrid, StageTopology
 
@@ -78,13 +79,21 @@ class GraphPipelineModule(PipelineModule):
         splits every micro-batch into equal row shards, one per rank, and stage edges reshard
         rows between stages of different degrees. A plan file carries its own (its stages'
         ``devices``). Default: one rank per stage.
+    stages_per_rank, fold
+        Several stages per pipeline rank (virtual stages, for the schedules ``"interleaved"`` and
+        ``"zbv"``): ``num_stages`` stages on ``num_stages / stages_per_rank`` pipeline ranks, in
+        looped placement (stage ``s`` on rank ``s mod R``), or as ``fold`` says: ``"looped"``,
+        ``"v"`` (rank ``r`` holds stages ``r`` and ``2R - 1 - r``, ZB-V's) or the rank of every stage.
+        Each rank builds, loads and saves its own stages' layers only. The engine's config must
+        agree (``graph_pipeline.stages_per_rank`` / ``fold``).
     """
 
     def __init__(self, layers: Sequence[Any], *, input_names: Sequence[str] = ("input", ), output: str | None = None,
                  num_stages: int | None = None, topology=None, loss_fn=None, partition_method: Any = "parameters",
                  base_seed: int = 1234, seed_layers: bool = False, seed_fn=None, activation_checkpoint_interval: int = 0,
                  activation_checkpoint_func=checkpointing.checkpoint, checkpointable_layers=None,
-                 dynamic_shape: bool = False, cost_db: Any = None, stage_degrees: Sequence[int] | None = None):
+                 dynamic_shape: bool = False, cost_db: Any = None, stage_degrees: Sequence[int] | None = None,
+                 stages_per_rank: int = 1, fold: Any = None):
         entries = normalize_layers(layers, input_names, base_seed=base_seed)
         graph = build_layer_graph(input_names, [(e.name, e.inputs) for e in entries], output=output)
         _check_buildable(entries)
@@ -97,18 +106,22 @@ class GraphPipelineModule(PipelineModule):
         if isinstance(option, GraphPipeSearch) and option.profile is not None and option.cost_db is None:
             option = _measured(option, layers, input_names, output)
             measured = option.cost_db
-        resolved = resolve_partition(graph, option,
-                                     num_stages=_pipe_stages(num_stages, topology, world_size),
-                                     stage_degrees=stage_degrees, world_size=world_size,
+        num_stages = _pipe_stages(num_stages, topology, world_size)
+        folded = resolve_fold(fold, stages_per_rank, num_stages, world_size)
+        resolved = resolve_partition(graph, option, num_stages=len(folded) if folded else num_stages,
+                                     stage_degrees=stage_degrees, world_size=None if folded else world_size,
                                      param_count=lambda name: _count_params(by_name[name]),
                                      layer_type=lambda name: _type_name(by_name[name].layer))
-        placement = _placement(resolved, world_size)
+        placement = _placement(resolved, world_size, folded)
         partition = resolved.partition
         _check_fits(entries, partition, placement)
+        # Several stages per rank: layers numbered rank by rank, so each rank's are contiguous
+        # (DeepSpeed builds one index range per rank); one stage per rank: stage by stage.
+        self._stage_order = sorted(range(partition.num_stages), key=lambda s: (placement.position(s), s))
         # Plain attributes may be set before nn.Module.__init__; the parent's __init__ needs them.
         self.graph: LayerGraph = graph
         self.partition: Partition = partition
-        self._entries: list[LayerEntry] = [by_name[n] for n in partition.layer_order]
+        self._entries: list[LayerEntry] = [by_name[n] for s in self._stage_order for n in partition.stages[s].layers]
         self._list_index = {e.name: i for i, e in enumerate(entries)}   # DeepSpeed's layer_XX numbering
         # Set by the engine before each forward: how many tensors each in-port carries (-1: one
         # tensor, k: a tuple of k), learned from the layouts of the received edges.
@@ -124,15 +137,22 @@ class GraphPipelineModule(PipelineModule):
         # DeepSpeed shm file now (the memory stays mapped) and nothing is left in /dev/shm.
         release_own_shm()
         # The parent builds DeepSpeed's cartesian grid by name; ours answers the same queries per stage.
-        with pipeline_grid(lambda process_group=None, topology=None: StageGrid(placement, topology)):
-            super().__init__(layers=[e.layer for e in self._entries], topology=StageTopology(placement),
+        pipeline = placement.pipeline()   # DeepSpeed's grid sees pipeline ranks, not stages
+        with pipeline_grid(lambda process_group=None, topology=None: StageGrid(pipeline, topology)):
+            super().__init__(layers=[e.layer for e in self._entries], topology=StageTopology(pipeline),
                              loss_fn=loss_fn, seed_layers=seed_layers, seed_fn=seed_fn, base_seed=base_seed,
                              partition_method="graph", activation_checkpoint_interval=activation_checkpoint_interval,
                              activation_checkpoint_func=activation_checkpoint_func,
                              checkpointable_layers=checkpointable_layers, dynamic_shape=dynamic_shape)
-        self.stage_spec: StageSpec = partition.stages[self.stage_id]
+        # This rank's stages, and the local layer indices of each (the engine selects one per action).
+        self.stages: tuple[int, ...] = tuple(s for s in self._stage_order if placement.position(s) == self.stage_id)
         self._local_entries = self._entries[slice(*compat.local_layer_bounds(self))]
-        if activation_checkpoint_interval == 0 and self.stage_id in resolved.recompute:
+        first = [0]
+        for s in self.stages:
+            first.append(first[-1] + len(partition.stages[s].layers))
+        self._stage_idxs = {s: range(first[i], first[i + 1]) for i, s in enumerate(self.stages)}
+        self.select(self.stages[0])
+        if activation_checkpoint_interval == 0 and not placement.fold and self.stage_id in resolved.recompute:
             # The plan chose recomputation for this stage (PipeDream-2BW's planner): its layers
             # run as one checkpointed chunk here, and every other stage keeps its activations.
             self.activation_checkpoint_interval = len(self._local_entries)
@@ -154,7 +174,12 @@ class GraphPipelineModule(PipelineModule):
     # -- partitioning and building (called by PipelineModule.__init__) --------------------------
 
     def _partition_layers(self, method="graph"):
-        self.parts = self.partition.bounds
+        per_rank = [0] * (self.placement.pipeline().num_stages + 1)   # layer cut points per pipeline rank
+        for s in range(self.partition.num_stages):
+            per_rank[self.placement.position(s) + 1] += len(self.partition.stages[s].layers)
+        for r in range(1, len(per_rank)):
+            per_rank[r] += per_rank[r - 1]
+        self.parts = per_rank
         compat.set_layer_bounds(self, start=self.parts[self.stage_id], stop=self.parts[self.stage_id + 1])
 
     def _build(self):
@@ -197,7 +222,7 @@ class GraphPipelineModule(PipelineModule):
         for key in sorted({s.key for s in specs if isinstance(s, TiedLayerSpec)}):
             stages = sorted({self.stage_owner(i) for i, s in enumerate(specs)
                              if isinstance(s, TiedLayerSpec) and s.key == key})
-            ranks = sorted(r for s in stages for r in self.placement.stage_group(s))
+            ranks = sorted(r for s in stages for r in self.placement.pipeline().stage_group(s))
             group = dist.new_group(ranks=ranks)
             if self.global_rank in ranks:
                 tied_comms[key] = {"ranks": ranks, "group": group, "weight_attr": self.tied_weight_attrs[key],
@@ -216,7 +241,27 @@ class GraphPipelineModule(PipelineModule):
 
     @property
     def is_output_stage(self) -> bool:
-        return self.stage_id == self.partition.stage_graph.output_stage
+        return self.stage == self.partition.stage_graph.output_stage
+
+    def select(self, stage: int) -> None:
+        """Make ``stage``, one of this rank's :attr:`stages`, the one :meth:`forward` runs."""
+        self.stage = stage
+        self.stage_spec: StageSpec = self.partition.stages[stage]
+
+    def stage_parameters(self, stage: int) -> list[nn.Parameter]:
+        """The parameters ``stage``'s layers use (tied ones included), once each: all of this
+        rank's when it holds one stage."""
+        if len(self.stages) == 1:
+            return list(self.parameters())
+        out: dict[int, nn.Parameter] = {}
+        for i in self._stage_idxs[stage]:
+            entry, fn = self._local_entries[i], self.forward_funcs[i]
+            module = self.tied_modules[entry.tie_key] if entry.tie_key is not None else fn
+            if isinstance(module, nn.Module):
+                out.update((id(p), p) for p in module.parameters())
+        if self.glue_placeholder is not None:
+            out[id(self.glue_placeholder)] = self.glue_placeholder
+        return list(out.values())
 
     def forward(self, inputs):
         if not self.engine_attached:
@@ -230,7 +275,7 @@ class GraphPipelineModule(PipelineModule):
             if self.activation_checkpoint_interval > 0:
                 self._run_checkpointed(env)
             else:
-                self._run(env, range(len(self._local_entries)))
+                self._run(env, self._stage_idxs[self.stage])
         if self.is_output_stage:
             return self._touch_placeholder(resolve(env, TensorRef(self.graph.output)))
         return self._touch_placeholder(tuple(port_leaves(ref, resolve(env, ref)) for ref in self.stage_spec.out_ports))
@@ -269,7 +314,13 @@ class GraphPipelineModule(PipelineModule):
         function; a chunk takes the values it reads from outside and returns those read after it."""
         num = len(self._local_entries)
         interval = self.activation_checkpoint_interval
-        for chunk, checkpointable in zip(range(0, num, interval), self.is_checkpointable_results):
+        chunks = zip(range(0, num, interval), self.is_checkpointable_results)
+        if len(self.stages) > 1:   # several stages per rank: the chunks of the selected stage's layers
+            own = self._stage_idxs[self.stage]
+            num = own.stop
+            chunks = ((c, compat.is_checkpointable(self, self.forward_funcs[c:min(c + interval, num)]))
+                      for c in range(own.start, own.stop, interval))
+        for chunk, checkpointable in chunks:
             idxs = range(chunk, min(chunk + interval, num))
             if not checkpointable:
                 self._run(env, idxs)
@@ -320,7 +371,7 @@ class GraphPipelineModule(PipelineModule):
         return files
 
     def local_layer_names(self) -> tuple[str, ...]:
-        return self.stage_spec.layers
+        return tuple(name for s in self.stages for name in self.partition.stages[s].layers)
 
     def trainable_layer_names(self) -> list[str]:
         """This stage's layers that hold a parameter with ``requires_grad`` (tied ones included)."""
@@ -357,16 +408,17 @@ def _check_fits(entries: list[LayerEntry], partition: Partition, placement: Plac
     """Refuse, before anything is built or communicated, stages whose parameters and gradients alone
     exceed the memory of the device (a GPU) or of the node its ranks share (CPU): counted on meta
     copies of the layers, so a model built on the meta device is checked whole on every rank."""
-    stage_bytes = [0] * partition.num_stages
+    pipeline = placement.pipeline()      # what each rank holds: its stages, or its one stage
+    stage_bytes = [0] * pipeline.num_stages
     ties: set[tuple[int, str]] = set()
     for entry in entries:
-        stage = partition.stage_of[entry.name]
+        stage = placement.position(partition.stage_of[entry.name])
         if entry.tie_key is not None:
             if (stage, entry.tie_key) in ties:
                 continue
             ties.add((stage, entry.tie_key))
         stage_bytes[stage] += _layer_bytes(entry)
-    rank_stage = [placement.locate(r).stage for r in range(placement.world_size)]
+    rank_stage = [pipeline.locate(r).stage for r in range(placement.world_size)]
     if torch.cuda.is_available() and get_accelerator().device_name() == "cuda":
         check_fits_memory(stage_bytes, rank_stage, local_size=1, what="parameters and gradients",
                           node_bytes=torch.cuda.get_device_properties(0).total_memory)
@@ -420,7 +472,7 @@ def _pipe_stages(num_stages: int | None, topology, world_size: int) -> int | Non
     return topology.get_dim("pipe")
 
 
-def _placement(resolved: ResolvedPartition, world_size: int) -> Placement:
+def _placement(resolved: ResolvedPartition, world_size: int, fold: tuple[int, ...] = ()) -> Placement:
     """Which ranks run which stage: ``resolved.stage_degrees`` ranks per stage in every copy of the
     stage DAG, stage blocks packed into nodes of ``LOCAL_SIZE`` ranks."""
     local_size = int(os.environ.get("LOCAL_SIZE", world_size))
@@ -428,7 +480,7 @@ def _placement(resolved: ResolvedPartition, world_size: int) -> Placement:
         # A topology-aware plan was mapped to devices assuming stage blocks in stage order
         # (planner.topology.rank_order); the launcher permutes ranks, so keep that order.
         local_size = world_size
-    return Placement.build(resolved.stage_degrees, world_size=world_size, local_size=local_size)
+    return Placement.build(resolved.stage_degrees, world_size=world_size, local_size=local_size, fold=fold)
 
 
 def _count_params(entry: LayerEntry) -> int:

@@ -110,5 +110,6 @@ def warm_up_pairs(placement: Placement, stage_graph, *, replica: int) -> list[tu
         producers = placement.ranks(e.src, replica)
         for i, rank in enumerate(producers):
             for peer in edge_peers(placement, src=e.src, dst=e.dst, replica=replica, idx=i, side="src"):
-                pairs.add((e.src, e.dst, rank, peer.rank))
+                if peer.rank != rank:   # an edge inside a rank (several stages per rank) is a hand-over
+                    pairs.add((e.src, e.dst, rank, peer.rank))
     return sorted(pairs)

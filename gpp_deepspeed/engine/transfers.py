@@ -61,17 +61,48 @@ class StageTransfers:
         each), layouts included, posted as one batch; each receive is sized before it is posted
         and its tensors stored in ``buffers`` once the batch's receives completed."""
         sends, recvs, stores = [], [], []
-        for kind, slot, peer in ops:
-            if kind.spec.send:
-                sends += self._outgoing(kind, buffers, slot, peer)
-                continue
-            ranks, specs, store = self._incoming(kind, buffers, slot, peer)
-            got = [Incoming(peer, rank, receive_buffers(spec, self.transport.device)) for rank, spec in zip(ranks, specs)]
-            recvs += got
-            stores.append((store, ranks, got, specs))
+        for kind, slot, peer, *_ in ops:
+            self.prepare(kind, slot, peer, buffers, sends, recvs, stores)
         self.transport.exchange(sends, recvs)
+        self.store(stores)
+
+    def prepare(self, kind, slot, peer, buffers: StageBuffers, sends: list, recvs: list, stores: list) -> None:
+        """Add one transfer's messages to a batch: its sends to ``sends``, its sized receives to
+        ``recvs`` and what stores them, once received, to ``stores`` (:meth:`store`)."""
+        if kind.spec.send:
+            sends += self._outgoing(kind, buffers, slot, peer)
+            return
+        ranks, specs, store = self._incoming(kind, buffers, slot, peer)
+        got = [Incoming(peer, rank, receive_buffers(spec, self.transport.device)) for rank, spec in zip(ranks, specs)]
+        recvs += got
+        stores.append((store, ranks, got, specs))
+
+    @staticmethod
+    def store(stores: list) -> None:
+        """Put what a batch's receives brought where it goes (after the exchange)."""
         for store, ranks, got, specs in stores:
             store(ranks, [unpack(m.buffers, spec) for m, spec in zip(got, specs)])
+
+    # -- hand-overs (an edge between two stages of this rank: schedule/virtual.py) ---------------
+
+    def edge_outputs(self, buffers: StageBuffers, slot: int, peer: int) -> tuple[list, list[int]]:
+        """The flat tensors of the edge to ``peer`` (this stage's outputs of ``slot``) and their arity."""
+        outputs = buffers[Buffer.OUTPUTS, slot]
+        return flatten([outputs[self._out_index[ref]] for ref in self.out_edges[peer].tensors])
+
+    def take_activations(self, buffers: StageBuffers, slot: int, peer: int, flat, arity) -> None:
+        """``HAND_F``: the producer ``peer``'s flat tensors of the edge, detached, stored as if
+        received (a leaf that requires grad on an edge that carries gradients)."""
+        self._store_activations(buffers, slot, peer, arity, [[t.detach() for t in flat]])
+
+    def input_grads(self, buffers: StageBuffers, slot: int, peer: int) -> list:
+        """The gradients of what this stage received from ``peer`` (what ``SEND_B`` would send)."""
+        return self._input_grads(buffers[Buffer.RECEIVED, slot], peer)
+
+    def take_grads(self, buffers: StageBuffers, slot: int, peer: int, grads: list) -> None:
+        """``HAND_B``: the consumer ``peer``'s input gradients, added to this stage's output gradients."""
+        positions = self._grad_positions(flatten(buffers[Buffer.OUTPUTS, slot]), peer)
+        self._store_grads(buffers, slot, peer, positions, [grads])
 
     def wait_sends(self) -> None:
         self.transport.wait_sends()

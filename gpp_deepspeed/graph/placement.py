@@ -103,46 +103,83 @@ class Placement:
     degrees: tuple[int, ...]
     replicas: int = 1
     order: tuple[int, ...] = ()
+    fold: tuple[int, ...] = ()
+    """Several stages per rank: the pipeline position of every stage (its rank in a replica's
+    pipeline, :class:`~gpp_deepspeed.schedule.greedy.Fold`); the stages of a position share its
+    ranks and must share their degree. Blocks, ``order`` included, are then laid out per position.
+    Empty: stage ``s`` is position ``s``.
+
+    >>> p = Placement.build((1, 1, 1, 1), world_size=4, fold=(0, 1, 1, 0))
+    >>> p.replicas, p.ranks(3, 1), p.stage_group(1), p.pipeline().degrees
+    (2, (1,), (2, 3), (1, 1))
+    """
 
     @classmethod
-    def build(cls, degrees, *, world_size: int, local_size: int | None = None) -> "Placement":
-        """The placement of ``degrees`` on ``world_size`` ranks, nodes of ``local_size`` ranks.
+    def build(cls, degrees, *, world_size: int, local_size: int | None = None, fold=None) -> "Placement":
+        """The placement of ``degrees`` on ``world_size`` ranks, nodes of ``local_size`` ranks,
+        stages sharing positions as ``fold`` says.
 
         Raises a :class:`GPPConfigError` naming the numbers when the degrees do not divide the
-        world (``sum(degrees)`` must divide ``world_size``).
+        world (the degrees of the positions must sum to a divisor of ``world_size``), or, under a
+        fold, naming two stages of one rank whose degrees differ.
         """
         degrees = tuple(degrees)
         if not degrees or any(not isinstance(n, int) or n < 1 for n in degrees):
             raise GPPConfigError(f"stage degrees must be positive integers, one per stage, got {list(degrees)}")
-        per_replica = sum(degrees)
+        fold = tuple(fold or ())
+        positions = _position_degrees(degrees, fold)
+        per_replica = sum(positions)
         if world_size % per_replica:
             raise GPPConfigError(f"stage degrees {list(degrees)} need {per_replica} ranks per copy of the stage DAG, "
                                  f"which does not divide the world size ({world_size}); launch "
                                  f"{per_replica} ranks (or a multiple of {per_replica} for data-parallel replicas)")
         replicas = world_size // per_replica
-        return cls(degrees=degrees, replicas=replicas,
-                   order=_pack(tuple(n * replicas for n in degrees), local_size or world_size))
+        return cls(degrees=degrees, replicas=replicas, fold=fold,
+                   order=_pack(tuple(n * replicas for n in positions), local_size or world_size))
 
     def __post_init__(self):
+        if self.fold and tuple(range(len(self.fold))) == self.fold:
+            object.__setattr__(self, "fold", ())      # the identity fold is no fold
         if not self.order:
-            object.__setattr__(self, "order", tuple(range(len(self.degrees))))
+            object.__setattr__(self, "order", tuple(range(len(self.position_degrees))))
 
     @property
     def num_stages(self) -> int:
         return len(self.degrees)
 
     @property
+    def position_degrees(self) -> tuple[int, ...]:
+        """The degree of every pipeline position (of every stage without a fold)."""
+        return _position_degrees(self.degrees, self.fold)
+
+    def position(self, stage: int) -> int:
+        """The pipeline position that runs ``stage``."""
+        return self.fold[stage] if self.fold else stage
+
+    def stages_of(self, position: int) -> tuple[int, ...]:
+        """The stages pipeline position ``position`` runs (``(position, )`` without a fold)."""
+        return tuple(s for s in range(self.num_stages) if self.position(s) == position)
+
+    def pipeline(self) -> "Placement":
+        """The placement of the pipeline positions, one "stage" each: what DeepSpeed's grid sees
+        (itself without a fold)."""
+        if not self.fold:
+            return self
+        return Placement(degrees=self.position_degrees, replicas=self.replicas, order=self.order)
+
+    @property
     def ranks_per_replica(self) -> int:
-        return sum(self.degrees)
+        return sum(self.position_degrees)
 
     @property
     def world_size(self) -> int:
         return self.replicas * self.ranks_per_replica
 
     def _first(self, stage: int, replica: int) -> int:
-        pos = self.order.index(stage)
-        block = self.replicas * sum(self.degrees[s] for s in self.order[:pos])
-        return block + replica * self.degrees[stage]
+        degrees, at = self.position_degrees, self.position(stage)
+        pos = self.order.index(at)
+        block = self.replicas * sum(degrees[p] for p in self.order[:pos])
+        return block + replica * degrees[at]
 
     def ranks(self, stage: int, replica: int) -> tuple[int, ...]:
         """The global ranks of ``stage`` in ``replica``, by index."""
@@ -155,10 +192,14 @@ class Placement:
 
     def replica_group(self, replica: int) -> tuple[int, ...]:
         """Every rank of one copy of the stage DAG, sorted."""
-        return tuple(sorted(r for s in range(self.num_stages) for r in self.ranks(s, replica)))
+        return tuple(sorted({r for s in range(self.num_stages) for r in self.ranks(s, replica)}))
 
     def locate(self, rank: int) -> RankPlace:
-        """The stage, replica and index of ``rank``."""
+        """The stage, replica and index of ``rank`` (under a fold, ask :meth:`pipeline`: a rank
+        has several stages)."""
+        if self.fold:
+            raise GPPConfigError(f"rank {rank} holds several stages under the fold {list(self.fold)}: locate it in "
+                                 "placement.pipeline()")
         if not 0 <= rank < self.world_size:
             raise GPPConfigError(f"rank {rank} is outside a placement of {self.world_size} ranks")
         pos = rank
@@ -178,6 +219,24 @@ class Placement:
                 raise GPPConfigError(f"stage {s} runs on {n} ranks but the micro-batch has {micro_batch} samples, "
                                      f"which do not split into {n} equal shards; make train_micro_batch_size_per_gpu "
                                      f"a multiple of every stage degree {list(self.degrees)}")
+
+
+def _position_degrees(degrees: tuple[int, ...], fold: tuple[int, ...]) -> tuple[int, ...]:
+    """The degree of every position of ``fold`` (its stages'; they must agree)."""
+    if not fold:
+        return degrees
+    if len(fold) != len(degrees):
+        raise GPPConfigError(f"the fold {list(fold)} places {len(fold)} stages, the degrees {list(degrees)} are of "
+                             f"{len(degrees)}")
+    out: dict[int, int] = {}
+    for s, (p, n) in enumerate(zip(fold, degrees)):
+        if out.setdefault(p, n) != n:
+            other = next(t for t in range(s) if fold[t] == p)
+            raise GPPConfigError(f"stages {other} and {s} share pipeline rank {p} (fold {list(fold)}) but have degrees "
+                                 f"{degrees[other]} and {n}: stages sharing a rank must share its ranks, one degree")
+    if sorted(out) != list(range(len(out))):
+        raise GPPConfigError(f"a fold must place its stages on ranks 0..R-1, each holding one or more; got {list(fold)}")
+    return tuple(out[p] for p in range(len(out)))
 
 
 def _pack(sizes: tuple[int, ...], local_size: int) -> tuple[int, ...]:

@@ -53,6 +53,10 @@ class ActionKind(str, Enum):
     RECV_B = "RECV_B"            # receive the gradients of sent activations from ``peer``
     SEND_L = "SEND_L"            # send the layout (shapes, dtypes) of the next SEND_F of a micro-batch to ``peer``
     RECV_L = "RECV_L"            # receive that layout, before the receive of the activations it sizes
+    # A rank holding several stages (schedule/virtual.py): an edge between two of its stages is a
+    # local hand-over in place of the receive, no message (the send is dropped).
+    HAND_F = "HAND_F"            # this stage's received tensors of the edge := ``peer``'s outputs (detached)
+    HAND_B = "HAND_B"            # this stage's output gradients += the input gradients ``peer`` computed
     P2P = "P2P"                  # transfers posted together and completed together (``ops``)
     RELEASE_OUT = "RELEASE_OUT"  # free a micro-batch's outputs, output gradients, labels and loss
     RELEASE_IN = "RELEASE_IN"    # free a micro-batch's loaded and received tensors (after their last use)
@@ -82,6 +86,11 @@ class ActionKind(str, Enum):
     @property
     def has_peer(self) -> bool:
         return KINDS[self].message != ""
+
+    @property
+    def takes_peer(self) -> bool:
+        """The action names a peer stage: a transfer (``has_peer``) or a hand-over."""
+        return self.has_peer or bool(KINDS[self].hand_over)
 
     @property
     def is_transfer(self) -> bool:
@@ -145,6 +154,12 @@ class KindSpec:
     collective: bool = False
     """Every rank of a group runs it at the same point (all-reduces, DeepSpeed's step): it stays on
     a frozen stage."""
+    hand_over: str = ""
+    """A hand-over on a rank holding both stages of an edge (``"F"`` activations from the producer
+    ``peer``, ``"B"`` gradients from the consumer ``peer``): the receive's local counterpart."""
+    peer_reads: frozenset[Buffer] = frozenset()
+    """The buffers of the ``peer`` stage's micro-batch a hand-over reads: the peer must not free them
+    before it (:func:`~gpp_deepspeed.schedule.virtual.fold_program` places the releases so)."""
     trains: bool = False
     """What a frozen stage (nothing to differentiate) does not run where a compute order has it: the
     backward, weight versions, the stage's own update and the reduction before it (the step that
@@ -203,6 +218,9 @@ KINDS: dict[ActionKind, KindSpec] = {
     # A layout travels the activations' channel, just before them; it is read off the outputs.
     ActionKind.SEND_L: _kind(mb=True, message="F", send=True, layout=True, reads=(_B.OUTPUTS, )),
     ActionKind.RECV_L: _kind(mb=True, message="F", waits=True, layout=True),
+    ActionKind.HAND_F: _kind(mb=True, hand_over="F", writes=(_B.RECEIVED, ), peer_reads=frozenset({_B.OUTPUTS})),
+    ActionKind.HAND_B: _kind(mb=True, hand_over="B", trains=True, reads=(_B.OUTPUTS, ), writes=(_B.GRADS, ),
+                             peer_reads=frozenset({_B.RECEIVED})),
     ActionKind.P2P: _kind(waits=True),   # uses what its ops use
     ActionKind.RELEASE_OUT: _kind(mb=True, frees=(_B.OUTPUTS, _B.LABELS, _B.LOSS, _B.GRADS)),
     ActionKind.RELEASE_IN: _kind(mb=True, frees=(_B.LOADED, _B.RECEIVED, _B.INPUTS)),
@@ -311,8 +329,8 @@ class Action:
             raise ScheduleError(f"{self.kind.name} {'needs' if self.kind.has_mb else 'takes no'} micro-batch index")
         if self.peer is not None and self.peer < 0:
             raise ScheduleError(f"{self.kind.name} of stage {self.stage_idx} has no peer stage {self.peer}")
-        if self.kind.has_peer != (self.peer is not None):
-            raise ScheduleError(f"{self.kind.name} {'needs' if self.kind.has_peer else 'takes no'} peer stage")
+        if self.kind.takes_peer != (self.peer is not None):
+            raise ScheduleError(f"{self.kind.name} {'needs' if self.kind.takes_peer else 'takes no'} peer stage")
 
     def __str__(self) -> str:
         if self.kind is ActionKind.P2P:

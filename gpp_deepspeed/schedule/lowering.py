@@ -291,7 +291,8 @@ def _group_stage(actions: list[Action]) -> list[Action]:
     return out
 
 
-def group_for_rendezvous(schedule: Schedule, *, duration: Callable[[Action], float] | None = None) -> Schedule:
+def group_for_rendezvous(schedule: Schedule, *, duration: Callable[[Action], float] | None = None,
+                         rank_of: tuple[int, ...] | None = None) -> Schedule:
     """The transfers of ``schedule`` posted so that it runs under rendezvous semantics (NCCL).
 
     The first of these that the simulator runs in rendezvous mode: :func:`group_p2p` of the order
@@ -302,7 +303,8 @@ def group_for_rendezvous(schedule: Schedule, *, duration: Callable[[Action], flo
     produces its tensors; only schedules whose stages would each send to the other first (skip
     edges of a DAG between stages of very different warm-up) have their transfers reordered, in
     an order taken from a simulation (``duration``: the compute times the schedule was made for,
-    default unit forwards and double backwards).
+    default unit forwards and double backwards). ``rank_of``: ranks hold several stages, the
+    lists are per rank (see :func:`~gpp_deepspeed.schedule.validate.simulate`).
     """
     from .validate import simulate
 
@@ -312,7 +314,7 @@ def group_for_rendezvous(schedule: Schedule, *, duration: Callable[[Action], flo
             ordered = order_transfers(schedule, duration=duration)
         grouped = group_p2p(schedule if ordered is None else ordered)
         try:
-            simulate(grouped, mode="rendezvous")
+            simulate(grouped, mode="rendezvous", rank_of=rank_of)
         except ScheduleError:
             continue
         return grouped

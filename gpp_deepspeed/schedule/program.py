@@ -38,10 +38,11 @@ from .asynchronous import async_compute, check_async_microbatches, predicted_upd
 from .generators import forward_only
 from .ir import Action, ActionKind as K, Schedule, Segment
 from .lowering import BufferSlots, assign_buffers, lower, num_slots
-from .registry import get_schedule
+from .greedy import Fold
+from .registry import SCHEDULES, ScheduleSpec, get_schedule
 from .validate import Timeline, check_lists, check_weight_versions, simulate
 
-__all__ = ["Program", "build_program", "build_schedule", "validate_program", "AsyncProgram", "AsyncReport",
+__all__ = ["Program", "build_program", "default_fold", "check_fold", "build_schedule", "validate_program", "AsyncProgram", "AsyncReport",
            "validate_async", "ProgramFactory"]
 
 
@@ -73,10 +74,18 @@ class Program:
     """PipeOptim's ``s`` for every weight version the program predicts, ``predictions[stage][version]``:
     the updates the stage makes between the version's forward and its backward, what ``PREDICT``
     and ``PREDICT_INPLACE`` predict over (:meth:`AsyncProgram.validate` counts them on the program)."""
+    fold: Fold | None = None
+    """Several stages per rank (:mod:`.virtual`): ``actions`` is keyed by pipeline rank (the
+    position in the fold), each list running the actions of that rank's stages; ``slots`` stays
+    keyed by stage. ``None``: one stage per rank, ``actions`` keyed by stage."""
 
     @property
     def num_stages(self) -> int:
-        return len(self.actions)
+        return len(self.slots)
+
+    def rank_of(self, stage_idx: int) -> int:
+        """The pipeline rank (key of ``actions``) that runs ``stage_idx``."""
+        return stage_idx if self.fold is None else self.fold.rank_of[stage_idx]
 
     def num_buffers(self, stage_idx: int) -> int:
         """Buffer slots the stage needs for this program."""
@@ -91,28 +100,95 @@ class Program:
         else:
             what = f"batch {self.segment.batch_idx}"
         lines = [f'program "{self.schedule}": {self.num_stages} stages, {self.num_microbatches} {mb}, {what}'
-                 + (", with layouts" if self.layouts else "")]
+                 + (", with layouts" if self.layouts else "")
+                 + ("" if self.fold is None else f", fold {list(self.fold.rank_of)}")]
         for s in sorted(self.actions):
-            lines.append(f"stage {s}: " + " ".join(str(a) for a in self.actions[s]))
-            lines.append("  slots: " + " ".join(f"{j}:{k}" for j, k in sorted(self.slots[s].items())))
+            lines.append(f"{'stage' if self.fold is None else 'rank'} {s}: " + " ".join(str(a) for a in self.actions[s]))
+            for t in ((s, ) if self.fold is None else self.fold.stages_of(s)):
+                lines.append(("  slots: " if self.fold is None else f"  stage {t} slots: ")
+                             + " ".join(f"{j}:{k}" for j, k in sorted(self.slots[t].items())))
         return "\n".join(lines)
 
 
 def build_program(stage_graph: StageGraph, num_microbatches: int, *, schedule: str = "1f1b", train: bool = True,
-                  duration: Callable[[Action], float] | None = None, layouts: bool = False) -> Program:
+                  duration: Callable[[Action], float] | None = None, layouts: bool = False,
+                  fold: Fold | None = None) -> Program:
     """The program of one batch of a synchronous schedule (or of any schedule in evaluation,
     which runs forwards only). ``duration``: the compute times the transfers are ordered for,
     when they must be reordered (:func:`~gpp_deepspeed.schedule.lowering.group_for_rendezvous`).
-    ``layouts``: every activation's layout is sent before it (``dynamic_shape``, a first batch)."""
+    ``layouts``: every activation's layout is sent before it (``dynamic_shape``, a first batch).
+    ``fold``: the ranks of the stages of a schedule of several stages per rank (default
+    :func:`default_fold`); refused for the others."""
     if num_microbatches < 1:
         raise GPPConfigError(f"need at least one micro-batch, got {num_microbatches}")
     spec = get_schedule(schedule)
+    if spec.folded is not None or fold is not None:
+        return _folded_program(stage_graph, num_microbatches, spec, fold, train=train, duration=duration,
+                               layouts=layouts)
     if train and spec.asynchronous:
         raise GPPConfigError(f'schedule "{spec.name}" is asynchronous: its batches are AsyncProgram(...).batch(k)')
     compute = spec.generator(stage_graph, num_microbatches) if train else forward_only(stage_graph, num_microbatches)
     actions = lower(compute, stage_graph, train=train, duration=duration, layouts=layouts)
     return Program(schedule=spec.name, num_microbatches=num_microbatches, train=train, actions=actions,
                    slots=assign_buffers(actions), layouts=layouts)
+
+
+def default_fold(stage_graph: StageGraph, schedule: str) -> Fold:
+    """The fold a schedule of several stages per rank runs when none is given: the V for
+    ``"v"`` schedules, else two stages per rank in looped placement (Megatron's ``v = 2``)."""
+    spec = get_schedule(schedule)
+    n = stage_graph.num_stages
+    if spec.folded is not None and spec.folded.fold == "v":
+        if n % 2:
+            raise GPPConfigError(f'schedule "{spec.name}" places two stages per rank in a V; {n} stages do not pair up')
+        return Fold.v_shape(num_stages=n)
+    return Fold.looped(num_stages=n, num_ranks=max(1, (n + 1) // 2))
+
+
+def check_fold(fold: Fold, stage_graph: StageGraph, schedule: str) -> None:
+    """Refuse, naming both, a fold the schedule cannot run: a schedule of one stage per rank with
+    a fold that gives a rank several, a fold of another stage count, or a ``"v"`` schedule
+    (ZB-V, DualPipeV) on a fold that does not give every rank two stages."""
+    spec = get_schedule(schedule)
+    if len(fold.rank_of) != stage_graph.num_stages:
+        raise GPPConfigError(f"the fold {list(fold.rank_of)} places {len(fold.rank_of)} stages, the stage graph has "
+                             f"{stage_graph.num_stages}")
+    if spec.folded is None:
+        if fold.num_ranks != len(fold.rank_of):
+            raise GPPConfigError(f'schedule "{spec.name}" runs one stage per rank; the fold {list(fold.rank_of)} gives '
+                                 f"a rank several: use a schedule of several stages per rank "
+                                 f"({[n for n, x in SCHEDULES.items() if x.folded is not None]})")
+        return
+    if spec.folded.fold == "v":
+        # ZB-V and DualPipeV pair two stages on every rank: the V by default, any pairing on a DAG
+        # (the planner's fold search pairs branches; both orders are defined for any pairing).
+        odd = [r for r in range(fold.num_ranks) if len(fold.stages_of(r)) != 2]
+        if odd:
+            raise GPPConfigError(f'schedule "{spec.name}" places two stages on every rank (a V by default: rank r '
+                                 f"holds stages r and 2R-1-r); the fold {list(fold.rank_of)} gives rank {odd[0]} "
+                                 f"stages {list(fold.stages_of(odd[0]))}")
+
+
+def _folded_program(stage_graph: StageGraph, num_microbatches: int, spec: ScheduleSpec, fold: Fold | None, *,
+                    train: bool, duration, layouts: bool) -> Program:
+    """The program of a schedule of several stages per rank: each rank's one list across its
+    stages (:func:`~gpp_deepspeed.schedule.virtual.fold_program`), keyed by rank."""
+    from .virtual import fold_program, rank_orders
+
+    fold = fold or default_fold(stage_graph, spec.name)
+    check_fold(fold, stage_graph, spec.name)
+    if spec.folded is None:                  # a one-stage-per-rank schedule on a permuted fold
+        raise GPPConfigError(f'schedule "{spec.name}" runs one stage per rank without a fold')
+    orders = (spec.folded.orders(stage_graph, num_microbatches, fold) if train
+              else rank_orders(stage_graph, num_microbatches, fold, split_backward=False))
+    actions = fold_program(stage_graph, num_microbatches, fold, orders, duration=duration, train=train,
+                           layouts=layouts)
+    per_stage: dict[int, list[Action]] = {s: [] for s in range(stage_graph.num_stages)}
+    for r in sorted(actions):             # a group's ops belong to the stages they name, in order
+        for op in (op for a in actions[r] for op in a.parts):
+            per_stage[op.stage_idx].append(op)
+    return Program(schedule=spec.name, num_microbatches=num_microbatches, train=train, actions=actions,
+                   slots=assign_buffers(per_stage), layouts=layouts, fold=fold)
 
 
 def build_schedule(stage_graph: StageGraph, num_microbatches: int, *, name: str = "1f1b",
@@ -124,6 +200,12 @@ def build_schedule(stage_graph: StageGraph, num_microbatches: int, *, name: str 
 def validate_program(program: Program, stage_graph: StageGraph, *, mode: str = "rendezvous") -> Timeline:
     """Check a synchronous program (structure, releases, buffer slots:
     :func:`~gpp_deepspeed.schedule.validate.check_lists`) and simulate it in ``mode``."""
+    if program.fold is not None:
+        from .virtual import validate_folded
+
+        validate_folded(program.actions, stage_graph, program.num_microbatches, program.fold, train=program.train,
+                        layouts=program.layouts)
+        return simulate(program.actions, mode=mode)
     check_lists(program.actions, stage_graph, program.num_microbatches, train=program.train, slots=program.slots,
                 layouts=program.layouts)
     return simulate(program.actions, mode=mode)
@@ -346,9 +428,14 @@ class ProgramFactory:
     False
     """
 
-    def __init__(self, stage_graph: StageGraph, *, schedule: str, validate: bool = False):
+    def __init__(self, stage_graph: StageGraph, *, schedule: str, validate: bool = False, fold: Fold | None = None):
         self.spec = get_schedule(schedule)
         self.stage_graph, self.validate = stage_graph, validate
+        if fold is not None:
+            check_fold(fold, stage_graph, self.spec.name)
+        elif self.spec.folded is not None:
+            fold = default_fold(stage_graph, self.spec.name)
+        self.fold = fold   # several stages per rank: every program is keyed by rank (Program.fold)
         self._batches: dict[tuple[int, bool, bool], Program] = {}
         self._pipelines: dict[int, AsyncProgram] = {}
         self._reports: dict[int, AsyncReport] = {}
@@ -365,7 +452,7 @@ class ProgramFactory:
             key = (num_microbatches, train, layouts)
             if key not in self._batches:
                 program = build_program(self.stage_graph, num_microbatches, schedule=self.spec.name, train=train,
-                                        layouts=layouts)
+                                        layouts=layouts, fold=self.fold)
                 if self.validate:
                     validate_program(program, self.stage_graph)
                 self._batches[key] = program

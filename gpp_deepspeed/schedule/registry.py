@@ -19,9 +19,10 @@ from ..graph.stages import StageGraph
 from .asynchronous import WeightRule
 from .generators import gpipe, one_f_one_b
 from .ir import Schedule
+from .virtual import FOLDED_SCHEDULES
 from .zero_bubble import zb1, zb2
 
-__all__ = ["ScheduleSpec", "SCHEDULES", "get_schedule", "is_async"]
+__all__ = ["ScheduleSpec", "FoldedSchedule", "SCHEDULES", "get_schedule", "is_async"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -49,11 +50,36 @@ class ScheduleSpec:
     """The backward runs as ``I`` (input gradients) and ``W`` (weight gradients)."""
     stash_reads_pipeline_depth: bool = False
     """``stash`` depends on the stage graph's longest path, not only on the stage's own depth."""
+    folded: "FoldedSchedule | None" = None
+    """A schedule of several stages per rank (virtual stages): its fold and each rank's order."""
+
+    def __post_init__(self):
+        if self.folded is not None:   # a folded schedule's entry says once whether it splits the backward
+            object.__setattr__(self, "splits_backward", self.folded.split_backward)
 
     @property
     def asynchronous(self) -> bool:
         """The pipeline never drains between batches; weights update inside it."""
         return self.weights is not None
+
+
+@dataclass(frozen=True, slots=True)
+class FoldedSchedule:
+    """How a schedule of several stages per rank is made (:mod:`.virtual`): the fold it needs
+    (``"looped"``: any fold, Megatron's looped placement by default; ``"v"``: the V placement, two
+    stages per rank), the compute order of every rank, ``orders(stage_graph, M, fold)``, and
+    whether the backward is split. Registering one more is one :class:`ScheduleSpec` line."""
+
+    fold: str
+    orders: Callable
+    split_backward: bool = False
+
+
+def _folded(name: str) -> FoldedSchedule:
+    """The registry entry of a folded schedule of :data:`~.virtual.FOLDED_SCHEDULES` (the one table
+    of their folds, orders and backward split, which the fold search reads too)."""
+    fold, orders, split_backward = FOLDED_SCHEDULES[name]
+    return FoldedSchedule(fold, orders, split_backward=split_backward)
 
 
 def _own_depth(depth: int, pipeline_depth: int, m: int) -> int:
@@ -94,6 +120,14 @@ SCHEDULES: dict[str, ScheduleSpec] = {spec.name: spec for spec in (
                  summary="zero-bubble ZB-H1 on a DAG (Qi et al., arXiv 2401.10241 Sec. 3.1)"),
     ScheduleSpec(name="zb2", generator=zb2, splits_backward=True, stash=_zb_h2, stash_reads_pipeline_depth=True,
                  summary="ZB-H2-like greedy schedule (Qi et al., arXiv 2401.10241 Sec. 3)"),
+    ScheduleSpec(name="interleaved", folded=_folded("interleaved"), stash=_own_depth,
+                 summary="interleaved 1F1B, several stages per rank in looped placement (Narayanan et al., SC'21 "
+                         "Sec. 2.2), on a DAG"),
+    ScheduleSpec(name="zbv", folded=_folded("zbv"), stash=_own_depth,
+                 summary="ZB-V: two stages per rank in a V, split backward (Qi et al., arXiv 2405.15362), on a DAG"),
+    ScheduleSpec(name="dualpipev", folded=_folded("dualpipev"), stash=_own_depth,
+                 summary="DualPipeV: a forward beside a backward of another micro-batch on a V's two stages "
+                         "(DeepSeek-V3, arXiv 2412.19437; torch's ScheduleDualPipeV), on a DAG"),
     ScheduleSpec(name="pipedream", weights=WeightRule.STASH, stash=_pipeline_full,
                  summary="asynchronous 1F1B with weight stashing (PipeDream, SOSP'19 Sec. 3.3)"),
     ScheduleSpec(name="2bw", weights=WeightRule.DOUBLE_BUFFER, stash=_pipeline_full,

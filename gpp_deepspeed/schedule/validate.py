@@ -72,14 +72,20 @@ MODES = ("async", "rendezvous")
 class _Channels:
     """Posted sends and receives per channel; the n-th send of a channel matches its n-th receive."""
 
-    def __init__(self, latency: float, late_receive: float = 0.0):
+    def __init__(self, latency: float, late_receive: float = 0.0, rank_of=None):
         self.latency, self.late_receive = latency, late_receive
+        self.rank_of = rank_of
         self.posted: dict[tuple, list[list[tuple[int, float]]]] = {}   # channel -> [sends, receives]
 
     def post(self, op: Action, time: float) -> tuple[tuple, int]:
         ch = op.channel
+        what = (op.mb_idx, op.kind.spec.layout)
+        if self.rank_of is not None:
+            # Several stages per rank: every message between two ranks, one way, shares one wire
+            # and matches in posting order, whatever stages and direction it belongs to.
+            what, ch = (*what, ch), (self.rank_of[ch[0]], self.rank_of[ch[1]], "rank")
         side = self.posted.setdefault(ch, [[], []])[0 if op.kind.spec.send else 1]
-        side.append(((op.mb_idx, op.kind.spec.layout), time))
+        side.append((what, time))
         return ch, len(side) - 1
 
     def match_time(self, ch: tuple, n: int) -> float | None:
@@ -87,7 +93,11 @@ class _Channels:
         sends, recvs = self.posted.get(ch, [[], []])
         if n >= len(sends) or n >= len(recvs):
             return None
-        ((sent_mb, sent_layout), sent_at), ((recv_mb, recv_layout), recv_at) = sends[n], recvs[n]
+        ((sent_mb, sent_layout, *sent_ch), sent_at), ((recv_mb, recv_layout, *recv_ch), recv_at) = sends[n], recvs[n]
+        if sent_ch != recv_ch:
+            raise ScheduleError(f"message {n} from rank {ch[0]} to rank {ch[1]} is sent on channel {sent_ch[0]} but "
+                                f"received as channel {recv_ch[0]}: the two ranks post their messages in different "
+                                "orders")
         if sent_mb != recv_mb:
             raise ScheduleError(f"message {n} on channel {ch[0]}->{ch[1]} ({ch[2]}) carries micro-batch {sent_mb} "
                                 f"but its receive expects micro-batch {recv_mb}")
@@ -105,7 +115,8 @@ class _Channels:
 
 
 def simulate(schedule: Schedule, *, duration: Callable[[Action], float] = default_duration,
-             latency: float = 0.0, late_receive: float = 0.0, mode: str = "async") -> Timeline:
+             latency: float = 0.0, late_receive: float = 0.0, mode: str = "async",
+             rank_of: tuple[int, ...] | None = None) -> Timeline:
     """Run every stage's list and time it.
 
     ``mode="async"`` is gloo's behaviour, what the engine relies on at least: a send never blocks
@@ -125,11 +136,13 @@ def simulate(schedule: Schedule, *, duration: Callable[[Action], float] = defaul
     <gpp_deepspeed.planner.costs.CommFit.latency_s>`); a grouped action waits for its last message,
     so it pays the latency once, not once per message. ``late_receive``: what a message whose
     receive is posted after its send waits on top of that (:attr:`CommFit.late_receive_s
-    <gpp_deepspeed.planner.costs.CommFit.late_receive_s>`).
+    <gpp_deepspeed.planner.costs.CommFit.late_receive_s>`). ``rank_of``: the rank of every stage
+    when ranks hold several stages (``schedule`` keyed by rank): the messages between two ranks
+    match in posting order over all their channels, as on the wire.
     """
     if mode not in MODES:
         raise ScheduleError(f'unknown simulation mode "{mode}"; valid: {list(MODES)}')
-    channels = _Channels(latency, late_receive)
+    channels = _Channels(latency, late_receive, rank_of)
     pc = {s: 0 for s in schedule}
     clock = {s: 0.0 for s in schedule}
     posted: dict[int, list[tuple[Action, tuple, int]]] = {}      # stage -> its current action's posted ops

@@ -23,10 +23,11 @@ Each rank's compute order is one of :data:`FOLDED_SCHEDULES`: :func:`interleaved
 placement, the greedy list schedule ``zb2`` runs with one stage per rank) or :func:`dualpipev_orders`
 (DualPipeV's, torch's ``ScheduleDualPipeV`` order on a chain). :func:`fold_program` then lowers it
 into one list of actions per rank across its stages (an edge inside a rank is a hand-over, not a
-message; one ``LOAD`` per micro-batch and one step per rank), grouped and ordered for NCCL's
+message; one ``LOAD`` per micro-batch and stage that reads the batch, one step per rank), grouped and ordered for NCCL's
 rendezvous semantics and checked by the simulator in that mode (:func:`validate_folded`);
 :func:`search_fold` chooses a fold and its schedule, which GraphPipe's planner calls
-(:mod:`gpp_deepspeed.planner.fold`).
+(:mod:`gpp_deepspeed.planner.fold`). The engine runs these programs (the folded entries of the
+schedule registry; :mod:`gpp_deepspeed.engine.rooms`).
 
 Where it stands (``tests/test_virtual_stages.py``; unit ``F = I = W``, 16 micro-batches, a chain of
 8 half-stages on 4 ranks, whose ideal is 48): 1F1B on the same layers as 4 whole stages takes 57.0;
@@ -83,10 +84,11 @@ def _lowered_stages(compute, stage_graph: StageGraph, *, load: bool = True):
     return add_send_recv(add_load(compute, stage_graph) if load else compute, stage_graph)
 
 
-def _interleave(per_stage, orders: dict[int, list[Action]], *, skip=lambda a: False) -> dict[int, list[Action]]:
+def _interleave(per_stage, orders: dict[int, list[Action]], *,
+                rewrite: Callable[[Action], Action | None] = lambda a: a) -> dict[int, list[Action]]:
     """Each rank's list: its compute in ``orders``, every compute action bringing from its stage's
-    list (``per_stage``) the receives and loads before it and the sends after it (``skip``: what
-    to leave out)."""
+    list (``per_stage``) the receives and loads before it and the sends after it, each passed
+    through ``rewrite`` (which returns what the rank runs in its place, or ``None`` to drop it)."""
     before: dict[Action, list[Action]] = {}
     after: dict[Action, list[Action]] = {}
     for acts in per_stage.values():
@@ -98,7 +100,8 @@ def _interleave(per_stage, orders: dict[int, list[Action]], *, skip=lambda a: Fa
                 after[last].append(a)          # a send follows what it reads
             else:
                 pending.append(a)              # a receive or a load precedes what needs it
-    return {r: [a for c in acts for a in (*before[c], c, *after[c]) if not skip(a)] for r, acts in orders.items()}
+    return {r: [x for c in acts for a in (*before[c], c, *after[c]) if (x := rewrite(a)) is not None]
+            for r, acts in orders.items()}
 
 
 def interleaved_1f1b(stage_graph: StageGraph, num_microbatches: int, fold: Fold) -> dict[int, list[Action]]:
@@ -135,10 +138,23 @@ def interleaved_1f1b(stage_graph: StageGraph, num_microbatches: int, fold: Fold)
         order += backwards[len(forwards) - warmup:]
         orders[r] = order
     try:
+        _backward_after_forward(orders)
         rank_makespan(orders, stage_graph)
     except ScheduleError:
         return rank_orders(stage_graph, num_microbatches, fold, split_backward=False)
     return orders
+
+
+def _backward_after_forward(orders: dict[int, list[Action]]) -> None:
+    """Raise :class:`ScheduleError` where a rank's order runs a backward before its forward (on a
+    DAG, Megatron's warm-up can be shorter than a stage's distance to the output)."""
+    for r, acts in orders.items():
+        done = set()
+        for a in acts:
+            if a.kind is K.FORWARD:
+                done.add((a.stage_idx, a.mb_idx))
+            elif (a.stage_idx, a.mb_idx) not in done:
+                raise ScheduleError(f"rank {r} runs {a} before its forward")
 
 
 def _chunk_order(stages, num_mb: int, group: int, kind: K) -> list[Action]:
@@ -151,7 +167,8 @@ def _chunk_order(stages, num_mb: int, group: int, kind: K) -> list[Action]:
 
 
 def fold_program(stage_graph: StageGraph, num_microbatches: int, fold: Fold, orders: dict[int, list[Action]],
-                 *, duration: Callable[[Action], float] | None = None) -> dict[int, list[Action]]:
+                 *, duration: Callable[[Action], float] | None = None, train: bool = True,
+                 layouts: bool = False) -> dict[int, list[Action]]:
     """Every rank's one list of actions across its stages, lowered for a synchronous batch.
 
     Each stage is lowered as a stage of its own is (``LOAD``, the transfers of its edges,
@@ -159,11 +176,17 @@ def fold_program(stage_graph: StageGraph, num_microbatches: int, fold: Fold, ord
     compute action bringing the receives and loads that precede it on its stage and the sends and
     releases that follow it. What changes on a rank holding several stages:
 
-    * an edge between two stages of one rank sends nothing: the consumer runs after the producer
-      on the same rank and reads its tensors there (a local hand-over), so neither its activation
-      nor its gradient transfer is in the program;
-    * a micro-batch is loaded once per rank, before the first of its stages that reads the batch;
-    * the batch ends once per rank (``WAIT_SENDS``, ``REDUCE_TIED``, ``REDUCE_GRAD``, ``STEP``).
+    * an edge between two stages of one rank sends nothing: each receive becomes a hand-over
+      (``HAND_F``: the consumer takes the producer's outputs; ``HAND_B``: the producer takes the
+      gradients the consumer computed for them) and the sends are dropped; the producer keeps what
+      a hand-over reads until it has run (the releases count it as a use);
+    * every stage that reads the batch has its ``LOAD`` (the engine reads each micro-batch from
+      the data once per rank and gives each such stage its part);
+    * the batch ends once per rank (``WAIT_SENDS``, and in training ``REDUCE_TIED``,
+      ``REDUCE_GRAD``, ``STEP``).
+
+    ``train=False``: the forwards of ``orders`` only (evaluation). ``layouts``: every activation
+    message between ranks is preceded by its layout (:func:`~.lowering.add_layouts`).
 
     The transfers are then grouped and ordered for rendezvous semantics as for any schedule
     (:func:`~gpp_deepspeed.schedule.lowering.group_for_rendezvous`), so the simulator's rendezvous
@@ -175,40 +198,42 @@ def fold_program(stage_graph: StageGraph, num_microbatches: int, fold: Fold, ord
     >>> chain, fold = StageGraph.chain(4), Fold.v_shape(num_stages=4)
     >>> program = fold_program(chain, 1, fold, interleaved_1f1b(chain, 1, fold))
     >>> " ".join(str(a) for a in program[1])
-    '1RECV_F0@0 1F0 2F0 (2SEND_F0@3;2RECV_B0@3)P2P 2B0 2RELEASE_OUT0 2RELEASE_IN0 1B0 1RELEASE_OUT0 1SEND_B0@0 1RELEASE_IN0 1WAIT_SENDS 1REDUCE_TIED 1REDUCE_GRAD 1STEP'
+    '1RECV_F0@0 1F0 2HAND_F0@1 2F0 (2SEND_F0@3;2RECV_B0@3)P2P 2B0 2RELEASE_OUT0 1HAND_B0@2 2RELEASE_IN0 1B0 1RELEASE_OUT0 1SEND_B0@0 1RELEASE_IN0 1WAIT_SENDS 1REDUCE_TIED 1REDUCE_GRAD 1STEP'
     """
-    from .lowering import group_for_rendezvous, merge_backward
+    from .lowering import add_layouts, group_for_rendezvous, merge_backward
 
-    merged = {s for s in range(stage_graph.num_stages) if not stage_graph.grad_preds(s)}
-    orders = {r: [Action(a.stage_idx, K.BACKWARD, a.mb_idx) if a.kind is K.BACKWARD_WEIGHT and a.stage_idx in merged
-                  else a for a in acts if not (a.kind is K.BACKWARD_INPUT and a.stage_idx in merged)]
-              for r, acts in orders.items()}
+    if train:
+        merged = {s for s in range(stage_graph.num_stages) if not stage_graph.grad_preds(s)}
+        orders = {r: [Action(a.stage_idx, K.BACKWARD, a.mb_idx) if a.kind is K.BACKWARD_WEIGHT and a.stage_idx in merged
+                      else a for a in acts if not (a.kind is K.BACKWARD_INPUT and a.stage_idx in merged)]
+                  for r, acts in orders.items()}
+    else:
+        orders = {r: [a for a in acts if a.kind is K.FORWARD] for r, acts in orders.items()}
     compute = {s: [a for r in sorted(orders) for a in orders[r] if a.stage_idx == s]
                for s in range(stage_graph.num_stages)}
-    per_stage = merge_backward(_lowered_stages(compute, stage_graph), stage_graph)
-    loaded: set[tuple[int, int]] = set()
-
-    def skip(a: Action) -> bool:
+    per_stage = _lowered_stages(compute, stage_graph)
+    per_stage = merge_backward(per_stage, stage_graph) if train else per_stage
+    per_stage = add_layouts(per_stage) if layouts else per_stage
+    def rewrite(a: Action) -> Action | None:
         if a.kind.has_peer and fold.rank_of[a.stage_idx] == fold.rank_of[a.peer]:
-            return True                        # a hand-over inside the rank: no message
-        if a.kind is K.LOAD:                   # one load of a micro-batch per rank
-            key = (fold.rank_of[a.stage_idx], a.mb_idx)
-            if key in loaded:
-                return True
-            loaded.add(key)
-        return False
+            if a.kind in (K.RECV_F, K.RECV_B):   # a hand-over inside the rank: no message
+                return Action(a.stage_idx, K.HAND_F if a.kind is K.RECV_F else K.HAND_B, a.mb_idx, peer=a.peer)
+            return None
+        return a
 
-    lists = {r: acts + [Action(fold.stages_of(r)[0], k) for k in (K.WAIT_SENDS, K.REDUCE_TIED, K.REDUCE_GRAD, K.STEP)]
-             for r, acts in _interleave(per_stage, orders, skip=skip).items()}
-    lowered = _add_releases(group_for_rendezvous(lists, duration=duration))
-    validate_folded(lowered, stage_graph, num_microbatches, fold)
+    tail = (K.WAIT_SENDS, K.REDUCE_TIED, K.REDUCE_GRAD, K.STEP) if train else (K.WAIT_SENDS, )
+    lists = {r: acts + [Action(fold.stages_of(r)[0], k) for k in tail]
+             for r, acts in _interleave(per_stage, orders, rewrite=rewrite).items()}
+    lowered = _add_releases(group_for_rendezvous(lists, duration=duration, rank_of=fold.rank_of))
+    validate_folded(lowered, stage_graph, num_microbatches, fold, train=train, layouts=layouts)
     return lowered
 
 
 def _add_releases(lists: dict[int, list[Action]]) -> dict[int, list[Action]]:
     """:func:`~gpp_deepspeed.schedule.lowering.add_release` on a rank's list of several stages:
     each release of a stage's micro-batch right after the last action of the rank that uses what it
-    frees, once the transfers have their final places."""
+    frees (a hand-over uses what it reads of its peer stage), once the transfers have their final
+    places."""
     from .ir import RELEASES
 
     out = {}
@@ -216,9 +241,13 @@ def _add_releases(lists: dict[int, list[Action]]) -> dict[int, list[Action]]:
         last: dict[tuple[int, K, int], int] = {}    # (stage, release kind, micro-batch) -> last use
         for i, a in enumerate(actions):
             for op in a.parts:
+                if op.mb_idx is None or op.kind.spec.version:
+                    continue
                 for release in RELEASES:
-                    if op.mb_idx is not None and not op.kind.spec.version and release.spec.frees & op.kind.spec.touches:
+                    if release.spec.frees & op.kind.spec.touches:
                         last[(op.stage_idx, release, op.mb_idx)] = i
+                    if release.spec.frees & op.kind.spec.peer_reads:
+                        last[(op.peer, release, op.mb_idx)] = i
         after: dict[int, list[Action]] = {}
         for (s, release, j), at in last.items():
             after.setdefault(at, []).append(Action(s, release, j))
@@ -228,15 +257,18 @@ def _add_releases(lists: dict[int, list[Action]]) -> dict[int, list[Action]]:
 
 
 def validate_folded(program: dict[int, list[Action]], stage_graph: StageGraph, num_microbatches: int,
-                    fold: Fold) -> None:
+                    fold: Fold, *, train: bool = True, layouts: bool = False) -> None:
     """Check a folded program (:func:`fold_program`) rank by rank; raise :class:`ScheduleError`.
 
+    * Every rank runs actions of its own stages only.
     * Each stage's actions, taken out of its rank's list, pass the validator's checks of a stage
       (:func:`~gpp_deepspeed.schedule.validate.check_lists`: one forward and one backward of every
       micro-batch, a transfer on every edge between ranks, every release, buffer slots) against the
       stage graph without its edges inside a rank.
-    * On an edge inside a rank, the consumer's forward comes after the producer's, and the
-      producer's backward after the consumer's (``I`` when split): the hand-over is in order.
+    * On an edge inside a rank, the hand-overs are actions of the program, in order: the
+      consumer's ``HAND_F`` after the producer's forward and before its own; the producer's
+      ``HAND_B`` after the consumer's input-gradient backward (``B`` or ``I``) and before its own;
+      neither on an edge between ranks.
     * The whole program runs under NCCL's rendezvous semantics
       (:func:`~gpp_deepspeed.schedule.validate.simulate`).
     """
@@ -250,6 +282,9 @@ def validate_folded(program: dict[int, list[Action]], stage_graph: StageGraph, n
         if strangers:
             raise ScheduleError(f"rank {r} runs {strangers[0]}, an action of a stage of rank "
                                 f"{fold.rank_of[strangers[0].stage_idx]}")
+        for a in actions:
+            if a.kind.spec.hand_over and fold.rank_of[a.peer] != r:
+                raise ScheduleError(f"rank {r} runs {a}, a hand-over from stage {a.peer} on rank {fold.rank_of[a.peer]}")
     per_stage: dict[int, list[Action]] = {s: [] for s in range(stage_graph.num_stages)}
     for actions in program.values():
         for a in actions:
@@ -260,22 +295,35 @@ def validate_folded(program: dict[int, list[Action]], stage_graph: StageGraph, n
                 per_stage[s].append(ops[0] if len(ops) == 1 else Action.group(ops))
     between = replace(stage_graph, edges=tuple(e for e in stage_graph.edges
                                                if fold.rank_of[e.src] != fold.rank_of[e.dst]))
-    check_lists(per_stage, between, num_microbatches, train=True, slots=assign_buffers(per_stage))
+    check_lists(per_stage, between, num_microbatches, train=train, slots=assign_buffers(per_stage), layouts=layouts)
     for e in stage_graph.edges:
-        r = fold.rank_of[e.src]
-        if r != fold.rank_of[e.dst]:
+        if fold.rank_of[e.src] == fold.rank_of[e.dst]:
+            _check_hand_over(program[fold.rank_of[e.src]], e, num_microbatches, train=train)
+    simulate(program, mode="rendezvous", rank_of=fold.rank_of)
+
+
+def _check_hand_over(actions: list[Action], edge, num_microbatches: int, *, train: bool) -> None:
+    """The hand-overs of one edge inside a rank, in order (see :func:`validate_folded`)."""
+    where = {(op.kind, op.stage_idx, op.mb_idx, op.peer): i for i, a in enumerate(actions) for op in a.parts}
+    src, dst = edge.src, edge.dst
+    for j in range(num_microbatches):
+        hand_f = where.get((K.HAND_F, dst, j, src))
+        if hand_f is None:
+            raise ScheduleError(f"stage {dst} never takes micro-batch {j} from stage {src} on their rank "
+                                f"({Action(dst, K.HAND_F, j, peer=src)})")
+        if not where[(K.FORWARD, src, j, None)] < hand_f < where[(K.FORWARD, dst, j, None)]:
+            raise ScheduleError(f"{Action(dst, K.HAND_F, j, peer=src)} must run after {Action(src, K.FORWARD, j)} "
+                                f"and before {Action(dst, K.FORWARD, j)}")
+        if not (train and edge.grad):
             continue
-        where = {(op.kind, op.stage_idx, op.mb_idx): i for i, a in enumerate(program[r]) for op in a.parts}
-        for j in range(num_microbatches):
-            f = (where[(K.FORWARD, e.src, j)], where[(K.FORWARD, e.dst, j)])
-            if f[0] > f[1]:
-                raise ScheduleError(f"rank {r} runs {Action(e.dst, K.FORWARD, j)} before {Action(e.src, K.FORWARD, j)}, "
-                                    "whose outputs it reads on the same rank")
-            back = lambda s: where.get((K.BACKWARD, s, j), where.get((K.BACKWARD_INPUT, s, j)))  # noqa: E731
-            if e.grad and back(e.src) < back(e.dst):
-                raise ScheduleError(f"rank {r} runs the backward of micro-batch {j} on stage {e.src} before stage "
-                                    f"{e.dst}'s, whose input gradient it reads on the same rank")
-    simulate(program, mode="rendezvous")
+        hand_b = where.get((K.HAND_B, src, j, dst))
+        back = lambda s: where.get((K.BACKWARD, s, j, None), where.get((K.BACKWARD_INPUT, s, j, None)))  # noqa: E731
+        if hand_b is None:
+            raise ScheduleError(f"stage {src} never takes the gradient of micro-batch {j} from stage {dst} on their "
+                                f"rank ({Action(src, K.HAND_B, j, peer=dst)})")
+        if not back(dst) < hand_b < back(src):
+            raise ScheduleError(f"{Action(src, K.HAND_B, j, peer=dst)} must run after stage {dst}'s backward of "
+                                f"micro-batch {j} and before stage {src}'s")
 
 
 @dataclass(frozen=True, slots=True)

@@ -32,7 +32,8 @@ def ds_config(case, dp):
         "zero_allow_untested_optimizer": True,
         "steps_per_print": case.get("steps_per_print", 10**6),
         # No "schedule" in the case: the engine's default, or the schedule of the case's plan file.
-        "graph_pipeline": {"print_stage_graph": False, **({"schedule": case["schedule"]} if "schedule" in case else {})},
+        "graph_pipeline": {"print_stage_graph": False, **({"schedule": case["schedule"]} if "schedule" in case else {}),
+                           **{k: case[k] for k in ("stages_per_rank", "fold") if k in case}},
     }
     if case.get("wall_clock"):
         cfg["wall_clock_breakdown"] = True
@@ -65,7 +66,7 @@ def to_model_dtype(batches, case):
 def build(case, world_size):
     mc = MODELS[case["model"]]()
     degrees = case.get("degrees")
-    dp = world_size // (sum(degrees) if degrees else case["stages"])  # replicas of the stage DAG
+    dp = world_size // pipeline_ranks(case)  # replicas of the stage DAG
     if case.get("deepspeed_module"):
         module = PipelineModule(mc.layers, num_stages=case["stages"], loss_fn=nn.CrossEntropyLoss(),
                                 partition_method="uniform", seed_layers=True)
@@ -85,7 +86,8 @@ def build(case, world_size):
         module = GraphPipelineModule(mc.layers, input_names=mc.input_names, num_stages=case["stages"],
                                      loss_fn=nn.CrossEntropyLoss(), partition_method=method,
                                      activation_checkpoint_interval=case.get("ckpt_interval", 0),
-                                     dynamic_shape=bool(mc.seq_lens), stage_degrees=degrees)
+                                     dynamic_shape=bool(mc.seq_lens), stage_degrees=degrees,
+                                     stages_per_rank=case.get("stages_per_rank", 1), fold=case.get("fold"))
     params = [p for p in module.parameters() if p.requires_grad]
     # A stage with nothing to train (a frozen tower) still gets an optimizer, with one empty group:
     # torch refuses an empty parameter list, and DeepSpeed steps every stage.
@@ -107,6 +109,19 @@ def build(case, world_size):
     if data is not None and engine.data_iterator is not None:
         engine.data_iterator = _recording(engine.data_iterator, engine.case_seen)
     return mc, module, engine
+
+
+def pipeline_ranks(case) -> int:
+    """Ranks of one copy of the stage DAG: the degrees' sum (one per rank of each pipeline position
+    under a fold), else one per stage, or per ``stages_per_rank`` stages."""
+    degrees, fold = case.get("degrees"), case.get("fold")
+    if fold is not None and not isinstance(fold, str):
+        positions = {}
+        for s, r in enumerate(fold):
+            positions[r] = degrees[s] if degrees else 1
+        return sum(positions.values())
+    per_rank = 2 if fold == "v" else case.get("stages_per_rank", 1)
+    return (sum(degrees) if degrees else case["stages"]) // per_rank
 
 
 def replica(engine):
