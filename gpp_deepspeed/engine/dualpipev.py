@@ -85,11 +85,12 @@ class DualPipeVConversion:
         return {**ds_config, CONFIG_KEY: section}
 
     def module(self):
-        """The GraphPipelineModule of the ``2 R`` stages (manual partition ``stage_of``)."""
+        """The GraphPipelineModule of the ``2 R`` stages (manual partition ``stage_of``), folded in
+        the V (``fold``)."""
         from .module import GraphPipelineModule
 
         return GraphPipelineModule(list(self.layers), num_stages=self.num_stages, partition_method=dict(self.stage_of),
-                                   **self.module_kwargs)
+                                   fold=list(self.fold), **self.module_kwargs)
 
 
 def dualpipev_conversion(layers: Sequence[Any], parts: Sequence[int], *, num_ranks: int,
