@@ -58,10 +58,11 @@ import deepspeed
 from deepspeed import comm as dist
 from deepspeed.runtime import engine as _ds_engine
 import deepspeed.runtime.pipe.module as _ds_pipe_module
+from deepspeed.runtime.utils import is_model_parallel_parameter
 from deepspeed.runtime.pipe.engine import PipelineEngine as _PipelineEngine
 from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3 as _ZeroStage3
 
-__all__ = ["DEEPSPEED_VERSION", "pipeline_grid", "count_each_stage_once", "flat_optimizer_groups",
+__all__ = ["DEEPSPEED_VERSION", "is_model_parallel_parameter", "pipeline_grid", "count_each_stage_once", "flat_optimizer_groups",
            "base_optimizer", "base_optimizer_state", "link_fragment_state", "broadcast_tied_weights",
            "hand_grads_to_master", "stage_local_norm", "OVERRIDDEN", "scale_loss_by_gas", "next_batch",
            "tied_weight_grad", "pipeline_backward_pass", "engine_backward", "stop_started_backward_timers",

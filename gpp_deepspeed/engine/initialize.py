@@ -49,7 +49,32 @@ def _rows_per_stage(config: dict[str, Any], placement) -> list[int] | None:
     tb, m = config.get("train_batch_size"), config.get("gradient_accumulation_steps")
     if b is None and tb is not None and m is not None:
         b = tb // (m * placement.replicas)
-    return None if b is None else [b // n for n in placement.degrees]
+    return None if b is None else [b // n for n in placement.dp]
+
+
+_MPU_QUERIES = (("get_tensor_model_parallel_world_size", "get_slice_parallel_world_size"),
+                ("get_tensor_model_parallel_rank", "get_slice_parallel_rank"),
+                ("get_data_parallel_world_size", "get_data_parallel_world_size"),
+                ("get_data_parallel_rank", "get_data_parallel_rank"))
+
+
+def _check_mpu(mpu, model) -> None:
+    """Accept an ``mpu`` (Megatron's, or a DeepSpeed grid) that agrees with the module's own grid:
+    the same tensor- and data-parallel sizes and ranks on this rank, where it answers those
+    queries. The module's grid is what the engine uses (DeepSpeed's pipeline branch takes
+    ``model.mpu()`` too; it asserts ``mpu is None``, which a drop-in need not)."""
+    if mpu is None or mpu is model.mpu():
+        return
+    grid = model.mpu()
+    for theirs, ours in _MPU_QUERIES:
+        query = getattr(mpu, theirs, None) or getattr(mpu, ours, None)
+        if query is None:
+            continue
+        got, want = query(), getattr(grid, ours)()
+        if got != want:
+            raise GPPConfigError(f"mpu.{query.__name__}() is {got} on rank {grid.global_rank} but the module's grid "
+                                 f"says {want}: pass mpu=model.mpu() (or none), or build the module with the "
+                                 "topology the mpu was made for (PipeModelDataParallelTopology(pp, mp, dp))")
 
 
 def initialize(args=None, model=None, optimizer=None, model_parameters=None, training_data=None, lr_scheduler=None,
@@ -68,8 +93,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
                                    config_params=config_params)
         release_own_shm()
         return out
-    if mpu is not None:
-        raise GPPConfigError("mpu must be None with a GraphPipelineModule: its topology defines the groups")
+    _check_mpu(mpu, model)
     config = _load_config(args, config, config_params)
     gpp_config = parse_graph_pipeline_config(config)
     ds_config = {k: v for k, v in config.items() if k != CONFIG_KEY}

@@ -54,7 +54,7 @@ __all__ = ["current_layout", "save_checkpoint", "save_extras", "load_checkpoint"
 def current_layout(engine) -> dict:
     # The same on every rank: with per-stage degrees each stage has its own data-parallel size.
     placement = engine.module.placement
-    degrees = placement.degrees
+    degrees = placement.dp   # row shards per stage (TP ranks share theirs)
     data_parallel = placement.replicas if set(degrees) == {1} else [n * placement.replicas for n in degrees]
     return {"stage_of": dict(engine.module.partition.stage_of), "num_stages": engine.num_stages,
             "data_parallel": data_parallel, "zero_stage": engine.zero_optimization_stage(),
