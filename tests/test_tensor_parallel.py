@@ -25,7 +25,8 @@ WORKER = __import__("pathlib").Path(__file__).parent / "workers" / "tp_cases.py"
 BASE = {"kind": "dag", "degrees": [2, 2, 2], "tp": [2, 1, 2], "mbs": 4, "gas": 4, "steps": 3, "lr": 0.1}
 DAG = [dict(BASE, id="1f1b-z0", schedule="1f1b"), dict(BASE, id="zb1-z0", schedule="zb1"),
        dict(BASE, id="1f1b-z1", schedule="1f1b", zero=1), dict(BASE, id="zb1-z1-clip", schedule="zb1", zero=1,
-                                                                  clip=0.05)]
+                                                                  clip=0.05),
+       dict(BASE, id="1f1b-z0-clip", schedule="1f1b", clip=0.05)]
 
 
 @pytest.fixture(scope="module")

@@ -96,17 +96,19 @@ def pipeline_grid(factory: Callable):
         _ds_pipe_module.PipelineParallelGrid = original
 
 
-def count_each_stage_once(optimizer, *, is_stage_leader: bool, group) -> None:
+def count_each_stage_once(optimizer, *, is_stage_leader: bool, group, tp_rank: int = 0) -> None:
     """Make a ZeRO optimizer's norm reduction over the model-parallel ``group`` count every
     stage once: after its data-parallel sum each rank of a stage holds the stage's total, so only
     the stage's leader adds it in (``MAX`` reductions, overflow checks, are unchanged). ZeRO-3 also
-    counts every stage's gradients (not those of model-parallel rank 0 alone) and tied copies once."""
+    counts every stage's gradients (not those of model-parallel rank 0 alone) and tied copies once.
+    Under tensor parallelism ``is_stage_leader`` is true on every TP rank of the stage's first row
+    shard, and a parameter not sliced over the TP group counts on TP rank ``tp_rank`` 0 only."""
     if not hasattr(optimizer, "_model_parallel_all_reduce"):
         return
     # ZeRO-3 counts a parameter's norm only on model-parallel rank 0 (mpu.get_model_parallel_rank(),
     # the stage index here; ZeRO-1/2 ask for the tensor-parallel rank): every stage counts its own.
     if hasattr(optimizer, "model_parallel_rank"):
-        optimizer.model_parallel_rank = 0
+        optimizer.model_parallel_rank = tp_rank
 
     def reduce(tensor, op):
         if op == dist.ReduceOp.SUM and not is_stage_leader:

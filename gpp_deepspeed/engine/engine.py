@@ -96,7 +96,10 @@ class GraphPipelineEngine(PipelineEngine):
         if not isinstance(self.module, GraphPipelineModule):
             raise GPPConfigError("GraphPipelineEngine needs a GraphPipelineModule")
         # pipe_partitioned / grad_partitioned (on by default with TP): their documented equivalent
-        # runs (transfers.py: one message per row shard, broadcast in the TP group).
+        # runs (transfers.py: one message per row shard, broadcast in the TP group), so the parent's
+        # forward and backward must not split the first tensor themselves.
+        self.tp_partitioned = (self.is_pipe_partitioned, self.is_grad_partitioned)
+        self.is_pipe_partitioned = self.is_grad_partitioned = False
         self.gpp_config = gpp_config
         use_split_backward_recompute(self)
         self.spec = self.module.stage_spec
@@ -114,7 +117,7 @@ class GraphPipelineEngine(PipelineEngine):
         self.stage_backward = StageBackward(self)
         self.zero = StageZero(self)
         count_each_stage_once(self.optimizer, is_stage_leader=self.grid.is_shard_leader(),
-                              group=self.grid.get_model_parallel_group())
+                              group=self.grid.get_model_parallel_group(), tp_rank=self.grid.tp_idx)
         self._programs = ProgramFactory(self.stage_graph, schedule=self.schedule_spec.name,
                                         validate=self.gpp_config.validate_schedule)
         self.last_timeline: list[tuple[Action, float, float]] = []   # this stage's last batch, timed
