@@ -8,7 +8,8 @@
   pass), ZeRO-1, and gradient clipping (the norm over TP slices counted once).
 * DeepSpeed's ``PipeModelDataParallelTopology(2, 2, 2)`` on 8 ranks: DeepSpeed's own
   ``PipelineEngine`` and ours train the same chain to the same losses and parameters, and
-  DeepSpeed's engine loads the checkpoint ours wrote (``layer_XX-model_YY`` names).
+  DeepSpeed's engine loads the checkpoint ours wrote (``layer_XX-model_YY`` names), and ours
+  DeepSpeed's.
 """
 
 import pytest
@@ -101,5 +102,7 @@ def test_3d_topology_drop_in_matches_deepspeeds_pipeline_engine(run):
             torch.testing.assert_close(res["state"][k], res["ds_state"][k], rtol=1e-5, atol=1e-6, msg=f"rank {r} {k}")
             torch.testing.assert_close(res["ds_loaded_state"][k], res["state"][k], rtol=0, atol=0,
                                        msg=f"rank {r} {k}: DeepSpeed loaded our checkpoint")
+            torch.testing.assert_close(res["loaded_ds_state"][k], res["ds_state"][k], rtol=0, atol=0,
+                                       msg=f"rank {r} {k}: we loaded DeepSpeed's checkpoint")
     files = torch.load(out / "3d.rank0.pt")["files"]
     assert {f"layer_{i:02d}-model_{m:02d}-model_states.pt" for i in range(4) for m in range(2)} <= set(files), files

@@ -105,6 +105,8 @@ def run_3d(case, rank, world, out):
     engine, _, _, _ = deepspeed.initialize(model=ds_module, optimizer=opt, config=config(case, 2))
     result["ds_losses"], result["ds_state"] = train(engine, case, coord.data), state(ds_module)
     result["ds_partitioned"] = (engine.is_pipe_partitioned, engine.is_grad_partitioned)
+    ds_ckpt = str(out / "ckpt_3d_ds")
+    engine.save_checkpoint(ds_ckpt, tag="t")
     # 2. Ours, as a drop-in: the same topology, and mpu= the grid (as Megatron-DeepSpeed passes it).
     module = GraphPipelineModule(chain_layers(topo, rank), topology=topo, loss_fn=nn.MSELoss(),
                                  partition_method="uniform")
@@ -129,6 +131,14 @@ def run_3d(case, rank, world, out):
     engine, _, _, _ = deepspeed.initialize(model=ds_module, optimizer=opt, config=config(case, 2))
     engine.load_checkpoint(ckpt, tag="t")
     result["ds_loaded_state"] = state(ds_module)
+    # 4. The reverse: a fresh engine of ours loads the checkpoint DeepSpeed wrote.
+    module = GraphPipelineModule(chain_layers(topo, rank), topology=topo, loss_fn=nn.MSELoss(),
+                                 partition_method="uniform")
+    tp_layers.bind(module.mpu())
+    opt = torch.optim.SGD(module.parameters(), lr=case["lr"])
+    engine, _, _, _ = gpp_deepspeed.initialize(model=module, optimizer=opt, config=config(case, 2))
+    engine.load_checkpoint(ds_ckpt, tag="t")
+    result["loaded_ds_state"] = state(module)
     return result
 
 
