@@ -48,6 +48,12 @@ class GraphPipelineConfig(BaseModel):
     ``partition_method="plan.json"`` brings the schedule it was priced with (``gpp plan
     --schedules``); otherwise ``"1f1b"``."""
 
+    stage_tp: list[int] | None = None
+    """Tensor-parallel degree of each stage (issue 29), e.g. ``[2, 1, 2]``. The module builds the
+    process groups, so this must equal what ``GraphPipelineModule(stage_tp=...)`` (or DeepSpeed's
+    ``PipeModelDataParallelTopology``, or a plan's stages) gave it; it is checked, never applied.
+    Default: whatever the module has."""
+
     validate_schedule: bool = True
     """Check every stage's instruction list for deadlock and buffer misuse before running it; the
     deadlock check assumes NCCL's semantics (a send completes only when its receive is posted)."""

@@ -5,7 +5,8 @@
   trains like the single-device model (the same layers at TP 1): per-step losses and every
   parameter, whole, rtol 1e-5, under the strict transport (``GPP_STRICT_P2P=1``); 1F1B and ZB1
   (whose split backward must keep the column-parallel input gradient's all-reduce in its input
-  pass), ZeRO-1, and gradient clipping (the norm over TP slices counted once).
+  pass), ZeRO-1 (and 2 and 3 under 1F1B), and gradient clipping (the norm over TP slices counted
+  once, ZeRO-0 and ZeRO-1).
 * DeepSpeed's ``PipeModelDataParallelTopology(2, 2, 2)`` on 8 ranks: DeepSpeed's own
   ``PipelineEngine`` and ours train the same chain to the same losses and parameters, and
   DeepSpeed's engine loads the checkpoint ours wrote (``layer_XX-model_YY`` names), and ours
@@ -27,7 +28,8 @@ BASE = {"kind": "dag", "degrees": [2, 2, 2], "tp": [2, 1, 2], "mbs": 4, "gas": 4
 DAG = [dict(BASE, id="1f1b-z0", schedule="1f1b"), dict(BASE, id="zb1-z0", schedule="zb1"),
        dict(BASE, id="1f1b-z1", schedule="1f1b", zero=1), dict(BASE, id="zb1-z1-clip", schedule="zb1", zero=1,
                                                                   clip=0.05),
-       dict(BASE, id="1f1b-z0-clip", schedule="1f1b", clip=0.05)]
+       dict(BASE, id="1f1b-z0-clip", schedule="1f1b", clip=0.05),
+       dict(BASE, id="1f1b-z2", schedule="1f1b", zero=2), dict(BASE, id="1f1b-z3", schedule="1f1b", zero=3)]
 
 
 @pytest.fixture(scope="module")

@@ -17,12 +17,13 @@ from deepspeed.runtime.config import DeepSpeedConfig
 from deepspeed.runtime import zero
 from deepspeed.constants import TORCH_DISTRIBUTED_DEFAULT_PORT
 
-from ..config import CONFIG_KEY, load_config, parse_graph_pipeline_config
+from ..config import CONFIG_KEY, load_config, parse_graph_pipeline_config, with_plan_schedule
 from .compat import configure_python_gc
 from .engine import GraphPipelineEngine
 from .module import GraphPipelineModule
 from .shm import release_own_shm
-from .topology import stage_batch_config
+from .topology import check_tp_composes, stage_batch_config
+from ..schedule import get_schedule
 from ..errors import GPPConfigError
 from ..spec import check_captured_rows
 
@@ -96,6 +97,9 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     _check_mpu(mpu, model)
     config = _load_config(args, config, config_params)
     gpp_config = parse_graph_pipeline_config(config)
+    spec = get_schedule(with_plan_schedule(gpp_config, model.plan_schedule).schedule)   # the schedule it will run
+    check_tp_composes(model.placement, schedule=spec.name, asynchronous=spec.asynchronous,
+                      config_tp=gpp_config.stage_tp)
     ds_config = {k: v for k, v in config.items() if k != CONFIG_KEY}
     # Per-stage degrees: the user's batch values describe the pipeline; DeepSpeed gets this rank's.
     ds_config = stage_batch_config(ds_config, model.placement, model.stage_id)

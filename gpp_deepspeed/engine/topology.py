@@ -37,7 +37,7 @@ from deepspeed import comm as dist
 from ..errors import GPPConfigError
 from ..graph.placement import Placement, RankPlace
 
-__all__ = ["StageTopology", "StageGrid", "stage_batch_config"]
+__all__ = ["StageTopology", "StageGrid", "stage_batch_config", "check_tp_composes"]
 
 ProcessCoord = namedtuple("ProcessCoord", ["pipe", "data"])
 ProcessCoord3D = namedtuple("ProcessCoord3D", ["pipe", "data", "model"])
@@ -225,6 +225,29 @@ class StageGrid:
 
     def get_tensor_model_parallel_group(self):
         return self.slice_proc_group
+
+
+def check_tp_composes(placement: Placement, *, schedule: str, asynchronous: bool, stages_per_rank: int = 1,
+                      config_tp=None) -> None:
+    """Refuse, by name and on every rank before any communication, what does not compose with
+    tensor parallelism yet (nothing when every stage has TP degree 1): an asynchronous schedule
+    (its in-pipeline updates and weight predictions are untested on TP slices), several stages per
+    rank (folds: a rank's stages would need one TP group each), and a ``graph_pipeline.stage_tp``
+    that is not the module's (the module built the process groups from its own)."""
+    tp = list(placement.tp)
+    if config_tp is not None and list(config_tp) != tp:
+        raise GPPConfigError(f"graph_pipeline.stage_tp {list(config_tp)} is not the module's TP degrees {tp}: the "
+                             "module builds the process groups, so pass stage_tp= (or the topology, or a plan) to "
+                             "GraphPipelineModule and give the config the same list, or leave it out")
+    if not placement.has_tp:
+        return
+    if asynchronous:
+        raise GPPConfigError(f'graph_pipeline.schedule "{schedule}" is asynchronous, which does not compose with '
+                             f"tensor parallelism yet (stage_tp {tp}); use a synchronous schedule such as \"1f1b\" "
+                             'or "zb1"')
+    if stages_per_rank > 1:
+        raise GPPConfigError(f"several stages per rank (a fold of {stages_per_rank}) do not compose with tensor "
+                             f"parallelism yet (stage_tp {tp}); give each stage its own ranks, or every stage TP 1")
 
 
 _BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
