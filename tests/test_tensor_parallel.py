@@ -71,17 +71,21 @@ def reference(case):
         opt.step()
         opt.zero_grad()
         losses.append(total)
-    return losses, {f"{n}.{k}": v.detach() for n, layer in layers.items() for k, v in layer.named_parameters()}
+    with torch.no_grad():
+        evals = [nn.functional.mse_loss(layers["c"](layers["add"](a, layers["b"](a))), y).item()
+                 for x, y in batches(999, gas=case["gas"], mbs=case["mbs"]) for a in [layers["a"](x)]]
+    return losses, sum(evals) / len(evals), {f"{n}.{k}": v.detach() for n, layer in layers.items() for k, v in layer.named_parameters()}
 
 
 @pytest.mark.parametrize("case", DAG, ids=[c["id"] for c in DAG])
 def test_tp_dag_of_mixed_tp_and_dp_trains_like_the_single_device_model(run, case):
     out = run("tp_dag", 6, DAG, env={"GPP_STRICT_P2P": "1"})
-    losses, params = reference(case)
+    losses, eval_loss, params = reference(case)
     seen = set()
     for r in range(6):
         res = torch.load(out / f"{case['id']}.rank{r}.pt")
         assert res["losses"] == pytest.approx(losses, rel=1e-5), f"rank {r}"
+        assert res["eval"] == pytest.approx(eval_loss, rel=1e-5), f"rank {r}"
         assert res["strict_p2p"] is not None, "ran under the strict transport"
         for name, value in res["params"].items():
             torch.testing.assert_close(value, params[name], rtol=1e-5, atol=1e-6, msg=f"rank {r} {name}")

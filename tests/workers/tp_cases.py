@@ -75,14 +75,16 @@ def run_dag(case, rank, world):
     opt = torch.optim.SGD(module.parameters(), lr=case["lr"])
     engine, _, _, _ = gpp_deepspeed.initialize(model=module, optimizer=opt, config=config(case, placement.replicas))
     losses = train(engine, case, engine.grid.replica_id)
+    ran = sorted({op.kind.value for a, _, _ in engine.last_timeline for op in a.parts})   # the last training batch
+    eval_loss = engine.eval_batch(iter(batches(999, gas=case["gas"], mbs=case["mbs"]))).item()
     params = {}
     with engine.gathered_parameters():
         for entry, layer in zip(module._local_entries, module.forward_funcs):
             for k, v in tp_layers.full_parameters(layer, tp=grid.get_slice_parallel_world_size(),
                                                   group=grid.get_slice_parallel_group()).items():
                 params[f"{entry.name}.{k}"] = v
-    return {"losses": losses, "stage": place.stage, "params": params,
-            "ran": sorted({op.kind.value for a, _, _ in engine.last_timeline for op in a.parts})}
+    return {"losses": losses, "eval": eval_loss, "stage": place.stage, "params": params,
+            "ran": ran}
 
 
 def chain_layers(topo, rank):
