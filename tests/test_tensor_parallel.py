@@ -8,7 +8,8 @@
   pass), ZeRO-1 (and 2 and 3 under 1F1B), and gradient clipping (the norm over TP slices counted
   once, ZeRO-0 and ZeRO-1).
 * DeepSpeed's ``PipeModelDataParallelTopology(2, 2, 2)`` on 8 ranks: DeepSpeed's own
-  ``PipelineEngine`` and ours train the same chain to the same losses and parameters, and
+  ``PipelineEngine`` and ours train the same chain (its first and last layers tied across the two
+  stages, each TP rank's slice tied over its own group) to the same losses and parameters, and
   DeepSpeed's engine loads the checkpoint ours wrote (``layer_XX-model_YY`` names), and ours
   DeepSpeed's.
 """
@@ -112,3 +113,4 @@ def test_3d_topology_drop_in_matches_deepspeeds_pipeline_engine(run):
                                        msg=f"rank {r} {k}: we loaded DeepSpeed's checkpoint")
     files = torch.load(out / "3d.rank0.pt")["files"]
     assert {f"layer_{i:02d}-model_{m:02d}-model_states.pt" for i in range(4) for m in range(2)} <= set(files), files
+    assert any(k.startswith("tied_modules.mlp.") for k in res["state"]), "the tied copies were compared"

@@ -22,7 +22,7 @@ from torch import nn
 
 import deepspeed
 import gpp_deepspeed
-from deepspeed.pipe import LayerSpec, PipelineModule
+from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 from gpp_deepspeed import GraphLayerSpec, GraphPipelineModule
 from gpp_deepspeed.graph.placement import Placement
@@ -88,8 +88,10 @@ def run_dag(case, rank, world):
 
 
 def chain_layers(topo, rank):
+    """Four TP MLPs, the first and the last one tied (a copy on each stage, as GPT's embedding)."""
     mp = topo.get_coord(rank).model
-    return [LayerSpec(TPMLP, D, F, seed=10 + i, tp=2, tp_rank=mp) for i in range(4)]
+    tied = [TiedLayerSpec("mlp", TPMLP, D, F, seed=10, tp=2, tp_rank=mp, tied_weight_attr=["w1", "b1", "w2", "b2"])]
+    return tied + [LayerSpec(TPMLP, D, F, seed=10 + i, tp=2, tp_rank=mp) for i in (1, 2)] + tied
 
 
 def run_3d(case, rank, world, out):
