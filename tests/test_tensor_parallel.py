@@ -93,6 +93,8 @@ def test_tp_dag_of_mixed_tp_and_dp_trains_like_the_single_device_model(run, case
             seen.add(name)
         if case["schedule"] == "zb1" and res["stage"] != 0:
             assert {"I", "W"} <= set(res["ran"]), res["ran"]   # the backward really was split
+        if res["stage"] == 2:   # TP 2 with a predecessor: the input gradient's all-reduce, in the input pass
+            assert res["allreduce_passes"] == (["input"] if case["schedule"] == "zb1" else ["full"]), res
     assert seen == set(params)
 
 

@@ -23,6 +23,8 @@ import torch.nn.functional as F
 from torch import nn
 
 _GRID = {}
+BACKWARD_ALLREDUCES: list = []   # the pass each backward all-reduce ran in (see label_passes)
+_PASS: list = [None]
 
 
 def bind(grid) -> None:
@@ -34,6 +36,21 @@ def _group():
     return _GRID["grid"].get_slice_parallel_group()
 
 
+def label_passes(stage_backward) -> None:
+    """Record which backward pass of ``stage_backward`` (the engine's ``StageBackward``: ``full``,
+    ``input``, ``weight``) each TP all-reduce of a backward runs in."""
+    for name in ("full", "input", "weight"):
+        run = getattr(stage_backward, name)
+
+        def labelled(slot, _run=run, _name=name):
+            _PASS[0] = _name
+            try:
+                return _run(slot)
+            finally:
+                _PASS[0] = None
+        setattr(stage_backward, name, labelled)
+
+
 class _CopyToTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x):
@@ -43,6 +60,7 @@ class _CopyToTP(torch.autograd.Function):
     def backward(ctx, grad):
         grad = grad.clone()
         dist.all_reduce(grad, group=_group())
+        BACKWARD_ALLREDUCES.append(_PASS[0])
         return grad
 
 

@@ -74,6 +74,7 @@ def run_dag(case, rank, world):
     tp_layers.bind(grid)
     opt = torch.optim.SGD(module.parameters(), lr=case["lr"])
     engine, _, _, _ = gpp_deepspeed.initialize(model=module, optimizer=opt, config=config(case, placement.replicas))
+    tp_layers.label_passes(engine.stage_backward)
     losses = train(engine, case, engine.grid.replica_id)
     ran = sorted({op.kind.value for a, _, _ in engine.last_timeline for op in a.parts})   # the last training batch
     eval_loss = engine.eval_batch(iter(batches(999, gas=case["gas"], mbs=case["mbs"]))).item()
@@ -83,7 +84,9 @@ def run_dag(case, rank, world):
             for k, v in tp_layers.full_parameters(layer, tp=grid.get_slice_parallel_world_size(),
                                                   group=grid.get_slice_parallel_group()).items():
                 params[f"{entry.name}.{k}"] = v
-    return {"losses": losses, "eval": eval_loss, "stage": place.stage, "params": params,
+    allreduces = sorted(set(tp_layers.BACKWARD_ALLREDUCES))
+    tp_layers.BACKWARD_ALLREDUCES.clear()
+    return {"losses": losses, "eval": eval_loss, "allreduce_passes": allreduces, "stage": place.stage, "params": params,
             "ran": ran}
 
 
