@@ -232,7 +232,7 @@ class EdgeTransport:
         self.grid = grid
         self.device = device
         self.stage = stage
-        self.rank = dist.get_rank()
+        self.rank = getattr(grid, "global_rank", None)   # this process (None for an in-process test transport)
         self.timeout = timedelta(seconds=timeout_s)
         self._pending: list[tuple[object, list[torch.Tensor]]] = []
         # Keyed by (edge, peer rank): with per-stage degrees an edge has several peer ranks.

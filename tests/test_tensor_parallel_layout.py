@@ -1,23 +1,32 @@
-"""Tensor parallelism: the layout is DeepSpeed's, and bad input fails by name before any rank blocks.
+"""Tensor parallelism: the layout is DeepSpeed's, transfers go leader to leader, and bad input
+fails by name before any rank blocks.
 
 Pure tests: the placement with TP degrees lays ranks out as DeepSpeed's
-``PipeModelDataParallelTopology`` does, its groups, its checks, the composition refusals. One
+``PipeModelDataParallelTopology`` does, its groups, its checks, the composition refusals, and
+stage transfers between stages of different TP degrees over an in-process transport. One
 distributed test (4 gloo ranks, ``tests/workers/tp_bad_inputs.py``): each bad input raises the
 same ValueError naming the culprit on every rank, and no rank hangs.
 """
 
 import json
+from collections import deque
 
 import pytest
+import torch
 from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
 from dist import launch
 from conftest import WORKERS
+from gpp_deepspeed.engine.buffers import StageBuffers
+from gpp_deepspeed.engine.p2p import EdgeTransport
 from gpp_deepspeed.engine.reshard import edge_peers, warm_up_pairs
+from gpp_deepspeed.engine.transfers import StageTransfers
+from gpp_deepspeed.graph.ir import TensorRef
+from gpp_deepspeed.schedule.ir import ActionKind as K, Buffer
 from gpp_deepspeed.engine.topology import StageTopology, check_tp_composes
 from gpp_deepspeed.errors import GPPConfigError
 from gpp_deepspeed.graph.placement import Placement
-from gpp_deepspeed.graph.stages import StageGraph
+from gpp_deepspeed.graph.stages import StageEdge, StageGraph
 
 
 @pytest.mark.parametrize("pp,mp,dp", [(2, 2, 2), (3, 2, 1), (2, 4, 1), (1, 2, 3)])
@@ -109,3 +118,76 @@ def test_bad_tp_input_raises_a_value_error_naming_the_culprit_on_every_rank(erro
         assert is_value_error, f"rank {rank}: {case} raised {kind}: {message}"
         for word in EXPECTED[case]:
             assert word in message, f"rank {rank}: {case}: {word!r} not in {message!r}"
+
+
+# -- transfers between stages of different TP degrees, without an engine ----------------------------
+
+class _Post:
+    def __init__(self):
+        self.queues: dict = {}
+
+
+class _InProcessTPTransport(EdgeTransport):
+    """Messages and TP-group broadcasts handed over in process (the group is its tuple of ranks)."""
+
+    def __init__(self, post: _Post, *, rank: int, stage: int):
+        super().__init__(None, torch.device("cpu"), stage=stage, timeout_s=1)
+        self.post, self.rank = post, rank
+
+    def exchange(self, sends, recvs):
+        for m in sends:
+            self.post.queues.setdefault((self.rank, m.rank), deque()).append([b.clone() for b in m.buffers])
+        for m in recvs:
+            for into, got in zip(m.buffers, self.post.queues[(m.rank, self.rank)].popleft()):
+                into.copy_(got)
+
+    def broadcast(self, buffers, *, src, group):
+        if self.rank == src:
+            for peer in group:
+                if peer != src:
+                    self.post.queues.setdefault(("bcast", src, peer), deque()).append([b.clone() for b in buffers])
+        else:
+            for into, got in zip(buffers, self.post.queues[("bcast", src, self.rank)].popleft()):
+                into.copy_(got)
+
+    def wait_sends(self):
+        pass
+
+
+@pytest.mark.parametrize("tp", [(2, 1), (1, 2)], ids=lambda t: f"tp{t}")
+def test_tp_transfers_send_once_per_row_shard_and_broadcast_in_the_tp_group(tp):
+    """Stages of (TP, DP) (2, 1) -> (1, 2), and the reverse, on 4 ranks: only TP leaders exchange
+    messages, each row shard's rows once; every TP rank ends with the same tensors."""
+    graph = StageGraph(num_stages=2, edges=(StageEdge(0, 1, (TensorRef("a"), )), ), output_stage=1)
+    placement = Placement.build([2, 2], world_size=4, tp=tp)
+    post = _Post()
+    rooms = {}
+    for rank in range(4):
+        place = placement.locate(rank)
+        group = placement.tp_group(place.stage, 0, place.dp_idx)
+        rooms[rank] = (place, StageTransfers(graph, placement, stage_idx=place.stage, replica=0,
+                                             rank_idx=place.dp_idx, out_ports=(TensorRef("a"), ),
+                                             transport=_InProcessTPTransport(post, rank=rank, stage=place.stage),
+                                             tp_group=group, tp_leader=group[0]), StageBuffers(num_slots=1))
+    micro_batch = torch.arange(12.0).reshape(4, 3)
+    rows = lambda s, place: micro_batch[place.dp_idx * (4 // placement.dp[s]):][:4 // placement.dp[s]]  # noqa: E731
+    for rank in (0, 1):
+        place, t, buffers = rooms[rank]
+        buffers[Buffer.OUTPUTS, 0] = (rows(0, place), )
+        t.run([(K.SEND_L, 0, 1), (K.SEND_F, 0, 1)], buffers)
+    assert not [k for k in post.queues if k[0] != "bcast" and k[0] not in placement.shard_leaders(0, 0)]
+    assert sum(len(q) for k, q in post.queues.items() if k[0] != "bcast") == 2 * max(placement.dp)   # layout + rows, per leader pair
+    for rank in (2, 3):
+        place, t, buffers = rooms[rank]
+        t.run([(K.RECV_L, 0, 0)], buffers)
+        t.run([(K.RECV_F, 0, 0)], buffers)
+        got = buffers[Buffer.RECEIVED, 0][TensorRef("a")]
+        assert torch.equal(got, rows(1, place)), (rank, got)
+        got.grad = -got.detach()
+        t.run([(K.SEND_B, 0, 0)], buffers)
+    for rank in (0, 1):
+        place, t, buffers = rooms[rank]
+        t.run([(K.RECV_B, 0, 1)], buffers)
+        want = -rows(0, place) * placement.dp[0] / placement.dp[1]
+        assert torch.equal(buffers[Buffer.GRADS, 0][0], want), rank
+    assert all(not q for q in post.queues.values()), "every message sent was received"
