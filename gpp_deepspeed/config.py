@@ -61,6 +61,12 @@ class GraphPipelineConfig(BaseModel):
     (a planner's fold). The module must be built with the same (``GraphPipelineModule(...,
     fold=...)``); ``"zbv"`` runs the V only."""
 
+    stage_tp: list[int] | None = None
+    """Tensor-parallel degree of each stage (issue 29), e.g. ``[2, 1, 2]``. The module builds the
+    process groups, so this must equal what ``GraphPipelineModule(stage_tp=...)`` (or DeepSpeed's
+    ``PipeModelDataParallelTopology``, or a plan's stages) gave it; it is checked, never applied.
+    Default: whatever the module has."""
+
     validate_schedule: bool = True
     """Check every stage's instruction list for deadlock and buffer misuse before running it; the
     deadlock check assumes NCCL's semantics (a send completes only when its receive is posted)."""

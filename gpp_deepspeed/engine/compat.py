@@ -58,10 +58,11 @@ import deepspeed
 from deepspeed import comm as dist
 from deepspeed.runtime import engine as _ds_engine
 import deepspeed.runtime.pipe.module as _ds_pipe_module
+from deepspeed.runtime.utils import is_model_parallel_parameter
 from deepspeed.runtime.pipe.engine import PipelineEngine as _PipelineEngine
 from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3 as _ZeroStage3
 
-__all__ = ["DEEPSPEED_VERSION", "pipeline_grid", "count_each_stage_once", "flat_optimizer_groups",
+__all__ = ["DEEPSPEED_VERSION", "is_model_parallel_parameter", "pipeline_grid", "count_each_stage_once", "flat_optimizer_groups",
            "base_optimizer", "base_optimizer_state", "link_fragment_state", "broadcast_tied_weights",
            "hand_grads_to_master", "stage_local_norm", "OVERRIDDEN", "scale_loss_by_gas", "next_batch",
            "tied_weight_grad", "pipeline_backward_pass", "engine_backward", "stop_started_backward_timers",
@@ -95,17 +96,19 @@ def pipeline_grid(factory: Callable):
         _ds_pipe_module.PipelineParallelGrid = original
 
 
-def count_each_stage_once(optimizer, *, is_stage_leader: bool, group) -> None:
+def count_each_stage_once(optimizer, *, is_stage_leader: bool, group, tp_rank: int = 0) -> None:
     """Make a ZeRO optimizer's norm reduction over the model-parallel ``group`` count every
     stage once: after its data-parallel sum each rank of a stage holds the stage's total, so only
     the stage's leader adds it in (``MAX`` reductions, overflow checks, are unchanged). ZeRO-3 also
-    counts every stage's gradients (not those of model-parallel rank 0 alone) and tied copies once."""
+    counts every stage's gradients (not those of model-parallel rank 0 alone) and tied copies once.
+    Under tensor parallelism ``is_stage_leader`` is true on every TP rank of the stage's first row
+    shard, and a parameter not sliced over the TP group counts on TP rank ``tp_rank`` 0 only."""
     if not hasattr(optimizer, "_model_parallel_all_reduce"):
         return
     # ZeRO-3 counts a parameter's norm only on model-parallel rank 0 (mpu.get_model_parallel_rank(),
     # the stage index here; ZeRO-1/2 ask for the tensor-parallel rank): every stage counts its own.
     if hasattr(optimizer, "model_parallel_rank"):
-        optimizer.model_parallel_rank = 0
+        optimizer.model_parallel_rank = tp_rank
 
     def reduce(tensor, op):
         if op == dist.ReduceOp.SUM and not is_stage_leader:

@@ -76,7 +76,7 @@ def stage_loader(engine, dataset, *, start: int = 0) -> RepeatingLoader:
     else:
         sampler = torch.utils.data.distributed.DistributedSampler(dataset, num_replicas=placement.replicas,
                                                                   rank=engine.grid.replica_id, shuffle=False)
-    rows = engine.train_micro_batch_size_per_gpu() * placement.position_degrees[engine.stage_id]
+    rows = engine.train_micro_batch_size_per_gpu() * placement.pipeline().dp[engine.stage_id]
     return RepeatingLoader(engine.deepspeed_io(dataset, batch_size=rows, data_sampler=sampler))
 
 
@@ -124,7 +124,7 @@ def load_micro_batch(engine, buffer_id: int) -> None:
     if engine.spec.loads:
         loaded = {}
         for name in engine.spec.loads:
-            t = my_rows(values[name], placement.degrees, stage=stage, idx=idx, what=f'graph input "{name}"')
+            t = my_rows(values[name], placement.dp, stage=stage, idx=idx, what=f'graph input "{name}"')
             t = t.clone().detach().to(engine.device)
             if reentrant_checkpointing(engine.module):
                 t.requires_grad = t.is_floating_point()
@@ -132,9 +132,9 @@ def load_micro_batch(engine, buffer_id: int) -> None:
         engine.pipe_buffers[Buffer.LOADED, buffer_id] = loaded
     if engine.is_last_stage():
         if torch.is_tensor(labels):
-            labels = my_rows(labels, placement.degrees, stage=stage, idx=idx, what="labels").to(engine.device)
+            labels = my_rows(labels, placement.dp, stage=stage, idx=idx, what="labels").to(engine.device)
         elif isinstance(labels, (tuple, list)):
-            labels = tuple(my_rows(x, placement.degrees, stage=stage, idx=idx, what="labels").to(engine.device).detach()
+            labels = tuple(my_rows(x, placement.dp, stage=stage, idx=idx, what="labels").to(engine.device).detach()
                            for x in labels)
         engine.pipe_buffers[Buffer.LABELS, buffer_id] = labels
 

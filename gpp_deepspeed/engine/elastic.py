@@ -60,7 +60,8 @@ def _rank_key(engine) -> str:
     """What this rank runs, in a file name: its stage's layers (hashed), replica and index."""
     layers = ",".join(sorted(engine.module.local_layer_names()))
     digest = hashlib.sha1(layers.encode()).hexdigest()[:16]
-    return f"{digest}_r{engine.grid.replica_id}_i{engine.grid.stage_idx}"
+    tp_idx = getattr(engine.grid, "tp_idx", 0)   # TP ranks of one row shard hold their own RNG streams
+    return f"{digest}_r{engine.grid.replica_id}_i{engine.grid.stage_idx}" + (f"_t{tp_idx}" if tp_idx else "")
 
 
 def rng_file(ckpt_dir: str, key: str) -> str:

@@ -97,9 +97,11 @@ class GraphPipelineEngine(PipelineEngine):
         super().__init__(*args, **kwargs)
         if not isinstance(self.module, GraphPipelineModule):
             raise GPPConfigError("GraphPipelineEngine needs a GraphPipelineModule")
-        if self.is_pipe_partitioned or self.is_grad_partitioned:
-            raise GPPConfigError('"pipeline.pipe_partitioned" and "pipeline.grad_partitioned" (tensor-parallel '
-                                 "activation partitioning) are not supported by the graph pipeline; set them false")
+        # pipe_partitioned / grad_partitioned (on by default with TP): their documented equivalent
+        # runs (transfers.py: one message per row shard, broadcast in the TP group), so the parent's
+        # forward and backward must not split the first tensor themselves.
+        self.tp_partitioned = (self.is_pipe_partitioned, self.is_grad_partitioned)
+        self.is_pipe_partitioned = self.is_grad_partitioned = False
         self.gpp_config = gpp_config
         use_split_backward_recompute(self)
         self.module.partition = mark_gradient_flow(self.module.partition, self._trainable_layers())
@@ -111,8 +113,8 @@ class GraphPipelineEngine(PipelineEngine):
                                                     timeout_s=self.gpp_config.p2p_timeout_s))
         self.stage_backward = StageBackward(self)
         self.zero = StageZero(self)
-        count_each_stage_once(self.optimizer, is_stage_leader=self.grid.is_stage_leader(),
-                              group=self.grid.get_model_parallel_group())
+        count_each_stage_once(self.optimizer, is_stage_leader=self.grid.is_shard_leader(),
+                              group=self.grid.get_model_parallel_group(), tp_rank=self.grid.tp_idx)
         self._programs = ProgramFactory(self.stage_graph, schedule=self.schedule_spec.name,
                                         validate=self.gpp_config.validate_schedule,
                                         fold=Fold(self.placement.fold) if self.placement.fold else None)
@@ -347,9 +349,10 @@ class GraphPipelineEngine(PipelineEngine):
             stages = self.placement.stages_of(coord.pipe)   # several under a fold
             what = (f"stage {stages[0]}" if len(stages) == 1 else
                     f"stages {', '.join(map(str, stages))} (pipeline rank {coord.pipe})")
-            return f"{what} of pipeline replica {coord.data}"
+            return f"{what} of pipeline replica {coord.data}" + (f", TP rank {coord.model}" if hasattr(coord, "model") else "")
 
-        return start_watchdog(rank=self.global_rank, peers=[*self.grid.pp_group, *self.grid.dp_group],
+        return start_watchdog(rank=self.global_rank,
+                              peers=list(dict.fromkeys([*self.grid.pp_group, *self.grid.dp_group, *self.grid.slice_group])),
                               describe=describe, heartbeat_s=self.gpp_config.heartbeat_s,
                               timeout_s=self.gpp_config.watchdog_timeout_s)
 
@@ -438,10 +441,12 @@ class GraphPipelineEngine(PipelineEngine):
         params = [p for p in self.module.parameters() if p.grad is not None]
         local = torch.zeros(1, dtype=torch.float32, device=self.device)
         for p in params:
-            if not getattr(p, "ds_pipe_replicated", False):
+            # Under TP a parameter not sliced over the TP group is counted on its TP rank 0 only.
+            if not getattr(p, "ds_pipe_replicated", False) and (
+                    self.grid.tp_idx == 0 or compat.is_model_parallel_parameter(p)):
                 local += p.grad.detach().float().pow(2).sum()
-        if not self.grid.is_stage_leader():
-            local.zero_()  # the stage's ranks hold the same all-reduced gradients: count them once
+        if not self.grid.is_shard_leader():
+            local.zero_()  # the stage's row shards hold the same all-reduced gradients: count them once
         dist.all_reduce(local, group=self.grid.get_model_parallel_group())
         clip_coef = self.gradient_clipping() / (local[0].sqrt() + 1e-6)  # 0-dim: scales 0-dim grads too
         if clip_coef.item() < 1.0:
@@ -478,10 +483,10 @@ class GraphPipelineEngine(PipelineEngine):
 
     def _exec_schedule(self, pipe_schedule):
         """DeepSpeed's loop over a schedule, for a :class:`GraphPipeSchedule` its compiled steps
-        (:meth:`GraphPipeSchedule.run`: handlers called directly, releases with the action before)."""
+        (:meth:`GraphPipeSchedule.run`: handlers called directly, releases with the action before;
+        every room's buffers were reserved when the schedule was made)."""
         if not isinstance(pipe_schedule, GraphPipeSchedule):
             return super()._exec_schedule(pipe_schedule)
-        self._reserve_pipe_buffers(pipe_schedule.num_pipe_buffers())
         self.fwd_outputs = []
         pipe_schedule.run(self)
 

@@ -18,13 +18,14 @@ from deepspeed.runtime.config import DeepSpeedConfig
 from deepspeed.runtime import zero
 from deepspeed.constants import TORCH_DISTRIBUTED_DEFAULT_PORT
 
-from ..config import CONFIG_KEY, load_config, parse_graph_pipeline_config
+from ..config import CONFIG_KEY, load_config, parse_graph_pipeline_config, with_plan_schedule
 from .compat import configure_python_gc
 from .dualpipev import convert_dualpipev, is_dualpipev_module
 from .engine import GraphPipelineEngine
 from .module import GraphPipelineModule
 from .shm import release_own_shm
-from .topology import stage_batch_config
+from .topology import check_tp_composes, stage_batch_config
+from ..schedule import get_schedule
 from ..errors import GPPConfigError
 from ..spec import check_captured_rows
 
@@ -51,7 +52,32 @@ def _rows_per_stage(config: dict[str, Any], placement) -> list[int] | None:
     tb, m = config.get("train_batch_size"), config.get("gradient_accumulation_steps")
     if b is None and tb is not None and m is not None:
         b = tb // (m * placement.replicas)
-    return None if b is None else [b // n for n in placement.degrees]
+    return None if b is None else [b // n for n in placement.dp]
+
+
+_MPU_QUERIES = (("get_tensor_model_parallel_world_size", "get_slice_parallel_world_size"),
+                ("get_tensor_model_parallel_rank", "get_slice_parallel_rank"),
+                ("get_data_parallel_world_size", "get_data_parallel_world_size"),
+                ("get_data_parallel_rank", "get_data_parallel_rank"))
+
+
+def _check_mpu(mpu, model) -> None:
+    """Accept an ``mpu`` (Megatron's, or a DeepSpeed grid) that agrees with the module's own grid:
+    the same tensor- and data-parallel sizes and ranks on this rank, where it answers those
+    queries. The module's grid is what the engine uses (DeepSpeed's pipeline branch takes
+    ``model.mpu()`` too; it asserts ``mpu is None``, which a drop-in need not)."""
+    if mpu is None or mpu is model.mpu():
+        return
+    grid = model.mpu()
+    for theirs, ours in _MPU_QUERIES:
+        query = getattr(mpu, theirs, None) or getattr(mpu, ours, None)
+        if query is None:
+            continue
+        got, want = query(), getattr(grid, ours)()
+        if got != want:
+            raise GPPConfigError(f"mpu.{query.__name__}() is {got} on rank {grid.global_rank} but the module's grid "
+                                 f"says {want}: pass mpu=model.mpu() (or none), or build the module with the "
+                                 "topology the mpu was made for (PipeModelDataParallelTopology(pp, mp, dp))")
 
 
 def initialize(args=None, model=None, optimizer=None, model_parameters=None, training_data=None, lr_scheduler=None,
@@ -78,10 +104,13 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
                                    config_params=config_params)
         release_own_shm()
         return out
-    if mpu is not None:
-        raise GPPConfigError("mpu must be None with a GraphPipelineModule: its topology defines the groups")
+    _check_mpu(mpu, model)
     config = _load_config(args, config, config_params)
     gpp_config = parse_graph_pipeline_config(config)
+    spec = get_schedule(with_plan_schedule(gpp_config, model.plan_schedule).schedule)   # the schedule it will run
+    check_tp_composes(model.placement, schedule=spec.name, asynchronous=spec.asynchronous,
+                      stages_per_rank=model.placement.num_stages // model.placement.pipeline().num_stages,
+                      config_tp=gpp_config.stage_tp)
     ds_config = {k: v for k, v in config.items() if k != CONFIG_KEY}
     # Per-stage degrees: the user's batch values describe the pipeline; DeepSpeed gets this rank's.
     ds_config = stage_batch_config(ds_config, model.placement.pipeline(), model.stage_id)

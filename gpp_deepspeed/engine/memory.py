@@ -221,7 +221,7 @@ def stage_memory(engine) -> StageMemory:
     partitions = engine.dp_world_size if engine.zero_optimization_partition_gradients() else 1
     param_bytes, grad_bytes, optimizer_bytes = weight_memory(module, engine.optimizer, grad_partitions=partitions)
     meter = getattr(module, "activations", None)
-    grid = getattr(module, "_grid", None)
+    grid = module.mpu() if hasattr(module, "mpu") else None
     return StageMemory(stage_idx=engine.stage_id, rank=engine.global_rank, param_bytes=param_bytes,
                        grad_bytes=grad_bytes, optimizer_bytes=optimizer_bytes,
                        activation_peak_bytes=meter.peak if meter is not None else 0,

@@ -86,6 +86,16 @@ class GraphPipelineModule(PipelineModule):
         ``"v"`` (rank ``r`` holds stages ``r`` and ``2R - 1 - r``, ZB-V's) or the rank of every stage.
         Each rank builds, loads and saves its own stages' layers only. The engine's config must
         agree (``graph_pipeline.stages_per_rank`` / ``fold``).
+    stage_tp
+        Tensor-parallel degree of each stage, e.g. ``[2, 1, 2]``: stage ``s``'s ``stage_degrees[s]``
+        ranks per replica are ``stage_tp[s]`` adjacent ranks (a TP group, which its layers
+        all-reduce over: ``module.mpu().get_slice_parallel_group()``) times its data-parallel
+        degree. A plan's stages may carry their own ``tp``. DeepSpeed's
+        ``PipeModelDataParallelTopology(num_pp, num_mp, num_dp)`` as ``topology`` means
+        ``stage_tp = [num_mp] * num_pp`` and ``stage_degrees = [num_mp] * num_pp`` (``num_dp``
+        replicas). Default: 1 each.
+    tp_across_nodes
+        Allow a TP group to span nodes (``LOCAL_SIZE`` ranks each); refused by default.
     """
 
     def __init__(self, layers: Sequence[Any], *, input_names: Sequence[str] = ("input", ), output: str | None = None,
@@ -93,7 +103,8 @@ class GraphPipelineModule(PipelineModule):
                  base_seed: int = 1234, seed_layers: bool = False, seed_fn=None, activation_checkpoint_interval: int = 0,
                  activation_checkpoint_func=checkpointing.checkpoint, checkpointable_layers=None,
                  dynamic_shape: bool = False, cost_db: Any = None, stage_degrees: Sequence[int] | None = None,
-                 stages_per_rank: int = 1, fold: Any = None):
+                 stages_per_rank: int = 1, fold: Any = None, stage_tp: Sequence[int] | None = None,
+                 tp_across_nodes: bool = False):
         entries = normalize_layers(layers, input_names, base_seed=base_seed)
         graph = build_layer_graph(input_names, [(e.name, e.inputs) for e in entries], output=output)
         _check_buildable(entries)
@@ -107,12 +118,13 @@ class GraphPipelineModule(PipelineModule):
             option = _measured(option, layers, input_names, output)
             measured = option.cost_db
         num_stages = _pipe_stages(num_stages, topology, world_size)
+        stage_degrees, stage_tp = _topology_tp(topology, stage_degrees, stage_tp)
         folded = resolve_fold(fold, stages_per_rank, num_stages, world_size)
         resolved = resolve_partition(graph, option, num_stages=len(folded) if folded else num_stages,
                                      stage_degrees=stage_degrees, world_size=None if folded else world_size,
                                      param_count=lambda name: _count_params(by_name[name]),
                                      layer_type=lambda name: _type_name(by_name[name].layer))
-        placement = _placement(resolved, world_size, folded)
+        placement = _placement(resolved, world_size, folded, tp=stage_tp, tp_across_nodes=tp_across_nodes)
         partition = resolved.partition
         _check_fits(entries, partition, placement)
         # Several stages per rank: layers numbered rank by rank, so each rank's are contiguous
@@ -191,7 +203,8 @@ class GraphPipelineModule(PipelineModule):
         self.seed_layers, self.seed_fn = True, self._seed_for_build
         try:
             # Tensor parallelism (issue 29): a stage split over a TP group builds its captured layers split.
-            tp_group = self._grid.get_slice_parallel_group() if self._grid.get_slice_parallel_world_size() > 1 else None
+            grid = self.mpu()
+            tp_group = grid.get_slice_parallel_group() if grid.get_slice_parallel_world_size() > 1 else None
             local = compat.layer_specs(self)[slice(*compat.local_layer_bounds(self))]
             with torch.random.fork_rng(devices=_rng_devices()), sharding_specs(local, tp_group):
                 super()._build()
@@ -222,14 +235,20 @@ class GraphPipelineModule(PipelineModule):
         for key in sorted({s.key for s in specs if isinstance(s, TiedLayerSpec)}):
             stages = sorted({self.stage_owner(i) for i, s in enumerate(specs)
                              if isinstance(s, TiedLayerSpec) and s.key == key})
-            ranks = sorted(r for s in stages for r in self.placement.pipeline().stage_group(s))
-            group = dist.new_group(ranks=ranks)
-            if self.global_rank in ranks:
-                tied_comms[key] = {"ranks": ranks, "group": group, "weight_attr": self.tied_weight_attrs[key],
-                                   "module": self.tied_modules[key]}
-                if self.stage_id != stages[0]:
-                    for p in self.tied_modules[key].parameters():
-                        p.ds_pipe_replicated = True
+            pipeline = self.placement.pipeline()   # stages here are pipeline ranks (several stages each under a fold)
+            tps = {pipeline.tp[s] for s in stages}
+            if len(tps) > 1:
+                raise GPPError(f'tied layers "{key}" sit on stages {stages} of TP degrees '
+                               f"{[pipeline.tp[s] for s in stages]}; tied copies need one TP degree")
+            for t in range(tps.pop()):   # one group per TP rank: each holds its own slice of the weight
+                ranks = sorted(r for s in stages for r in pipeline.data_group(s, t))
+                group = dist.new_group(ranks=ranks)
+                if self.global_rank in ranks:
+                    tied_comms[key] = {"ranks": ranks, "group": group, "weight_attr": self.tied_weight_attrs[key],
+                                       "module": self.tied_modules[key]}
+                    if self.stage_id != stages[0]:
+                        for p in self.tied_modules[key].parameters():
+                            p.ds_pipe_replicated = True
         return tied_comms
 
     def _synchronize_tied_weights(self):
@@ -358,8 +377,13 @@ class GraphPipelineModule(PipelineModule):
     def ckpt_layer_path(self, ckpt_dir, local_layer_idx):
         """Layer files are keyed by layer name (:mod:`gpp_deepspeed.checkpoint`), not by the
         partition-dependent index DeepSpeed uses, so checkpoints move between layouts."""
-        return layer_model_file(ckpt_dir, self._local_entries[local_layer_idx].name,
-                                self.mpu().topology().get_rank_repr(rank=self.global_rank))
+        entry = self._local_entries[local_layer_idx]
+        rank_repr = self.mpu().topology().get_rank_repr(rank=self.global_rank)
+        if entry.packed and self.placement.has_tp:
+            # A DeepSpeed layer list under TP (the 3D drop-in): DeepSpeed's own layer_XX-model_YY
+            # name, so that its loader reads our checkpoint; ours reads it by index (below).
+            return os.path.join(ckpt_dir, f"layer_{self._list_index[entry.name]:02d}-{rank_repr}-model_states.pt")
+        return layer_model_file(ckpt_dir, entry.name, rank_repr)
 
     def ckpt_layer_path_list(self, ckpt_dir, local_layer_idx):
         name = self._local_entries[local_layer_idx].name
@@ -464,23 +488,46 @@ def _pipe_stages(num_stages: int | None, topology, world_size: int) -> int | Non
     against the world size before any communication, else ``num_stages``."""
     if topology is None:
         return num_stages
-    if set(topology.get_axis_names()) - {"pipe", "data"}:
+    if set(topology.get_axis_names()) - {"pipe", "data", "model"}:
         raise PartitionError(f"the topology has axes {topology.get_axis_names()}; a GraphPipelineModule supports "
-                             "'pipe' and 'data' only (no tensor slicing)")
+                             "'pipe', 'data' and 'model' (DeepSpeed's PipeModelDataParallelTopology)")
     if topology.world_size() != world_size:
         raise PartitionError(f"the topology has {topology.world_size()} ranks but the world size is {world_size}")
     return topology.get_dim("pipe")
 
 
-def _placement(resolved: ResolvedPartition, world_size: int, fold: tuple[int, ...] = ()) -> Placement:
+def _topology_tp(topology, stage_degrees, stage_tp):
+    """``(stage_degrees, stage_tp)`` with DeepSpeed's ``model`` axis, if ``topology`` has one: that
+    many TP ranks per stage, each stage on one TP group per replica (``num_dp`` replicas)."""
+    if topology is None or "model" not in topology.get_axis_names():
+        return stage_degrees, stage_tp
+    mp, pp = topology.get_dim("model"), topology.get_dim("pipe")
+    if stage_tp is not None and list(stage_tp) != [mp] * pp:
+        raise PartitionError(f"stage_tp {list(stage_tp)} contradicts the topology's model axis ({mp} on each of "
+                             f"{pp} stages); give one or the other")
+    if stage_degrees is not None and list(stage_degrees) != [mp] * pp:
+        raise PartitionError(f"stage_degrees {list(stage_degrees)} contradicts the topology (pipe {pp} x model "
+                             f"{mp}: {mp} ranks per stage and replica); give one or the other")
+    return [mp] * pp, [mp] * pp
+
+
+def _placement(resolved: ResolvedPartition, world_size: int, fold: tuple[int, ...] = (), *, tp=None,
+               tp_across_nodes: bool = False) -> Placement:
     """Which ranks run which stage: ``resolved.stage_degrees`` ranks per stage in every copy of the
-    stage DAG, stage blocks packed into nodes of ``LOCAL_SIZE`` ranks."""
-    local_size = int(os.environ.get("LOCAL_SIZE", world_size))
-    if resolved.keep_stage_order:
-        # A topology-aware plan was mapped to devices assuming stage blocks in stage order
-        # (planner.topology.rank_order); the launcher permutes ranks, so keep that order.
-        local_size = world_size
-    return Placement.build(resolved.stage_degrees, world_size=world_size, local_size=local_size, fold=fold)
+    stage DAG (stages sharing ranks as ``fold`` says), ``tp`` (else a plan's ``stage_tp``, else 1) of
+    them per TP group, stage blocks packed into nodes of ``LOCAL_SIZE`` ranks."""
+    planned = getattr(resolved, "stage_tp", None)
+    if tp is not None and planned is not None and tuple(tp) != tuple(planned):
+        raise PartitionError(f"stage_tp {list(tp)} contradicts the plan's TP degrees {list(planned)}")
+    tp = tp if tp is not None else planned
+    node = int(os.environ.get("LOCAL_SIZE", world_size))
+    # A topology-aware plan was mapped to devices assuming stage blocks in stage order
+    # (planner.topology.rank_order); the launcher permutes ranks, so keep that order.
+    placement = Placement.build(resolved.stage_degrees, world_size=world_size, fold=fold, tp=tp, tp_across_nodes=True,
+                                local_size=world_size if resolved.keep_stage_order else node)
+    if not tp_across_nodes:
+        placement.check_tp_in_nodes(node)
+    return placement
 
 
 def _count_params(entry: LayerEntry) -> int:

@@ -232,6 +232,7 @@ class EdgeTransport:
         self.grid = grid
         self.device = device
         self.stage = stage
+        self.rank = getattr(grid, "global_rank", None)   # this process (None for an in-process test transport)
         self.timeout = timedelta(seconds=timeout_s)
         self._pending: list[tuple[object, list[torch.Tensor]]] = []
         # Keyed by (edge, peer rank): with per-stage degrees an edge has several peer ranks.
@@ -305,6 +306,14 @@ class EdgeTransport:
             waits = [(w, (first.peer, first.rank)) for w in works] if recvs else []
         for work, (peer, rank) in waits:
             self._wait(work, peer, rank)
+
+    def broadcast(self, buffers: list[torch.Tensor], *, src: int, group) -> None:
+        """Broadcast ``buffers`` from global rank ``src`` over ``group`` (a stage's TP group: the
+        messages its leader received, to its TP peers; :mod:`.transfers`), one collective each,
+        in order, waited for like a receive."""
+        for b in buffers:
+            work = dist.broadcast(b, src=src, group=group, async_op=True)
+            self._wait(work, self.stage, src)
 
     def _wait(self, work, peer: int, rank: int) -> None:
         try:

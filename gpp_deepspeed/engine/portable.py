@@ -43,6 +43,7 @@ from deepspeed.utils import logger
 from ..checkpoint import (LR_SCHEDULER_FILE, MASTER_KEY, latest_tag, layer_optim_file, load_master_weights_by_name,
                           load_optimizer_state_by_name, optimizer_state_by_name, read_layout, step_value,
                           write_layout, commit_tag, staging_tag, write_latest)
+from ..errors import GPPError
 from . import elastic
 from .background import BackgroundCheckpointEngine
 from .compat import base_optimizer, base_optimizer_state, flat_optimizer_groups, link_fragment_state
@@ -54,10 +55,10 @@ __all__ = ["current_layout", "save_checkpoint", "save_extras", "load_checkpoint"
 def current_layout(engine) -> dict:
     # The same on every rank: with per-stage degrees each stage has its own data-parallel size.
     placement = engine.module.placement
-    degrees = placement.degrees
+    degrees = placement.dp   # row shards per stage (TP ranks share theirs)
     data_parallel = placement.replicas if set(degrees) == {1} else [n * placement.replicas for n in degrees]
     return {"stage_of": dict(engine.module.partition.stage_of), "num_stages": engine.num_stages,
-            "data_parallel": data_parallel, "zero_stage": engine.zero_optimization_stage(),
+            "data_parallel": data_parallel, "tp": list(placement.tp), "zero_stage": engine.zero_optimization_stage(),
             "bf16": bool(engine.bfloat16_enabled())}
 
 
@@ -184,7 +185,8 @@ def save_extras(engine, save_dir: str, tag: str) -> None:
     """Write the per-layer optimizer state, the layout and the counters next to DeepSpeed's files."""
     ckpt_dir = os.path.join(save_dir, str(tag))
     states = layer_optimizer_states(engine)
-    if states is not None and engine.grid.data_parallel_id == 0:
+    # Under TP the layer files hold slices; a TP checkpoint loads under its own layout only (below).
+    if states is not None and engine.grid.data_parallel_id == 0 and not engine.placement.has_tp:
         # fresh CPU copies already: a background engine writes them without another snapshot
         save = getattr(engine.checkpoint_engine, "save_owned", engine.checkpoint_engine.save)
         for name, layer_states in states.items():
@@ -219,6 +221,11 @@ def load_checkpoint(engine, load_dir: str, tag: str | None, *, ds_load, load_opt
                       load_lr_scheduler_states=load_lr_scheduler_states, load_module_strict=load_module_strict,
                       **kwargs)
     else:
+        if any(t > 1 for t in (*layout.get("tp", ()), *engine.placement.tp)):
+            raise GPPError(f"checkpoint {load_dir} (tag {tag}) was saved under another layout ({layout}) than this "
+                           f"engine's ({current_layout(engine)}); with tensor parallelism a checkpoint loads only "
+                           "under the layout (partition, stage degrees, TP degrees) it was saved with: rebuild the "
+                           "module with that layout")
         out = _load_relaid(engine, os.path.join(load_dir, str(tag)), layout,
                            load_optimizer_states=load_optimizer_states,
                            load_lr_scheduler_states=load_lr_scheduler_states, strict=load_module_strict)

@@ -11,6 +11,11 @@ and scaled by the real shard size at run time, so a rank needs no micro-batch si
 With equal degrees every producer index ``i`` sends its whole shard to consumer index ``i``: no
 slicing, and tensors without a batch dimension pass unchanged (as with one rank per stage).
 
+Tensor parallelism: a stage's ranks are ``dp`` row shards of ``tp`` ranks each (see
+:mod:`gpp_deepspeed.graph.placement`). Rows are resharded between row shards only: the peers of an
+edge are the TP leaders (TP rank 0) of the row shards at both ends, and each leader's TP peers get
+the same tensors by a broadcast inside their TP group (:mod:`.transfers`).
+
 Gradients: every rank of a stage of degree ``n`` differentiates ``n`` times its shard's part of
 the mean loss (the output stage's loss is a mean over its shard), which the stage's
 data-parallel average turns into the gradient of the micro-batch's mean loss. A gradient coming
@@ -42,8 +47,9 @@ class EdgePeer:
 
 
 def edge_peers(placement: Placement, *, src: int, dst: int, replica: int, idx: int, side: str) -> tuple[EdgePeer, ...]:
-    """This rank's peers on edge ``src -> dst``; ``side`` is ``"src"`` (this rank produces) or
-    ``"dst"`` (it consumes). Ordered by row, so received pieces concatenate in order.
+    """The peers of row shard ``idx`` on edge ``src -> dst`` (the TP leaders of the row shards it
+    exchanges rows with); ``side`` is ``"src"`` (this shard produces) or ``"dst"`` (it consumes).
+    Ordered by row, so received pieces concatenate in order.
 
     >>> p = Placement.build((2, 1), world_size=3)
     >>> edge_peers(p, src=0, dst=1, replica=0, idx=0, side="dst")
@@ -51,11 +57,11 @@ def edge_peers(placement: Placement, *, src: int, dst: int, replica: int, idx: i
     >>> edge_peers(p, src=0, dst=1, replica=0, idx=1, side="src")
     (EdgePeer(rank=2, rows=(0, 1), units=1),)
     """
-    n_src, n_dst = placement.degrees[src], placement.degrees[dst]
+    n_src, n_dst = placement.dp[src], placement.dp[dst]
     if side == "src":
-        peers, mine = placement.ranks(dst, replica), (src, n_src)
+        peers, mine = placement.shard_leaders(dst, replica), (src, n_src)
     else:
-        peers, mine = placement.ranks(src, replica), (dst, n_dst)
+        peers, mine = placement.shard_leaders(src, replica), (dst, n_dst)
     if n_src == n_dst:
         return (EdgePeer(peers[idx], None, 1), )
     lcm = math.lcm(n_src, n_dst)
@@ -93,7 +99,7 @@ def join_rows(pieces: list[list[torch.Tensor]]) -> list[torch.Tensor]:
 
 def grad_scale(placement: Placement, *, src: int, dst: int) -> float:
     """The factor applied to gradients arriving at stage ``src`` from stage ``dst``."""
-    return placement.degrees[src] / placement.degrees[dst]
+    return placement.dp[src] / placement.dp[dst]
 
 
 def warm_up_pairs(placement: Placement, stage_graph, *, replica: int) -> list[tuple[int, int, int, int]]:
@@ -107,7 +113,7 @@ def warm_up_pairs(placement: Placement, stage_graph, *, replica: int) -> list[tu
     """
     pairs = set()
     for e in stage_graph.edges:
-        producers = placement.ranks(e.src, replica)
+        producers = placement.shard_leaders(e.src, replica)
         for i, rank in enumerate(producers):
             for peer in edge_peers(placement, src=e.src, dst=e.dst, replica=replica, idx=i, side="src"):
                 if peer.rank != rank:   # an edge inside a rank (several stages per rank) is a hand-over

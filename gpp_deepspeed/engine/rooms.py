@@ -69,7 +69,8 @@ class RankStages:
             spec = module.partition.stages[s]
             buffers = StageBuffers(engine.pipe_buffers if i == 0 else None, num_slots=engine.num_pipe_buffers)
             transfers = StageTransfers(graph, engine.placement, stage_idx=s, replica=engine.grid.replica_id,
-                                       rank_idx=engine.grid.stage_idx, out_ports=spec.out_ports, transport=transport)
+                                       rank_idx=engine.grid.stage_idx, out_ports=spec.out_ports, transport=transport,
+                                       tp_group=engine.grid.get_slice_parallel_group(), tp_leader=engine.grid.tp_leader)
             self.rooms[s] = StageRoom(s, spec, buffers, transfers, frozen=s in graph.frozen)
         self.entered: int | None = None
         self.output = graph.output_stage in self.rooms
@@ -114,12 +115,14 @@ class RankStages:
     def run(self, ops) -> None:
         """One transfer action: every ``(kind, slot, peer, stage)`` of ``ops`` posted as one batch,
         in program order (messages between two ranks match in posting order)."""
-        sends, recvs, stores = [], [], []
+        sends, recvs, stores = [], [], {}
         for kind, slot, peer, stage in ops:
             room = self.rooms[stage]
-            room.transfers.prepare(kind, slot, peer, room.buffers, sends, recvs, stores)
+            room.transfers.prepare(kind, slot, peer, room.buffers, sends, recvs, stores.setdefault(stage, []))
         self.transport.exchange(sends, recvs)
-        StageTransfers.store(stores)
+        for stage, received in stores.items():
+            self.rooms[stage].transfers.broadcast(received)   # under TP: to the leader's TP peers
+            StageTransfers.store(received)
 
     def hand_over(self, kind, stage: int, buffer_id: int, peer: int, peer_buffer_id: int) -> None:
         """``HAND_F``: ``stage`` takes ``peer``'s outputs on their edge as received tensors;

@@ -13,6 +13,19 @@ With per-stage degrees a stage edge is one message per peer rank: each consumer 
 its rows from the producer ranks holding them (:mod:`.reshard`); gradients go back the same way,
 scaled as :func:`~.reshard.grad_scale` says.
 
+With tensor parallelism (a stage's row shard held by a TP group, :mod:`gpp_deepspeed.graph.placement`)
+a stage's activations and input gradients are replicated over each TP group, so only the group's
+leader (TP rank 0) sends and receives them, and every message it receives is broadcast to its TP
+peers inside the same transfer action: one message per row shard crosses between stages, not one
+per TP rank. That broadcast is part of what a receive *is* on a stage of TP degree > 1 (every rank
+of the group runs the same program, so every rank of it reaches the same receive, and the
+broadcasts of one action happen in the order of its receives on every rank of the group), not a
+choice made at run time. It is the documented equivalent of DeepSpeed's ``pipe_partitioned`` /
+``grad_partitioned``: DeepSpeed sends ``1/tp`` of the tensor from each TP rank to its match and
+all-gathers; here the same bytes cross between stages once, from one rank, and are broadcast in
+the group (what crosses the stage boundary is the same; it works between stages of different TP
+degrees, where there is no matching TP rank, and for any edge, not only a single tensor).
+
 Representative use::
 
     transfers = StageTransfers(stage_graph, placement, stage_idx=2, replica=0, rank_idx=0,
@@ -43,10 +56,13 @@ class StageTransfers:
     """
 
     def __init__(self, stage_graph: StageGraph, placement: Placement, *, stage_idx: int, replica: int, rank_idx: int,
-                 out_ports, transport):
+                 out_ports, transport, tp_group=None, tp_leader: int | None = None):
         self.stage_idx = stage_idx
         self.placement = placement
         self.transport = transport
+        # Tensor parallelism: rank_idx is the row shard; only the TP leader talks to other stages.
+        self.tp_group, self.tp_leader = (tp_group, tp_leader) if placement.tp[stage_idx] > 1 else (None, None)
+        self.is_tp_leader = self.tp_leader is None or transport.rank == self.tp_leader
         self._out_index = {ref: i for i, ref in enumerate(out_ports)}
         # This stage's edges by peer, in the order the schedule visits them (fixed for the run).
         self.in_edges = {e.src: e for e in stage_graph.edges if e.dst == stage_idx}
@@ -64,18 +80,29 @@ class StageTransfers:
         for kind, slot, peer, *_ in ops:
             self.prepare(kind, slot, peer, buffers, sends, recvs, stores)
         self.transport.exchange(sends, recvs)
+        self.broadcast(stores)
         self.store(stores)
 
     def prepare(self, kind, slot, peer, buffers: StageBuffers, sends: list, recvs: list, stores: list) -> None:
         """Add one transfer's messages to a batch: its sends to ``sends``, its sized receives to
-        ``recvs`` and what stores them, once received, to ``stores`` (:meth:`store`)."""
+        ``recvs`` and what stores them, once received, to ``stores`` (:meth:`store`). Under TP only
+        the leader sends and receives; its TP peers size the same buffers for :meth:`broadcast`."""
         if kind.spec.send:
-            sends += self._outgoing(kind, buffers, slot, peer)
+            if self.is_tp_leader:
+                sends += self._outgoing(kind, buffers, slot, peer)
             return
         ranks, specs, store = self._incoming(kind, buffers, slot, peer)
         got = [Incoming(peer, rank, receive_buffers(spec, self.transport.device)) for rank, spec in zip(ranks, specs)]
-        recvs += got
+        if self.is_tp_leader:
+            recvs += got
         stores.append((store, ranks, got, specs))
+
+    def broadcast(self, stores: list) -> None:
+        """Under TP, the leader's received messages to its TP peers (module docstring), after the
+        exchange; nothing otherwise."""
+        if self.tp_group is not None:
+            self.transport.broadcast([b for _, _, got, _ in stores for m in got for b in m.buffers],
+                                     src=self.tp_leader, group=self.tp_group)
 
     @staticmethod
     def store(stores: list) -> None:

@@ -14,6 +14,13 @@ replica
 shard
     Rows ``[i * b / n, (i + 1) * b / n)`` of a micro-batch: what the ``i``-th rank (its *index*) of a
     stage of degree ``n`` holds.
+tensor-parallel degree
+    ``tp_s``: how many of a stage's ``n_s`` ranks hold one row shard between them, each with its
+    slice of the stage's layers (Megatron-LM's tensor parallelism, arXiv 1909.08053). A stage's
+    ``n_s`` ranks per replica are ``n_s / tp_s`` row shards (its data-parallel degree ``dp_s``) of
+    ``tp_s`` adjacent ranks each (its TP groups), as Megatron and DeepSpeed's
+    ``PipeModelDataParallelTopology`` lay them out: index ``i`` in the stage is row shard
+    ``i // tp_s``, TP rank ``i % tp_s``.
 transfer
     On a stage edge ``s -> t``: the rows ``[start, stop)`` of the micro-batch that rank index ``i``
     of ``s`` sends to rank index ``j`` of ``t`` (activations forward, their gradients backward). Each
@@ -77,11 +84,14 @@ def reshard(micro_batch: int, *, num_src: int, num_dst: int) -> tuple[RowTransfe
 
 @dataclass(frozen=True, slots=True)
 class RankPlace:
-    """Where one rank sits: its stage, its replica of the stage DAG and its index in the stage."""
+    """Where one rank sits: its stage, its replica of the stage DAG, its index in the stage, and
+    that index split into its row shard (``dp_idx``) and its rank in the shard's TP group."""
 
     stage: int
     replica: int
     idx: int
+    dp_idx: int = 0
+    tp_idx: int = 0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -97,7 +107,13 @@ class Placement:
 
     >>> p = Placement.build((2, 1, 1), world_size=8)
     >>> p.replicas, p.ranks(0, 0), p.ranks(0, 1), p.ranks(1, 1), p.locate(5)
-    (2, (0, 1), (2, 3), (5,), RankPlace(stage=1, replica=1, idx=0))
+    (2, (0, 1), (2, 3), (5,), RankPlace(stage=1, replica=1, idx=0, dp_idx=0, tp_idx=0))
+
+    ``tp[s]`` ranks of stage ``s`` share each row shard (tensor parallelism; default 1 each):
+
+    >>> q = Placement.build((2, 2, 2), world_size=6, tp=(2, 1, 2))
+    >>> q.dp, q.tp_group(0, 0, 0), q.data_group(1, 0), q.data_group(2, 1), q.locate(5)
+    ((1, 2, 1), (0, 1), (2, 3), (5,), RankPlace(stage=2, replica=0, idx=1, dp_idx=0, tp_idx=1))
     """
 
     degrees: tuple[int, ...]
@@ -113,20 +129,30 @@ class Placement:
     >>> p.replicas, p.ranks(3, 1), p.stage_group(1), p.pipeline().degrees
     (2, (1,), (2, 3), (1, 1))
     """
+    tp: tuple[int, ...] = ()
 
     @classmethod
-    def build(cls, degrees, *, world_size: int, local_size: int | None = None, fold=None) -> "Placement":
+    def build(cls, degrees, *, world_size: int, local_size: int | None = None, fold=None, tp=None,
+              tp_across_nodes: bool = False) -> "Placement":
         """The placement of ``degrees`` on ``world_size`` ranks, nodes of ``local_size`` ranks,
-        stages sharing positions as ``fold`` says.
+        stages sharing positions as ``fold`` says, ``tp[s]`` of stage ``s``'s ranks in each of its
+        TP groups.
 
         Raises a :class:`GPPConfigError` naming the numbers when the degrees do not divide the
-        world (the degrees of the positions must sum to a divisor of ``world_size``), or, under a
-        fold, naming two stages of one rank whose degrees differ.
+        world (the degrees of the positions must sum to a divisor of ``world_size``), under a fold
+        naming two stages of one rank whose degrees differ, when a TP degree does not divide its
+        stage's degree, when a TP group would span two nodes and ``tp_across_nodes`` is not set
+        (its per-layer all-reduces would cross the slow link), or for TP under a fold (not
+        supported yet).
         """
         degrees = tuple(degrees)
         if not degrees or any(not isinstance(n, int) or n < 1 for n in degrees):
             raise GPPConfigError(f"stage degrees must be positive integers, one per stage, got {list(degrees)}")
         fold = tuple(fold or ())
+        tp = _check_tp(degrees, tp)
+        if any(t > 1 for t in tp) and fold and fold != tuple(range(len(fold))):
+            raise GPPConfigError(f"tensor parallelism (stage TP degrees {list(tp)}) with several stages per rank "
+                                 f"(fold {list(fold)}) is not supported yet: use one or the other")
         positions = _position_degrees(degrees, fold)
         per_replica = sum(positions)
         if world_size % per_replica:
@@ -134,14 +160,61 @@ class Placement:
                                  f"which does not divide the world size ({world_size}); launch "
                                  f"{per_replica} ranks (or a multiple of {per_replica} for data-parallel replicas)")
         replicas = world_size // per_replica
-        return cls(degrees=degrees, replicas=replicas, fold=fold,
-                   order=_pack(tuple(n * replicas for n in positions), local_size or world_size))
+        out = cls(degrees=degrees, replicas=replicas, fold=fold, tp=tp,
+                  order=_pack(tuple(n * replicas for n in positions), local_size or world_size))
+        if local_size and not tp_across_nodes:
+            out.check_tp_in_nodes(local_size)
+        return out
 
     def __post_init__(self):
         if self.fold and tuple(range(len(self.fold))) == self.fold:
             object.__setattr__(self, "fold", ())      # the identity fold is no fold
         if not self.order:
             object.__setattr__(self, "order", tuple(range(len(self.position_degrees))))
+        if not self.tp:
+            object.__setattr__(self, "tp", (1, ) * len(self.degrees))
+
+    @property
+    def dp(self) -> tuple[int, ...]:
+        """Each stage's data-parallel degree in one replica: its row shards, ``degrees / tp``."""
+        return tuple(n // t for n, t in zip(self.degrees, self.tp))
+
+    @property
+    def has_tp(self) -> bool:
+        return any(t > 1 for t in self.tp)
+
+    def tp_group(self, stage: int, replica: int, dp_idx: int) -> tuple[int, ...]:
+        """The ranks of row shard ``dp_idx`` of ``stage`` in ``replica``, by TP rank."""
+        t = self.tp[stage]
+        return self.ranks(stage, replica)[dp_idx * t:(dp_idx + 1) * t]
+
+    def shard_leaders(self, stage: int, replica: int) -> tuple[int, ...]:
+        """TP rank 0 of each row shard of ``stage`` in ``replica``, by row shard: the ranks that
+        send and receive the stage's activations and gradients (each then broadcasts in its TP
+        group)."""
+        return self.ranks(stage, replica)[::self.tp[stage]]
+
+    def data_group(self, stage: int, tp_idx: int = 0) -> tuple[int, ...]:
+        """The ranks of ``stage`` with TP rank ``tp_idx``, every row shard of every replica: its
+        data-parallel group (they hold the same slice of the stage's parameters), sorted."""
+        t = self.tp[stage]
+        if t == 1:
+            return self.stage_group(stage)
+        return tuple(r for r in self.stage_group(stage) if self.locate(r).tp_idx == tp_idx % t)
+
+    def check_tp_in_nodes(self, local_size: int) -> None:
+        """Raise a :class:`GPPConfigError` naming the first TP group whose ranks span two nodes of
+        ``local_size`` ranks."""
+        for s in range(self.num_stages):
+            for k in range(self.replicas):
+                for d in range(self.dp[s]):
+                    group = self.tp_group(s, k, d)
+                    if group[0] // local_size != group[-1] // local_size:
+                        raise GPPConfigError(
+                            f"stage {s}'s tensor-parallel group {list(group)} spans two nodes of {local_size} ranks: "
+                            "its per-layer all-reduces would cross the inter-node link; choose a TP degree that "
+                            "divides the ranks per node (and stage degrees that keep each group in one node), or "
+                            "pass tp_across_nodes=True to GraphPipelineModule to allow it")
 
     @property
     def num_stages(self) -> int:
@@ -207,18 +280,36 @@ class Placement:
             size = self.replicas * self.degrees[s]
             if pos < size:
                 replica, idx = divmod(pos, self.degrees[s])
-                return RankPlace(s, replica, idx)
+                dp_idx, tp_idx = divmod(idx, self.tp[s])
+                return RankPlace(s, replica, idx, dp_idx, tp_idx)
             pos -= size
         raise AssertionError("unreachable: the stage blocks cover the world")
 
     def check_micro_batch(self, micro_batch: int) -> None:
-        """Raise a :class:`GPPConfigError` naming the first stage whose degree does not divide
-        ``micro_batch`` (every stage splits each micro-batch into equal row shards)."""
-        for s, n in enumerate(self.degrees):
+        """Raise a :class:`GPPConfigError` naming the first stage whose data-parallel degree does not
+        divide ``micro_batch`` (every stage splits each micro-batch into equal row shards)."""
+        for s, n in enumerate(self.dp):
             if micro_batch % n:
-                raise GPPConfigError(f"stage {s} runs on {n} ranks but the micro-batch has {micro_batch} samples, "
+                what = f"runs on {n} ranks" if self.tp[s] == 1 else f"holds {n} row shards (TP {self.tp[s]})"
+                raise GPPConfigError(f"stage {s} {what} but the micro-batch has {micro_batch} samples, "
                                      f"which do not split into {n} equal shards; make train_micro_batch_size_per_gpu "
-                                     f"a multiple of every stage degree {list(self.degrees)}")
+                                     f"a multiple of every stage's data-parallel degree {list(self.dp)}")
+
+
+def _check_tp(degrees: tuple[int, ...], tp) -> tuple[int, ...]:
+    """``tp`` as a tuple (one per stage, default 1), checked against the stage degrees."""
+    if tp is None:
+        return (1, ) * len(degrees)
+    tp = tuple(tp)
+    if len(tp) != len(degrees) or any(not isinstance(t, int) or t < 1 for t in tp):
+        raise GPPConfigError(f"stage TP degrees must be positive integers, one per stage ({len(degrees)}), got "
+                             f"{list(tp)}")
+    for s, (n, t) in enumerate(zip(degrees, tp)):
+        if n % t:
+            raise GPPConfigError(f"stage {s} runs on {n} ranks per replica, which its TP degree {t} does not divide; "
+                                 f"a stage's ranks are TP degree x data-parallel degree: give stage {s} a multiple "
+                                 f"of {t} ranks (stage degrees {list(degrees)}, TP degrees {list(tp)})")
+    return tp
 
 
 def _position_degrees(degrees: tuple[int, ...], fold: tuple[int, ...]) -> tuple[int, ...]:
