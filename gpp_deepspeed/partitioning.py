@@ -185,6 +185,7 @@ class ResolvedPartition:
     recompute: frozenset[int] = frozenset()
     keep_stage_order: bool = False
     source: str = ""
+    stage_tp: tuple[int, ...] | None = None   # a plan's tensor-parallel degree per stage (None: 1 each)
 
     @property
     def num_stages(self) -> int:
@@ -371,7 +372,8 @@ def _from_plan(graph: LayerGraph, plan: Plan, *, num_stages: int | None, stage_d
     partition = derive_partition(graph, plan.stage_of, num_stages=plan.num_stages, relay=plan.pipeline == "chain")
     return ResolvedPartition(partition=partition, stage_degrees=devices, schedule=plan.schedule,
                              recompute=frozenset(i for i, s in enumerate(plan.stages) if s.recompute),
-                             keep_stage_order=bool(plan.placement), source=source)
+                             keep_stage_order=bool(plan.placement), source=source,
+                             stage_tp=tuple(s.tp for s in plan.stages) if any(s.tp > 1 for s in plan.stages) else None)
 
 
 def _check_resolved(graph: LayerGraph, resolved: ResolvedPartition, *, num_stages: int | None,

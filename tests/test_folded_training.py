@@ -7,8 +7,8 @@ and is compared with :func:`reference.train_reference` (GraphModel + SGD on one 
 micro-batches) to ``rtol=1e-5`` in fp32: per-step losses, the eval loss, the logits and every
 final parameter, each parameter living on exactly one rank of each replica.
 
-Schedules: ``"interleaved"`` (Megatron's interleaved 1F1B, looped placement, fused backward) and
-``"zbv"`` (ZB-V: the V placement, split backward), on a chain and on DAGs (a skip edge, a fan-out
+Schedules: ``"interleaved"`` (Megatron's interleaved 1F1B, looped placement, fused backward),
+``"zbv"`` (ZB-V: the V placement, split backward) and ``"dualpipev"`` (DualPipeV's pairs), on a chain and on DAGs (a skip edge, a fan-out
 into a fan-in), with data-parallel replicas (pipe 2 x data 2).
 """
 
@@ -40,6 +40,11 @@ CHAINS = [case("chain", 4, 0, "interleaved", stages_per_rank=2),
 DAGS = [case("skip", 4, 0, "zbv", fold="v"),
         case("four_branch", 4, 1, "interleaved", stages_per_rank=2),
         case("fanout3", 4, 0, "interleaved", fold=[0, 1, 1, 0], tag="-branches")]
+# DualPipeV (a forward beside a backward of another micro-batch on a rank's two stages), and a V
+# schedule on a fold pairing stages other than the V (as the planner's fold search may).
+DAGS += [case("chain", 4, 0, "dualpipev", fold="v"),
+         case("four_branch", 4, 1, "dualpipev", fold="v"),
+         case("four_branch", 4, 0, "zbv", fold=[0, 1, 0, 1], tag="-pairs")]
 W2 = CHAINS + DAGS
 W4 = [case("chain", 4, 1, "interleaved", stages_per_rank=2, tag="-dp2"),
       case("skip", 4, 0, "zbv", fold="v", tag="-dp2"),

@@ -1,11 +1,6 @@
 """Issue 29 acceptance: a captured Llama-style model with its decoder stages at TP 2 and its embedding
 stage at TP 1, loaded from a ``save_pretrained`` directory, trained against one process, saved and
 read back by ``from_pretrained`` (6 gloo ranks, ``tests/workers/tp_hf_pipeline.py``).
-
-LEAD: this needs h-tp's per-stage TP groups in the engine (``graph_pipeline.stage_tp``); it skips,
-saying so, until the config has that field. Run it after merging h-tp and h-tphf:
-
-    PYTHONPATH=$PWD /work/bin/slot python -m pytest -q tests/test_tp_hf_pipeline.py
 """
 
 from __future__ import annotations
@@ -18,15 +13,10 @@ import torch
 pytest.importorskip("transformers", reason="the [hf] extra (make test installs it)")
 
 from dist import launch  # noqa: E402
-from gpp_deepspeed.config import GraphPipelineConfig  # noqa: E402
 from llama_tiny import LM, config, eval_batch, train_reference  # noqa: E402
 from tp_llama import TP_CONFIG  # noqa: E402
 
 WORKER = Path(__file__).parent / "workers" / "tp_hf_pipeline.py"
-
-pytestmark = pytest.mark.skipif("stage_tp" not in GraphPipelineConfig.model_fields,
-                                reason="LEAD: needs the engine's per-stage TP (graph_pipeline.stage_tp, branch h-tp)")
-
 
 @pytest.mark.dist
 def test_a_pretrained_llama_with_tp2_decoder_stages_trains_saves_and_loads_like_one_process(tmp_path):

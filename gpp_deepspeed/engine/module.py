@@ -29,14 +29,14 @@ from ..errors import GPPError, PartitionError
 from ..graph.ir import LayerGraph, TensorRef, build_layer_graph
 from ..graph.placement import Placement
 from ..graph.stages import Partition, StageSpec
-from ..partitioning import (PARTITION_METHODS, GraphPipeSearch, ResolvedPartition, parse_partition_method,
+from ..partitioning import (PARTITION_METHODS, FromPlan, GraphPipeSearch, ResolvedPartition, parse_partition_method,
                             resolve_partition)
 from ..nn.dag import port_leaves, resolve, run_layers
 from ..spec import LayerEntry, normalize_layers
 from ..checkpoint import layer_model_file, layer_model_files
 from . import compat
 from .compat import broadcast_tied_weights, pipeline_grid
-from .tensor_parallel import sharding_specs
+from .tensor_parallel import check_tp_layers, sharding_specs
 from .flat import flatten, unflatten
 from .memory import ActivationMeter, check_fits_memory, node_memory_bytes
 from .rooms import resolve_fold
@@ -119,6 +119,8 @@ class GraphPipelineModule(PipelineModule):
             measured = option.cost_db
         num_stages = _pipe_stages(num_stages, topology, world_size)
         stage_degrees, stage_tp = _topology_tp(topology, stage_degrees, stage_tp)
+        if isinstance(option, FromPlan) and option.plan.fold and fold is None and stages_per_rank == 1:
+            fold = list(option.plan.fold)   # a folded plan places its stages on ranks itself
         folded = resolve_fold(fold, stages_per_rank, num_stages, world_size)
         resolved = resolve_partition(graph, option, num_stages=len(folded) if folded else num_stages,
                                      stage_degrees=stage_degrees, world_size=None if folded else world_size,
@@ -148,6 +150,10 @@ class GraphPipelineModule(PipelineModule):
         # The first communication: every rank has passed init_distributed, so each can unlink its
         # DeepSpeed shm file now (the memory stays mapped) and nothing is left in /dev/shm.
         release_own_shm()
+        # What splitting a stage's captured layers over its TP group would refuse, refused on every
+        # rank now, before the grid's groups are made.
+        for s in range(partition.num_stages):
+            check_tp_layers([by_name[n].layer for n in partition.stages[s].layers], placement.tp[s])
         # The parent builds DeepSpeed's cartesian grid by name; ours answers the same queries per stage.
         pipeline = placement.pipeline()   # DeepSpeed's grid sees pipeline ranks, not stages
         with pipeline_grid(lambda process_group=None, topology=None: StageGrid(pipeline, topology)):

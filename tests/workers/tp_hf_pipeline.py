@@ -1,4 +1,4 @@
-"""Worker of tests/test_tp_hf_pipeline.py (issue 29 acceptance; LEAD: runs once h-tp's per-stage TP is merged).
+"""Worker of tests/test_tp_hf_pipeline.py (issue 29 acceptance).
 
 A captured Llama-style model (``tp_llama.TP_CONFIG``: 2 decoder layers, 4 heads, 2 KV heads, its head
 tied to the embedding) on 6 gloo ranks, four stages: the embedding (and the rotary glue) at TP 1,
@@ -22,12 +22,13 @@ STAGE_TP = [1, 2, 2, 1]   # 6 ranks: 1 + 2 + 2 + 1
 
 
 def pipeline_with_tp(captured):
-    """LEAD: the one place that names h-tp's API (assumed: ranks per stage by ``stage_degrees``,
-    their TP degree by ``graph_pipeline.stage_tp``); adjust at the merge if it differs."""
+    """The pipeline: ranks per stage by ``stage_degrees``, their TP degree by ``stage_tp`` (the
+    module builds the TP groups; the config's ``graph_pipeline.stage_tp`` must agree)."""
     from gpp_deepspeed import GraphPipelineModule
     module = GraphPipelineModule(captured.layers, input_names=captured.input_names, output=captured.output,
                                  num_stages=len(STAGE_TP), loss_fn=NextTokenLoss(),
-                                 partition_method=captured.stage_map(STAGE_OF, default=0), stage_degrees=STAGE_TP)
+                                 partition_method=captured.stage_map(STAGE_OF, default=0), stage_degrees=STAGE_TP,
+                                 stage_tp=STAGE_TP)
     config = {"train_micro_batch_size_per_gpu": MBS, "gradient_accumulation_steps": GAS,
               "train_batch_size": MBS * GAS, "steps_per_print": 10**6, "gradient_clipping": 0.0,
               "graph_pipeline": {"stage_tp": STAGE_TP}}
