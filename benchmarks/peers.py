@@ -3,7 +3,10 @@
 Issue 28's benchmark. One launch of 8 gloo ranks per topology trains the same sleeping layers as
 
 * ours: the stage DAG (one layer per stage, one stage per rank) with each synchronous schedule
-  (``1f1b``, ``zb1``, ``zb2``) on :class:`GraphPipelineModule` + ``gpp_deepspeed.initialize``;
+  (``1f1b``, ``zb1``, ``zb2``) on :class:`GraphPipelineModule` + ``gpp_deepspeed.initialize``, and
+  the folded schedules (``interleaved``, ``zbv``, ``dualpipev``) on the DAG of 16 half-layer stages,
+  two per rank, on the fold GraphPipe's fold search picks for each
+  (:func:`~gpp_deepspeed.schedule.virtual.search_fold`, priced with the same sleeps);
 * torch 2.13: the layers as a chain of ``PipelineStage`` s for every schedule of
   ``torch.distributed.pipelining.schedules.get_schedule_class``. The single-stage ones
   (``GPipe``, ``1F1B``) get one layer per rank; the multi-stage ones (``Interleaved1F1B``,
@@ -56,6 +59,7 @@ T_F = T_I = T_W = 0.020
 TOPOLOGIES = {"two_branches": ((4, 2), 2), "four_branches": ((3, 1, 1, 1), 2), "chain": ((7, ), 1)}
 TITLES = {"two_branches": "two branches", "four_branches": "four branches", "chain": "chain"}
 OURS = ("1f1b", "zb1", "zb2")
+OURS_FOLDED = ("interleaved", "zbv", "dualpipev")   # 16 half-layer stages, two per rank
 TORCH_V = ("ZBVZeroBubble", "DualPipeV")  # the schedules that place their stages in a V
 DEEPSPEED = ("PipelineEngine", "DualPipeVEngine")
 
@@ -118,21 +122,71 @@ def sleep_unit_class():
 
 # --------------------------------------------------------------------------------------------- ours
 
+def half_layer_rows(topology: str) -> list[dict]:
+    """The topology's layers cut in two half-layer stages each (as torch's 16 virtual stages): the
+    first half reads the layer's inputs and merges, the second reads the first."""
+    rows = []
+    for r in layer_rows(topology):
+        rows.append({**r, "name": r["name"] + "_a"})
+        rows.append({**r, "name": r["name"] + "_b", "inputs": [r["name"] + "_a"], "merge": False})
+    names = {r["name"][:-2] for r in rows}
+    for r in rows:   # a layer's successors read its second half
+        r["inputs"] = [x + "_b" if x in names and not r["name"].startswith(x + "_") else x for x in r["inputs"]]
+    return rows
+
+
+def half_stage_graph(topology: str):
+    """The stage graph of :func:`half_layer_rows`, one half-layer per stage, in their order."""
+    from gpp_deepspeed.graph.stages import StageEdge, StageGraph
+
+    rows = half_layer_rows(topology)
+    index = {r["name"]: i for i, r in enumerate(rows)}
+    edges = tuple(StageEdge(index[x], i, ()) for i, r in enumerate(rows) for x in r["inputs"] if x in index)
+    loading = frozenset(i for i, r in enumerate(rows) if any(x not in index for x in r["inputs"]))
+    return StageGraph(num_stages=len(rows), edges=edges, output_stage=len(rows) - 1, loading=loading)
+
+
+def sleeps(stage_graph, fraction: float):
+    """Each action's sleep: ``fraction`` of a layer's, no input gradient on a source stage."""
+    from gpp_deepspeed.schedule import ActionKind as K
+
+    times = {K.FORWARD: T_F, K.BACKWARD: T_I + T_W, K.BACKWARD_INPUT: T_I, K.BACKWARD_WEIGHT: T_W}
+    sources = {s for s in range(stage_graph.num_stages) if not stage_graph.preds(s)}
+
+    def duration(a):
+        if a.stage_idx in sources and a.kind in (K.BACKWARD, K.BACKWARD_INPUT):
+            return (times[a.kind] - T_I) * fraction
+        return times.get(a.kind, 0.0) * fraction
+    return duration
+
+
+def searched_fold(topology: str, name: str):
+    """The fold GraphPipe's fold search picks for folded schedule ``name`` (same on every rank)."""
+    from gpp_deepspeed.schedule.virtual import search_fold
+
+    graph = half_stage_graph(topology)
+    return search_fold(graph, M, num_ranks=RANKS, duration=sleeps(graph, 0.5), schedules=(name, ),
+                       activation={s: 0.5 for s in range(graph.num_stages)}).fold
+
+
 def build_ours(topology: str, unit, data):
-    """Our engine on the stage DAG, one engine per synchronous schedule: name -> (step, engine)."""
+    """Our engine on the stage DAG, one engine per schedule: name -> (step, engine). The folded
+    schedules run the DAG of half-layer stages on the fold the search picks."""
     from torch import nn
     import gpp_deepspeed
     from gpp_deepspeed import GraphLayerSpec, GraphPipelineModule
 
-    rows = layer_rows(topology)
     num_branches = len(TOPOLOGIES[topology][0])
-    layers = [GraphLayerSpec(r["name"], unit, DIM, num_branches, r["branch"], r["merge"], 1.0, r["source"], False,
-                             inputs=r["inputs"]) for r in rows]
-    mapping = {r["name"]: i for i, r in enumerate(rows)}
     built = {}
-    for name in OURS:
+    for name in OURS + OURS_FOLDED:
+        folded = name in OURS_FOLDED
+        rows, fraction = (half_layer_rows(topology), 0.5) if folded else (layer_rows(topology), 1.0)
+        layers = [GraphLayerSpec(r["name"], unit, DIM, num_branches, r["branch"], r["merge"], fraction, r["source"],
+                                 False, inputs=r["inputs"]) for r in rows]
+        extra = {"fold": list(searched_fold(topology, name).rank_of)} if folded else {}
         module = GraphPipelineModule(layers, input_names=[f"x{b}" for b in range(num_branches)], num_stages=len(rows),
-                                     loss_fn=nn.MSELoss(), partition_method=mapping)
+                                     loss_fn=nn.MSELoss(), partition_method={r["name"]: i for i, r in enumerate(rows)},
+                                     **extra)
         cfg = _ds_config() | {"graph_pipeline": {"schedule": name, "print_stage_graph": False,
                                                   "print_idle_fractions": False}}
         engine, *_ = gpp_deepspeed.initialize(model=module, model_parameters=list(module.parameters()), config=cfg)
@@ -140,29 +194,36 @@ def build_ours(topology: str, unit, data):
     return built
 
 
-def ours_in_flight(engine) -> list[int]:
-    """Every rank's peak in-flight micro-batches in the engine's last batch (one layer per rank)."""
+def ours_in_flight(engine) -> list[float]:
+    """Every rank's peak in-flight micro-batches in the engine's last batch, in layers (a half-layer
+    stage of a folded schedule counts a half)."""
     import torch
     from gpp_deepspeed.schedule import peak_in_flight
 
+    timeline = [a for a, _, _ in engine.last_timeline]
+    stages = sorted({a.stage_idx for a in timeline})
+    weight = 0.5 if engine.placement.fold else 1.0
+    peak = weight * peak_in_flight(timeline) if len(stages) == 1 else weight * _rank_peak(timeline)
     gathered = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(gathered, peak_in_flight([a for a, _, _ in engine.last_timeline]))
+    torch.distributed.all_gather_object(gathered, peak)
     return gathered
 
 
-def predicted(stage_graph, name: str) -> float:
-    """Our simulator's makespan for the schedule the engine runs, priced with the same sleeps."""
-    from gpp_deepspeed.schedule import ActionKind as K, build_program, simulate
+def _rank_peak(actions) -> float:
+    from gpp_deepspeed.schedule.virtual import rank_peak
 
-    times = {K.FORWARD: T_F, K.BACKWARD: T_I + T_W, K.BACKWARD_INPUT: T_I, K.BACKWARD_WEIGHT: T_W}
-    sources = {s for s in range(stage_graph.num_stages) if not stage_graph.preds(s)}  # no input gradient
+    return rank_peak([a for a in actions if a.kind.value in ("F", "B", "I", "W")], None)
 
-    def duration(a):
-        if a.stage_idx in sources and a.kind in (K.BACKWARD, K.BACKWARD_INPUT):
-            return times[a.kind] - T_I
-        return times.get(a.kind, 0.0)
 
-    return simulate(build_program(stage_graph, M, schedule=name).actions, duration=duration).makespan
+def predicted(engine, name: str) -> float:
+    """Our simulator's makespan for the program the engine runs, priced with the same sleeps."""
+    from gpp_deepspeed.schedule import build_program, simulate
+    from gpp_deepspeed.schedule.virtual import Fold
+
+    graph, fold = engine.stage_graph, engine.placement.fold
+    duration = sleeps(graph, 0.5 if fold else 1.0)
+    program = build_program(graph, M, schedule=name, fold=Fold(fold) if fold else None)
+    return simulate(program.actions, duration=duration, rank_of=fold or None).makespan
 
 
 # -------------------------------------------------------------------------------------------- torch
@@ -332,7 +393,8 @@ def worker(topology: str, rounds: int, out: str) -> None:
         engine = meta.pop("engine", None)
         if engine is not None:  # ours: from the instructions it ran, and the simulator
             meta["in_flight"] = ours_in_flight(engine)
-            meta["predicted"] = predicted(engine.stage_graph, label.split("/")[1])
+            meta["predicted"] = predicted(engine, label.split("/")[1])
+            meta["fold"] = list(engine.placement.fold)
             meta["depth"] = engine.stage_graph.pipeline_depth
         results[label] = {**meta, "times": times.get(label)}
     if torch.distributed.get_rank() == 0:
@@ -420,7 +482,8 @@ def detail_rows(results: dict) -> list[str]:
     rows = ["| model | system | schedule | stages per rank | median step (ms) | best step (ms) | simulated (ms) "
             "| median / simulated | peak in flight, max over ranks | per rank |",
             "|---|---|---|---|---|---|---|---|---|---|"]
-    multi = {"Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV", "DualPipeVEngine"}
+    multi = {"Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV", "DualPipeVEngine",
+             *OURS_FOLDED}
     for topology, by_label in results.items():
         for label, r in by_label.items():
             system, name = label.split("/")
