@@ -17,8 +17,8 @@ from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
 from dist import launch
 from conftest import WORKERS
+from test_engine_rooms import _InProcessTransport, _PostOffice
 from gpp_deepspeed.engine.buffers import StageBuffers
-from gpp_deepspeed.engine.p2p import EdgeTransport
 from gpp_deepspeed.engine.reshard import edge_peers, warm_up_pairs
 from gpp_deepspeed.engine.transfers import StageTransfers
 from gpp_deepspeed.graph.ir import TensorRef
@@ -122,24 +122,9 @@ def test_bad_tp_input_raises_a_value_error_naming_the_culprit_on_every_rank(erro
 
 # -- transfers between stages of different TP degrees, without an engine ----------------------------
 
-class _Post:
-    def __init__(self):
-        self.queues: dict = {}
-
-
-class _InProcessTPTransport(EdgeTransport):
-    """Messages and TP-group broadcasts handed over in process (the group is its tuple of ranks)."""
-
-    def __init__(self, post: _Post, *, rank: int, stage: int):
-        super().__init__(None, torch.device("cpu"), stage=stage, timeout_s=1)
-        self.post, self.rank = post, rank
-
-    def exchange(self, sends, recvs):
-        for m in sends:
-            self.post.queues.setdefault((self.rank, m.rank), deque()).append([b.clone() for b in m.buffers])
-        for m in recvs:
-            for into, got in zip(m.buffers, self.post.queues[(m.rank, self.rank)].popleft()):
-                into.copy_(got)
+class _InProcessTPTransport(_InProcessTransport):
+    """test_engine_rooms' in-process transport, with TP-group broadcasts handed over in process
+    too (the group is its tuple of ranks)."""
 
     def broadcast(self, buffers, *, src, group):
         if self.rank == src:
@@ -150,9 +135,6 @@ class _InProcessTPTransport(EdgeTransport):
             for into, got in zip(buffers, self.post.queues[("bcast", src, self.rank)].popleft()):
                 into.copy_(got)
 
-    def wait_sends(self):
-        pass
-
 
 @pytest.mark.parametrize("tp", [(2, 1), (1, 2)], ids=lambda t: f"tp{t}")
 def test_tp_transfers_send_once_per_row_shard_and_broadcast_in_the_tp_group(tp):
@@ -160,7 +142,7 @@ def test_tp_transfers_send_once_per_row_shard_and_broadcast_in_the_tp_group(tp):
     messages, each row shard's rows once; every TP rank ends with the same tensors."""
     graph = StageGraph(num_stages=2, edges=(StageEdge(0, 1, (TensorRef("a"), )), ), output_stage=1)
     placement = Placement.build([2, 2], world_size=4, tp=tp)
-    post = _Post()
+    post = _PostOffice()
     rooms = {}
     for rank in range(4):
         place = placement.locate(rank)
