@@ -5,15 +5,10 @@ its groups only after its checks). Writes ``OUT_DIR/errors.rank<r>.json``: ``{ca
 message, is ValueError]}``. Run on 4 ranks by ``tests/test_tensor_parallel_errors.py``.
 """
 
-import json
 import os
-import sys
-from pathlib import Path
 
-import torch
 from torch import nn
 
-import deepspeed
 import gpp_deepspeed
 from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 from gpp_deepspeed import GraphLayerSpec, GraphPipelineModule
@@ -71,18 +66,9 @@ CASES = {
 
 
 def main():
-    out = Path(sys.argv[1])
-    deepspeed.init_distributed(dist_backend="gloo")
-    rank = torch.distributed.get_rank()
-    errors = {}
-    for name, make in CASES.items():
-        try:
-            make()
-            errors[name] = [None, "no error"]
-        except Exception as exc:  # noqa: BLE001 - recording exactly what the user would see
-            errors[name] = [type(exc).__name__, str(exc), isinstance(exc, ValueError)]
-    (out / f"errors.rank{rank}.json").write_text(json.dumps(errors, indent=1))
-    torch.distributed.destroy_process_group()
+    from bad_inputs import main as record_errors   # the bad-input worker's loop, on these cases
+
+    record_errors(CASES)
 
 
 if __name__ == "__main__":
