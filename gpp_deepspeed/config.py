@@ -67,6 +67,13 @@ class GraphPipelineConfig(BaseModel):
     ``PipeModelDataParallelTopology``, or a plan's stages) gave it; it is checked, never applied.
     Default: whatever the module has."""
 
+    early_receives: bool = True
+    """Post every receive of activations and gradients as soon as its message is sent and wait for
+    it just before its use (:func:`~gpp_deepspeed.schedule.lowering.post_early`, as
+    torch.distributed.pipelining's runtime does), so it travels while the stage computes. Each
+    stage may then hold the receive buffers of one more micro-batch; ``false`` receives each
+    message in place, blocking, just before its use."""
+
     validate_schedule: bool = True
     """Check every stage's instruction list for deadlock and buffer misuse before running it; the
     deadlock check assumes NCCL's semantics (a send completes only when its receive is posted)."""

@@ -39,11 +39,23 @@ def test_every_transfer_alone_or_grouped_is_one_transfers_instruction():
     from gpp_deepspeed.engine.instructions import to_instruction
     single = to_instruction(Action(1, K.SEND_F, 3, 2), {1: {3: 1}})
     group = to_instruction(Action.parse("(1SEND_F3@2;1RECV_B2@2)P2P"), {1: {3: 1, 2: 0}})
-    assert type(single) is Transfers and single.kwargs == {"ops": ((K.SEND_F, 1, 2, 1), )}
-    assert type(group) is Transfers and group.kwargs == {"ops": ((K.SEND_F, 1, 2, 1), (K.RECV_B, 0, 2, 1))}
+    assert type(single) is Transfers and single.kwargs == {"ops": ((K.SEND_F, 1, 2, 1, False), )}
+    assert type(group) is Transfers and group.kwargs == {"ops": ((K.SEND_F, 1, 2, 1, False),
+                                                                 (K.RECV_B, 0, 2, 1, False))}
     # A rank holding stages 1 and 3 posts both stages' transfers in one group, each in its slot.
     mixed = to_instruction(Action.parse("(1SEND_F3@2;3RECV_B3@4)P2P"), {1: {3: 1}, 3: {3: 0}})
-    assert mixed.kwargs == {"ops": ((K.SEND_F, 1, 2, 1), (K.RECV_B, 0, 4, 3))}
+    assert mixed.kwargs == {"ops": ((K.SEND_F, 1, 2, 1, False), (K.RECV_B, 0, 4, 3, False))}
+
+
+def test_a_receive_its_list_waits_for_later_is_posted_deferred_and_its_wait_names_stage_and_slot():
+    from gpp_deepspeed.engine.instructions import WaitReceives, compile_steps
+    acts = [Action.parse(t) for t in "(1SEND_F0@2;1RECV_B0@2;1RECV_F1@0)P2P 1WAIT_B0 1B0 1WAIT_F1 1F1".split()]
+    steps = compile_steps(acts, {1: {0: 0, 1: 1}})
+    assert steps[0].instruction.kwargs == {"ops": ((K.SEND_F, 0, 2, 1, False), (K.RECV_B, 0, 2, 1, True),
+                                                   (K.RECV_F, 1, 0, 1, True))}
+    assert type(steps[1].instruction) is WaitReceives
+    assert steps[1].instruction.kwargs == {"stage": 1, "message": "B", "buffer_id": 0}
+    assert steps[3].instruction.kwargs == {"stage": 1, "message": "F", "buffer_id": 1}
 
 
 def test_a_hand_over_names_both_stages_and_their_slots():

@@ -251,7 +251,7 @@ def test_one_f_one_b_on_a_chain_needs_one_buffer_more_than_its_depth_at_most(num
 
 def test_build_schedule_lowers_a_two_branch_graph_as_written_by_hand():
     sg = dag(3, [(0, 2), (1, 2)])
-    sched = build_schedule(sg, 2, name="1f1b", train=True)
+    sched = build_program(sg, 2, schedule="1f1b", early=False).actions   # receives in place
     expected = {
         0: "0LOAD0 0F0 0SEND_F0@2 0LOAD1 0F1 (0SEND_F1@2;0RECV_B0@2)P2P 0B0 0RELEASE_OUT0 0RELEASE_IN0 "
            "0RECV_B1@2 0B1 0RELEASE_OUT1 0RELEASE_IN1 0WAIT_SENDS 0REDUCE_TIED 0REDUCE_GRAD 0STEP",
@@ -682,7 +682,7 @@ def posted_as_the_old_transport_did(schedule):
 @pytest.mark.parametrize("sg,name", [(INCEPTION, "1f1b"), (INCEPTION, "zb2"), (UNET, "1f1b"), (UNET, "zb2"),
                                      (StageGraph.chain(4), "zb2")])
 def test_validator_rejects_late_layout_receives_after_a_batch_the_deadlock_of_issue_18(sg, name):
-    program = build_program(sg, 4, schedule=name)
+    program = build_program(sg, 4, schedule=name, early=False)   # the old transport knew no waits
     with pytest.raises(ScheduleError, match="deadlocks under rendezvous"):
         simulate(posted_as_the_old_transport_did(program.actions), mode="rendezvous")
     # The same batch with its layouts as actions of their own, grouped apart from the activations.
@@ -690,7 +690,7 @@ def test_validator_rejects_late_layout_receives_after_a_batch_the_deadlock_of_is
 
 
 def test_the_issue_18_example_stage_3_batches_gradients_before_late_receives_that_stage_0_waits_for():
-    stuck = posted_as_the_old_transport_did(build_program(INCEPTION, 4, schedule="1f1b").actions)
+    stuck = posted_as_the_old_transport_did(build_program(INCEPTION, 4, schedule="1f1b", early=False).actions)
     with pytest.raises(ScheduleError) as err:
         simulate(stuck, mode="rendezvous")
     text = str(err.value)

@@ -36,6 +36,7 @@ SYNC = [eq_case("four_branch", 4, 0, **SHORT),                        # fan-out 
         eq_case("diamond", 4, 1, schedule="gpipe", **SHORT),
         eq_case("fanout3", 4, 0, schedule="zb1", **SHORT),
         eq_case("skip", 4, 1, schedule="zb2", **SHORT),                # skip edges
+        eq_case("four_branch", 4, 0, schedule="zb1", early_receives=False, **SHORT),   # receives in place
         eq_case("skip", 4, 0, partition="golden/plan_skip_chain_s4.json", **SHORT),  # a chain: l1 relayed
         eq_case("varlen", 4, 1, **SHORT),                              # dynamic_shape, 1f1b
         eq_case("varlen", 4, 0, schedule="zb2", **SHORT)]              # dynamic_shape, zb2

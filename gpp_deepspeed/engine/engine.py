@@ -60,7 +60,7 @@ from . import data, elastic, portable
 from .backward import (StageBackward, check_split_backward_supported, reentrant_checkpointing,
                        use_split_backward_recompute)
 from .instructions import (BackwardInputPass, BackwardWeightPass, GraphPipeSchedule, HandOver, Release, Transfers,
-                           WaitSends)
+                           WaitReceives, WaitSends)
 from .watchdog import start_watchdog
 from .memory import MemoryReport, memory_report
 from .module import GraphPipelineModule
@@ -117,7 +117,8 @@ class GraphPipelineEngine(PipelineEngine):
                               group=self.grid.get_model_parallel_group(), tp_rank=self.grid.tp_idx)
         self._programs = ProgramFactory(self.stage_graph, schedule=self.schedule_spec.name,
                                         validate=self.gpp_config.validate_schedule,
-                                        fold=Fold(self.placement.fold) if self.placement.fold else None)
+                                        fold=Fold(self.placement.fold) if self.placement.fold else None,
+                                        early=self.gpp_config.early_receives)
         self.last_timeline: list[tuple[Action, float, float]] = []   # this stage's last batch, timed
         self._trace_events: list[dict] = []
         self._trace_t0 = time.perf_counter()
@@ -501,6 +502,7 @@ class GraphPipelineEngine(PipelineEngine):
         BackwardWeightPass: lambda engine, buffer_id: engine.stage_backward.weight(buffer_id),
         Transfers: _exec_transfers,
         WaitSends: lambda engine: engine.rooms.transport.wait_sends(),
+        WaitReceives: lambda engine, **wait: engine.rooms.complete(**wait),
         HandOver: lambda engine, **hand: engine.rooms.hand_over(**hand),
         # A release frees what the schedule's table says its kind frees.
         Release: lambda engine, buffer_id, kind: engine.pipe_buffers.free(kind.spec.frees, buffer_id),

@@ -6,8 +6,10 @@ in one table, :data:`INSTRUCTION_OF`; what the instruction is given follows from
 :class:`~gpp_deepspeed.schedule.ir.KindSpec`:
 
 * every transfer, alone or grouped (``P2P``), layouts included, is one :class:`Transfers` holding
-  ``(kind, slot, peer, stage)`` per message: one handler, one timing path (a group of a rank
-  holding several stages may hold several stages' transfers);
+  ``(kind, slot, peer, stage, deferred)`` per message: one handler, one timing path (a group of a
+  rank holding several stages may hold several stages' transfers); ``deferred`` marks a receive
+  that the list waits for later (:func:`~gpp_deepspeed.schedule.ir.waited`), at a
+  :class:`WaitReceives`;
 * a hand-over between two stages of one rank is a :class:`HandOver` naming both and their slots;
 * a release is a :class:`Release` naming its kind, whose handler frees what the table says it
   frees;
@@ -30,26 +32,40 @@ from dataclasses import dataclass
 
 from deepspeed.runtime.pipe import schedule as ds
 
-from ..schedule.ir import Action, ActionKind as K
+from ..schedule.ir import Action, ActionKind as K, waited
 from . import asynchronous as _async
 
-__all__ = ["Transfers", "HandOver", "Release", "WaitSends", "BackwardInputPass", "BackwardWeightPass", "INSTRUCTION_OF",
+__all__ = ["Transfers", "WaitReceives", "HandOver", "Release", "WaitSends", "BackwardInputPass", "BackwardWeightPass", "INSTRUCTION_OF",
            "GraphPipeSchedule", "Step", "compile_steps", "to_instruction"]
 
 
 class Transfers(ds.PipeInstruction):
-    """Post one or several transfers at once and wait for their receives (``batch_isend_irecv``).
+    """Post one or several transfers at once and wait for their receives (``batch_isend_irecv``)
+    that are not ``deferred``.
 
-    ``ops`` holds ``(kind, buffer_id, peer, stage)`` per transfer, ``kind`` an ``ActionKind``
-    transfer of ``stage`` (the rank's stage whose buffer it is).
+    ``ops`` holds ``(kind, buffer_id, peer, stage, deferred)`` per transfer, ``kind`` an
+    ``ActionKind`` transfer of ``stage`` (the rank's stage whose buffer it is).
 
     Roughly::
 
-        batch_isend_irecv([send or recv of op for op in ops]); wait(receives)
+        batch_isend_irecv([send or recv of op for op in ops]); wait(receives not deferred)
     """
 
     def __init__(self, ops):
         super().__init__(ops=tuple(ops))
+
+
+class WaitReceives(ds.PipeInstruction):
+    """``WAIT_F`` / ``WAIT_B``: wait for the receives of ``stage``'s micro-batch in slot
+    ``buffer_id`` that earlier transfers posted (``message``: ``"F"`` or ``"B"``) and store them.
+
+    Roughly::
+
+        wait(posted[stage, message, buffer_id]); store what they brought
+    """
+
+    def __init__(self, stage, message, buffer_id):
+        super().__init__(stage=stage, message=message, buffer_id=buffer_id)
 
 
 class HandOver(ds.PipeInstruction):
@@ -106,7 +122,7 @@ INSTRUCTION_OF: dict[K, type[ds.PipeInstruction]] = {
     K.BACKWARD_INPUT: BackwardInputPass, K.BACKWARD_WEIGHT: BackwardWeightPass,
     **{k: Transfers for k in K if k.is_transfer},
     **{k: Release for k in K if k.is_release},
-    K.HAND_F: HandOver, K.HAND_B: HandOver,
+    K.HAND_F: HandOver, K.HAND_B: HandOver, K.WAIT_F: WaitReceives, K.WAIT_B: WaitReceives,
     K.WAIT_SENDS: WaitSends, K.REDUCE_TIED: ds.ReduceTiedGrads, K.REDUCE_GRAD: ds.ReduceGrads,
     K.STEP: ds.OptimizerStep,
     K.STASH: _async.StashWeights, K.PREDICT: _async.PredictWeights, K.PREDICT_INPLACE: _async.PredictInPlace,
@@ -115,24 +131,31 @@ INSTRUCTION_OF: dict[K, type[ds.PipeInstruction]] = {
 """The instruction class of every action kind (a test checks that none is missing)."""
 
 
-def to_instruction(action: Action, slots: dict[int, dict[int, int]]) -> ds.PipeInstruction:
+def to_instruction(action: Action, slots: dict[int, dict[int, int]],
+                   waited: frozenset = frozenset()) -> ds.PipeInstruction:
     """The DeepSpeed instruction that executes ``action``; ``slots[stage][mb]`` is the buffer
-    slot of a micro-batch on a stage (:attr:`~gpp_deepspeed.schedule.Program.slots`)."""
+    slot of a micro-batch on a stage (:attr:`~gpp_deepspeed.schedule.Program.slots`); ``waited``:
+    the receives its list completes at a wait (:func:`~gpp_deepspeed.schedule.ir.waited`)."""
     key = tuple(None if op.mb_idx is None or op.kind.spec.version else slots[op.stage_idx][op.mb_idx]
                 for op in action.parts)
     if action.kind.spec.hand_over:
         key += (slots[action.peer][action.mb_idx], )
-    return _instruction(action, key)
+    deferred = tuple(op.completion in waited for op in action.parts) if action.kind.is_transfer else ()
+    return _instruction(action, key, deferred)
 
 
 @functools.lru_cache(maxsize=8192)
-def _instruction(action: Action, slots: tuple) -> ds.PipeInstruction:
+def _instruction(action: Action, slots: tuple, deferred: tuple = ()) -> ds.PipeInstruction:
     """The instruction of ``action`` whose parts' micro-batches sit in ``slots`` (a hand-over's
-    peer slot last): made once, then the same object every batch (handlers only read an
-    instruction's arguments), which keeps building instructions out of the cost of an action."""
+    peer slot last), a transfer's receives ``deferred`` or not: made once, then the same object
+    every batch (handlers only read an instruction's arguments), which keeps building instructions
+    out of the cost of an action."""
     cls = INSTRUCTION_OF[action.kind]
     if action.kind.is_transfer:
-        return Transfers((op.kind, slot, op.peer, op.stage_idx) for op, slot in zip(action.parts, slots))
+        return Transfers((op.kind, slot, op.peer, op.stage_idx, later)
+                         for op, slot, later in zip(action.parts, slots, deferred))
+    if action.kind.spec.completes:
+        return WaitReceives(action.stage_idx, action.kind.spec.completes, slots[0])
     if action.kind.spec.hand_over:
         return HandOver(action.kind, action.stage_idx, slots[0], action.peer, slots[1])
     if not action.kind.has_mb or action.mb_idx is None:
@@ -165,13 +188,14 @@ def compile_steps(actions: list[Action], slots: dict[int, dict[int, int]]) -> tu
     [(1F0, [1RELEASE_OUT0, 1RELEASE_IN0]), (1SEND_B0@0, [])]
     """
     steps: list[Step] = []
+    later = waited(actions)
     for action in actions:
         if action.kind.is_release and steps:
             last = steps[-1]
             steps[-1] = Step(last.instruction, last.action,
                              last.releases + ((action, to_instruction(action, slots)), ))
         else:
-            steps.append(Step(to_instruction(action, slots), action))
+            steps.append(Step(to_instruction(action, slots, later), action))
     return tuple(steps)
 
 

@@ -288,24 +288,35 @@ class EdgeTransport:
     def exchange(self, sends: list[Outgoing], recvs: list[Incoming]) -> None:
         """Post every send and receive of one transfer action as one ``batch_isend_irecv`` and wait
         for the receives (their buffers are then filled); the sends complete in the background."""
+        self.finish(recvs, self.start(sends, recvs))
+
+    def start(self, sends: list[Outgoing], recvs: list[Incoming]) -> list[list]:
+        """Post every send and receive of one transfer action as one ``batch_isend_irecv``, waiting
+        for nothing: the requests to wait for before each message of ``recvs`` is in its buffers
+        (:meth:`finish`, now or at the program's wait for it); sends complete in the background
+        until :meth:`wait_sends`."""
         self._reap()
         ops = [self._op(dist.isend, b, m.rank) for m in sends for b in m.buffers]
         num_sends = len(ops)
         ops += [self._op(dist.irecv, b, m.rank) for m in recvs for b in m.buffers]
         if not ops:
-            return
+            return []
         works = dist.batch_isend_irecv(ops)
         if len(works) == len(ops):  # one request per operation (gloo)
             self._pending += [(w, [op.tensor]) for w, op in zip(works[:num_sends], ops)]
-            owners = [(m.peer, m.rank) for m in recvs for _ in m.buffers]
-            waits = list(zip(works[num_sends:], owners))
-        else:  # one request for the coalesced group (NCCL): it completes as a whole
-            first = (recvs or sends)[0]
-            if not recvs:
-                self._pending += [(w, [op.tensor for op in ops]) for w in works]
-            waits = [(w, (first.peer, first.rank)) for w in works] if recvs else []
-        for work, (peer, rank) in waits:
-            self._wait(work, peer, rank)
+            rest = iter(works[num_sends:])
+            return [[next(rest) for _ in m.buffers] for m in recvs]
+        # One request for the coalesced group (NCCL): it completes as a whole, receives included;
+        # its sends' tensors stay alive until it has.
+        self._pending += [(w, [op.tensor for op in ops[:num_sends]]) for w in works]
+        return [list(works) for _ in recvs]
+
+    def finish(self, recvs: list[Incoming], requests: list[list]) -> None:
+        """Wait until every message of ``recvs`` is in its buffers (``requests``: what
+        :meth:`start` gave for them)."""
+        for m, works in zip(recvs, requests):
+            for work in works:
+                self._wait(work, m.peer, m.rank)
 
     def broadcast(self, buffers: list[torch.Tensor], *, src: int, group) -> None:
         """Broadcast ``buffers`` from global rank ``src`` over ``group`` (a stage's TP group: the

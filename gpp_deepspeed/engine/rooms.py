@@ -15,7 +15,9 @@ room and entering it changes nothing.
 What is the rank's, not a stage's:
 
 * the transport: a transfer action of a rank holding several stages may group several stages'
-  transfers, posted as one batch in program order (:meth:`RankStages.run`);
+  transfers, posted as one batch in program order (:meth:`RankStages.run`); a receive the program
+  waits for later (``WAIT_F``/``WAIT_B``: :func:`~gpp_deepspeed.schedule.ir.waited`) stays posted
+  until that wait (:meth:`RankStages.complete`), which stores what it brought;
 * the hand-overs (``HAND_F``, ``HAND_B``) between two of its stages, a local move of tensors
   (:meth:`RankStages.hand_over`);
 * the data: each ``LOAD`` of a stage takes the next micro-batch of that stage, and the rank reads
@@ -73,6 +75,8 @@ class RankStages:
                                        tp_group=engine.grid.get_slice_parallel_group(), tp_leader=engine.grid.tp_leader)
             self.rooms[s] = StageRoom(s, spec, buffers, transfers, frozen=s in graph.frozen)
         self.entered: int | None = None
+        # Receives posted, waited for later: (stage, "F" | "B", slot) -> [(messages, requests, stores)].
+        self.posted: dict[tuple[int, str, int], list[tuple[list, list, list]]] = {}
         self.output = graph.output_stage in self.rooms
         self.loads = any(self.rooms[s].spec.loads for s in self.stages)
         self._loading = [s for s in self.stages if s in graph.loading]
@@ -113,16 +117,43 @@ class RankStages:
     # -- the rank's own work --------------------------------------------------------------------
 
     def run(self, ops) -> None:
-        """One transfer action: every ``(kind, slot, peer, stage)`` of ``ops`` posted as one batch,
-        in program order (messages between two ranks match in posting order)."""
-        sends, recvs, stores = [], [], {}
-        for kind, slot, peer, stage in ops:
+        """One transfer action: every ``(kind, slot, peer, stage, deferred)`` of ``ops`` posted as one
+        batch, in program order (messages between two ranks match in posting order); the receives
+        not ``deferred`` completed and stored before it returns, the others at their wait
+        (:meth:`complete`)."""
+        sends, recvs, parts = [], [], []
+        for kind, slot, peer, stage, deferred in ops:
             room = self.rooms[stage]
-            room.transfers.prepare(kind, slot, peer, room.buffers, sends, recvs, stores.setdefault(stage, []))
-        self.transport.exchange(sends, recvs)
-        for stage, received in stores.items():
-            self.rooms[stage].transfers.broadcast(received)   # under TP: to the leader's TP peers
-            StageTransfers.store(received)
+            mine, stores = [], []
+            room.transfers.prepare(kind, slot, peer, room.buffers, sends, mine, stores)
+            recvs += mine
+            if stores:
+                parts.append((stage, (stage, kind.spec.message, slot) if deferred else None, mine, stores))
+        requests = iter(self.transport.start(sends, recvs))
+        now: dict[int, tuple[list, list, list]] = {}   # stage -> its receives completed here
+        for stage, key, mine, stores in parts:
+            entry = (mine, [next(requests) for _ in mine], stores)
+            if key is not None:
+                self.posted.setdefault(key, []).append(entry)
+                continue
+            whole = now.setdefault(stage, ([], [], []))
+            for into, part in zip(whole, entry):
+                into += part
+        for stage, entry in now.items():
+            self._complete(stage, *entry)
+
+    def complete(self, stage: int, message: str, buffer_id: int) -> None:
+        """``WAIT_F`` / ``WAIT_B``: wait for the receives of ``stage``'s micro-batch in slot
+        ``buffer_id`` that earlier transfer actions posted (``message``: ``"F"`` activations, ``"B"``
+        gradients), then store what they brought."""
+        for mine, requests, stores in self.posted.pop((stage, message, buffer_id), ()):
+            self._complete(stage, mine, requests, stores)
+
+    def _complete(self, stage: int, mine: list, requests: list, stores: list) -> None:
+        self.transport.finish(mine, requests)
+        transfers = self.rooms[stage].transfers
+        transfers.broadcast(stores)   # under TP: to the leader's TP peers
+        StageTransfers.store(stores)
 
     def hand_over(self, kind, stage: int, buffer_id: int, peer: int, peer_buffer_id: int) -> None:
         """``HAND_F``: ``stage`` takes ``peer``'s outputs on their edge as received tensors;

@@ -14,6 +14,7 @@ schedule
 Representative forms::
 
     0LOAD0  0F0  0SEND_F0@2  2RECV_F0@0  2F0  2B0  2SEND_B0@0  0RECV_B0@2  0B0
+    2RECV_F1@0  2B0  2WAIT_F1  2F1      (a receive posted a compute early, completed just before its use)
     (1SEND_F1@2;1RECV_B0@2)P2P  0RELEASE_OUT0  0RELEASE_IN0
     1SEND_L1@2  1SEND_F1@2  2RECV_L1@1  2RECV_F1@1   (layouts first: dynamic shapes, a first batch)
     2I0  2SEND_B0@0  2W0          (split backward, as torch writes it: input gradient, then weight gradient)
@@ -34,8 +35,8 @@ from enum import Enum
 
 from ..errors import ScheduleError
 
-__all__ = ["ActionKind", "Buffer", "KindSpec", "KINDS", "LAYOUT_OF", "RELEASES", "Action", "Schedule", "Segment",
-           "format_schedule"]
+__all__ = ["ActionKind", "Buffer", "KindSpec", "KINDS", "LAYOUT_OF", "RELEASES", "WAIT_OF", "Action", "Schedule",
+           "Segment", "format_schedule", "waited"]
 
 
 class ActionKind(str, Enum):
@@ -58,6 +59,10 @@ class ActionKind(str, Enum):
     HAND_F = "HAND_F"            # this stage's received tensors of the edge := ``peer``'s outputs (detached)
     HAND_B = "HAND_B"            # this stage's output gradients += the input gradients ``peer`` computed
     P2P = "P2P"                  # transfers posted together and completed together (``ops``)
+    # A receive completes at its transfer action, or, when the list has a wait for it after it, at
+    # that wait (posted early, waited at its use: see :func:`waited`).
+    WAIT_F = "WAIT_F"            # complete this stage's posted receives of a micro-batch's activations
+    WAIT_B = "WAIT_B"            # complete this stage's posted receives of a micro-batch's gradients
     RELEASE_OUT = "RELEASE_OUT"  # free a micro-batch's outputs, output gradients, labels and loss
     RELEASE_IN = "RELEASE_IN"    # free a micro-batch's loaded and received tensors (after their last use)
     RELEASE_W = "RELEASE_W"      # free what a split backward's ``W`` needed from its ``I``
@@ -154,6 +159,9 @@ class KindSpec:
     collective: bool = False
     """Every rank of a group runs it at the same point (all-reduces, DeepSpeed's step): it stays on
     a frozen stage."""
+    completes: str = ""
+    """A wait (``"F"`` activations, ``"B"`` gradients): it completes the receives of its stage's
+    micro-batch in that direction that earlier transfer actions posted (:func:`waited`)."""
     hand_over: str = ""
     """A hand-over on a rank holding both stages of an edge (``"F"`` activations from the producer
     ``peer``, ``"B"`` gradients from the consumer ``peer``): the receive's local counterpart."""
@@ -222,6 +230,10 @@ KINDS: dict[ActionKind, KindSpec] = {
     ActionKind.HAND_B: _kind(mb=True, hand_over="B", trains=True, reads=(_B.OUTPUTS, ), writes=(_B.GRADS, ),
                              peer_reads=frozenset({_B.RECEIVED})),
     ActionKind.P2P: _kind(waits=True),   # uses what its ops use
+    # A wait stores what its receives brought: it writes what they write (and a gradient's reads the
+    # outputs it is added to), so releases and buffer slots count it as a use.
+    ActionKind.WAIT_F: _kind(mb=True, waits=True, completes="F", writes=(_B.RECEIVED, )),
+    ActionKind.WAIT_B: _kind(mb=True, waits=True, completes="B", reads=(_B.OUTPUTS, ), writes=(_B.GRADS, )),
     ActionKind.RELEASE_OUT: _kind(mb=True, frees=(_B.OUTPUTS, _B.LABELS, _B.LOSS, _B.GRADS)),
     ActionKind.RELEASE_IN: _kind(mb=True, frees=(_B.LOADED, _B.RECEIVED, _B.INPUTS)),
     ActionKind.RELEASE_W: _kind(mb=True, frees=(_B.WEIGHT_GRAD, )),
@@ -240,6 +252,9 @@ KINDS: dict[ActionKind, KindSpec] = {
 
 LAYOUT_OF: dict[ActionKind, ActionKind] = {ActionKind.SEND_F: ActionKind.SEND_L, ActionKind.RECV_F: ActionKind.RECV_L}
 """The layout transfer that goes before each activation transfer when a program sends layouts."""
+
+WAIT_OF: dict[str, ActionKind] = {k.spec.completes: k for k in ActionKind if KINDS[k].completes}
+"""The wait of each direction of receives (``"F"``, ``"B"``)."""
 
 RELEASES: tuple[ActionKind, ...] = tuple(k for k in ActionKind if KINDS[k].frees)
 """The release kinds, in the order :func:`~gpp_deepspeed.schedule.lowering.add_release` places
@@ -300,6 +315,17 @@ class Action:
         """The micro-batches whose buffers this action reads, writes or frees (:data:`KINDS`)."""
         return tuple(dict.fromkeys(op.mb_idx for op in self.parts
                                    if op.mb_idx is not None and (op.kind.spec.touches or op.kind.spec.frees)))
+
+    @property
+    def completion(self) -> tuple[int, str, int] | None:
+        """What completes a data receive (``RECV_F``, ``RECV_B``): its stage, direction and
+        micro-batch, the key of the wait that may complete it (:func:`waited`); ``None`` for any
+        other action (a layout's receive always completes in its own action: the receive it sizes
+        is posted from it)."""
+        spec = KINDS[self.kind]
+        if spec.message and not spec.send and not spec.layout:
+            return (self.stage_idx, spec.message, self.mb_idx)
+        return (self.stage_idx, spec.completes, self.mb_idx) if spec.completes else None
 
     @property
     def channel(self) -> tuple[int, int, str]:
@@ -395,6 +421,23 @@ class Segment:
     def next(self) -> "Segment":
         """The batch after this one."""
         return Segment(self.batch_idx + 1, self.num_microbatches)
+
+
+def waited(actions) -> frozenset[tuple[int, str, int]]:
+    """The receives of a list that complete at a wait, not in their transfer action: the
+    :attr:`Action.completion` key of every ``WAIT_F`` / ``WAIT_B`` in ``actions``.
+
+    A receive is *posted* by its transfer action. It *completes* (the stage waits for it and
+    stores what it brought) at the stage's wait of its micro-batch and direction when the list
+    has one, after it (the validator checks the order); otherwise in its own transfer action. So
+    a receive can be posted a compute early and waited for just before its use, as
+    torch.distributed.pipelining's runtime does (``RECV_F`` posts an ``irecv``, ``F`` waits),
+    and a list without waits (layouts, hand-written lists) keeps the blocking receive.
+
+    >>> sorted(waited([Action.parse(t) for t in "2RECV_F1@0 2B0 2WAIT_F1 2F1".split()]))
+    [(2, 'F', 1)]
+    """
+    return frozenset(a.completion for a in actions if a.kind.spec.completes)
 
 
 def format_schedule(schedule: Schedule) -> str:

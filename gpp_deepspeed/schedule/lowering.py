@@ -32,6 +32,12 @@ every schedule (synchronous, split backward, asynchronous):
     messages (``order_transfers``: the order an asynchronous simulation receives them), so that no
     two stages each send to the other first. On a skip edge of a DAG the sender would otherwise
     post its next activation before receiving the gradient its receiver sends first.
+``post_early``
+    Every receive of activations or gradients is posted a compute earlier than the action that
+    needs it and completed by a wait (``WAIT_F``/``WAIT_B``) just before that action, as
+    torch.distributed.pipelining's runtime posts an ``irecv`` at ``RECV_F`` and waits at ``F``: the
+    message travels while the stage computes, and gloo's receive-ready exchange (a send posted
+    before its receive moves only once the receive is) is off the critical path.
 ``add_release``
     After the last action that uses a buffer of a micro-batch, the release that frees it
     (``RELEASE_OUT``, ``RELEASE_IN``, ``RELEASE_W``; what each frees and what each action uses is
@@ -56,11 +62,11 @@ from typing import Callable, Collection, Mapping, Sequence
 
 from ..errors import ScheduleError
 from ..graph.stages import StageGraph
-from .ir import LAYOUT_OF, RELEASES, Action, ActionKind as K, Schedule, Segment
+from .ir import LAYOUT_OF, RELEASES, WAIT_OF, Action, ActionKind as K, Schedule, Segment
 
 __all__ = ["lower", "drop_frozen_backward", "add_load", "add_send_recv", "merge_backward", "defer_sends", "add_layouts",
            "group_for_rendezvous",
-           "order_transfers", "group_p2p", "add_release", "add_epilogue", "assign_buffers", "BufferSlots",
+           "order_transfers", "group_p2p", "post_early", "add_release", "add_epilogue", "assign_buffers", "BufferSlots",
            "num_slots"]
 
 # Slot of every micro-batch, per stage: ``slots[stage_idx][mb_idx]``.
@@ -69,7 +75,8 @@ BufferSlots = dict[int, dict[int, int]]
 
 def lower(compute: Schedule, stage_graph: StageGraph, *, train: bool,
           duration: Callable[[Action], float] | None = None, segment: Segment | None = None,
-          ahead: Sequence[Schedule] = (), step: bool | None = None, layouts: bool = False) -> Schedule:
+          ahead: Sequence[Schedule] = (), step: bool | None = None, layouts: bool = False,
+          early: bool = True) -> Schedule:
     """Apply every lowering pass (see the module docstring) to a compute order.
 
     ``duration``: the compute times the schedule was made for, which order the transfers when they
@@ -79,29 +86,32 @@ def lower(compute: Schedule, stage_graph: StageGraph, *, train: bool,
     ``step``: whether the lists end with the synchronous step (default: a synchronous batch in
     training does; an asynchronous segment's updates are inside it, save 2BW's once-per-batch one,
     :func:`~gpp_deepspeed.schedule.asynchronous.steps_at_end`). ``layouts``: send every
-    activation's layout before it (:func:`add_layouts`).
+    activation's layout before it (:func:`add_layouts`). ``early``: post receives early
+    (:func:`post_early`).
 
     >>> from gpp_deepspeed.schedule import one_f_one_b
-    >>> lower(one_f_one_b(StageGraph.chain(2), 1), StageGraph.chain(2), train=True)[1][:7]
-    [1LOAD0, 1RECV_F0@0, 1F0, 1B0, 1RELEASE_OUT0, 1SEND_B0@0, 1RELEASE_IN0]
+    >>> lower(one_f_one_b(StageGraph.chain(2), 1), StageGraph.chain(2), train=True)[1][:8]
+    [1LOAD0, 1RECV_F0@0, 1WAIT_F0, 1F0, 1B0, 1RELEASE_OUT0, 1SEND_B0@0, 1RELEASE_IN0]
     """
     segments = [segment]
     for _ in ahead:
         segments.append(segments[-1].next())
-    window = [_lower_transfers(c, stage_graph, duration, seg, layouts) for c, seg in zip([compute, *ahead], segments)]
+    window = [_lower_transfers(c, stage_graph, duration, seg, layouts, early)
+              for c, seg in zip([compute, *ahead], segments)]
     return add_epilogue(add_release(window[0], ahead=window[1:]),
                         train=train and segment is None if step is None else step)
 
 
 def _lower_transfers(compute: Schedule, stage_graph: StageGraph, duration, segment: Segment | None,
-                     layouts: bool) -> Schedule:
+                     layouts: bool, early: bool) -> Schedule:
     lowered = add_send_recv(add_load(drop_frozen_backward(compute, stage_graph), stage_graph), stage_graph)
     lowered = merge_backward(lowered, stage_graph)
     if segment is not None:
         lowered = defer_sends(lowered, stage_graph, segment)
     if layouts:
         lowered = add_layouts(lowered)
-    return group_for_rendezvous(lowered, duration=duration)
+    grouped = group_for_rendezvous(lowered, duration=duration)
+    return post_early(grouped, duration=duration) if early else grouped
 
 
 def drop_frozen_backward(schedule: Schedule, stage_graph: StageGraph) -> Schedule:
@@ -373,8 +383,10 @@ def order_transfers(schedule: Schedule, *, duration: Callable[[Action], float] |
             for s, actions in schedule.items()}
 
 
-def _merge(actions: list[Action], keys: dict[int, tuple]) -> list[Action]:
-    """One stage's local actions in their order, with its transfers in key order between them."""
+def _merge(actions: list[Action], keys: dict[int, tuple], early: dict[int, int] | None = None) -> list[Action]:
+    """One stage's local actions in their order, with its transfers in key order between them;
+    ``early[i]``: the local action before which receive ``i`` is placed, if earlier than just in
+    time."""
     local = [a for a in actions if not a.kind.has_peer]
     # Position in ``local`` of the compute a send follows (it may run after it) or a receive
     # precedes (it must run before it).
@@ -382,7 +394,7 @@ def _merge(actions: list[Action], keys: dict[int, tuple]) -> list[Action]:
     seen = 0
     for i, a in enumerate(actions):
         if a.kind.has_peer:
-            anchor[i] = seen - 1 if _is_send(a) else seen
+            anchor[i] = seen - 1 if _is_send(a) else (early or {}).get(i, seen)
         else:
             seen += 1
     order = sorted(keys, key=lambda i: (keys[i], i))
@@ -408,6 +420,125 @@ def _merge(actions: list[Action], keys: dict[int, tuple]) -> list[Action]:
 
 def _is_send(a: Action) -> bool:
     return a.kind.spec.send
+
+
+def post_early(schedule: Schedule, *, duration: Callable[[Action], float] | None = None,
+               rank_of: tuple[int, ...] | None = None) -> Schedule:
+    """Post every receive of activations or gradients as soon as its message is sent, and
+    complete it with a wait just before the action that needs it (``WAIT_F`` before the forward,
+    ``WAIT_B`` before the backward that takes the gradients; one wait per stage, direction and
+    micro-batch, whatever the number of peers). This is torch.distributed.pipelining's runtime
+    (``_add_send_recv`` places a receive where its send is issued; ``RECV_F`` posts an ``irecv``,
+    ``F`` waits for it): the message travels while the receiver computes, and gloo's
+    receive-ready exchange (a send posted before its receive moves only once the receive is) is
+    off the critical path.
+
+    When is "as soon as": the schedule, simulated with asynchronous sends and ``duration`` (the
+    compute times it was made for; default unit forwards and double backwards), gives each message
+    the time its send is posted. Every stage then posts its transfers in the order of those times,
+    one global order of messages (as :func:`order_transfers`, which keys them by their receive): a
+    send right after the compute that produces it, a receive before the local action that runs when
+    its message is sent, and never before what it depends on (the forward whose outputs a gradient's
+    receive is sized from, another action on the same micro-batch's buffers) nor after the action
+    that needs it. A result slower than ``schedule`` where messages take no time is not kept.
+    Under NCCL's stream order a group launched early holds up the groups posted after
+    it; one global order keeps the least message not yet through launched at both ends. The
+    transfers are grouped again (:func:`group_p2p`); if the result would not run under rendezvous
+    semantics, or a message is not received in the lists (a deferred send of an asynchronous
+    segment), ``schedule`` is returned as it is, its receives completing in their own actions.
+    ``rank_of``: the lists are per rank, ranks holding several stages.
+
+    The last stage of a three-stage 1F1B posts micro-batch 1's activations with micro-batch 0's,
+    before its forward and backward (the middle stage sends them as the last stage starts that
+    forward), and waits for them after both:
+
+    >>> from gpp_deepspeed.schedule import one_f_one_b
+    >>> chain = StageGraph.chain(3)
+    >>> lists = group_for_rendezvous(add_send_recv(add_load(one_f_one_b(chain, 2), chain), chain))
+    >>> " ".join(map(str, post_early(lists)[2]))
+    '2LOAD0 (2RECV_F0@1;2RECV_F1@1)P2P 2WAIT_F0 2F0 2B0 2SEND_B0@1 2LOAD1 2WAIT_F1 2F1 2B1 2SEND_B1@1'
+    """
+    from .validate import default_duration, simulate
+
+    flat = {s: [op for a in actions for op in a.parts] for s, actions in schedule.items()}
+    try:
+        timeline = simulate(flat, mode="async", duration=duration or default_duration, rank_of=rank_of)
+        sent: dict[tuple, float] = {}
+        for spans in timeline.spans.values():
+            count: dict[tuple, int] = {}
+            for a, start, _ in spans:
+                if a.kind.has_peer:
+                    ch = a.channel
+                    n = count[ch] = count.get(ch, -1) + 1
+                    if a.kind.spec.send:
+                        sent[(ch, n)] = start
+        early = {s: _with_waits(_post_stage_early(timeline.spans[s], sent)) for s in flat}
+        simulate(early, mode="rendezvous", rank_of=rank_of)
+        # Never slower where messages are free: a receive held back by what it depends on holds
+        # back the sends keyed after it.
+        if simulate(early, duration=duration or default_duration, rank_of=rank_of).makespan > timeline.makespan:
+            return schedule
+    except ScheduleError:
+        return schedule
+    return early
+
+
+def _post_stage_early(spans, sent: dict[tuple, float]) -> list[Action]:
+    """One stage's list (``spans``: its actions simulated, transfers ungrouped) with every transfer
+    keyed by its message's send time (``sent``) and placed by :func:`_merge`: a data receive
+    before the local action that ends when (or after) its message is sent, a compute's worth of
+    margin when the times tie, and after every transfer keyed before it can be placed."""
+    actions = [a for a, _, _ in spans]
+    ends = [end for a, _, end in spans if not a.kind.has_peer]
+    local = [a for a in actions if not a.kind.has_peer]
+    keys: dict[int, tuple] = {}
+    before: dict[int, int] = {}   # transfer -> how many local actions precede it
+    count: dict[tuple, int] = {}
+    seen = 0
+    for i, a in enumerate(actions):
+        if not a.kind.has_peer:
+            seen += 1
+            continue
+        ch = a.channel
+        n = count[ch] = count.get(ch, -1) + 1
+        if (ch, n) not in sent:
+            raise ScheduleError(f"{a} is never sent")
+        keys[i], before[i] = (sent[(ch, n)], ch, n), seen
+    early: dict[int, int] = {}
+    floor = 0   # where the transfers keyed so far have been placed, at the earliest
+    for i in sorted(keys, key=lambda i: (keys[i], i)):
+        a = actions[i]
+        if a.completion is not None:   # a data receive; a layout's stays where it is
+            at = next((k for k, end in enumerate(ends) if end >= keys[i][0]), before[i])
+            deps = max((k + 1 for k in range(before[i]) if _must_precede(local[k], a)), default=0)
+            early[i] = min(max(at, deps, floor), before[i])
+            floor = max(floor, early[i])
+        else:
+            floor = max(floor, before[i])
+    return _merge(actions, keys, early)
+
+
+def _with_waits(actions: list[Action]) -> list[Action]:
+    """``actions`` (transfers ungrouped) with a wait before the first action that needs the data
+    receives of each stage, direction and micro-batch, transfers grouped (:func:`group_p2p`)."""
+    receives = {a.completion for a in actions if a.completion is not None}
+    out: list[Action] = []
+    for a in actions:
+        need = ((a.stage_idx, "F", a.mb_idx) if a.kind is K.FORWARD else
+                (a.stage_idx, "B", a.mb_idx) if a.kind.spec.input_gradients else None)
+        if need in receives:
+            receives.discard(need)
+            out.append(Action(a.stage_idx, WAIT_OF[need[1]], a.mb_idx))
+        out.append(a)
+    return _group_stage(out)
+
+
+def _must_precede(before: Action, receive: Action) -> bool:
+    """``receive`` cannot be posted before ``before``, which writes what it reads of its stage's
+    micro-batch (a gradient's receive is sized from the forward's outputs). Receives and
+    hand-overs into the same buffer add to it in any order."""
+    return (before.stage_idx == receive.stage_idx and before.mb_idx == receive.mb_idx
+            and not before.kind.spec.version and bool(before.kind.spec.writes & receive.kind.spec.reads))
 
 
 def add_release(schedule: Schedule, *, ahead: Sequence[Schedule] = ()) -> Schedule:

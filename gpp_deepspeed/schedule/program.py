@@ -57,7 +57,7 @@ class Program:
     program "1f1b": 2 stages, 1 micro-batch, evaluation
     stage 0: 0LOAD0 0F0 0RELEASE_IN0 0SEND_F0@1 0RELEASE_OUT0 0WAIT_SENDS
       slots: 0:0
-    stage 1: 1LOAD0 1RECV_F0@0 1F0 1RELEASE_OUT0 1RELEASE_IN0 1WAIT_SENDS
+    stage 1: 1LOAD0 1RECV_F0@0 1WAIT_F0 1F0 1RELEASE_OUT0 1RELEASE_IN0 1WAIT_SENDS
       slots: 0:0
     """
 
@@ -112,23 +112,24 @@ class Program:
 
 def build_program(stage_graph: StageGraph, num_microbatches: int, *, schedule: str = "1f1b", train: bool = True,
                   duration: Callable[[Action], float] | None = None, layouts: bool = False,
-                  fold: Fold | None = None) -> Program:
+                  fold: Fold | None = None, early: bool = True) -> Program:
     """The program of one batch of a synchronous schedule (or of any schedule in evaluation,
     which runs forwards only). ``duration``: the compute times the transfers are ordered for,
     when they must be reordered (:func:`~gpp_deepspeed.schedule.lowering.group_for_rendezvous`).
     ``layouts``: every activation's layout is sent before it (``dynamic_shape``, a first batch).
     ``fold``: the ranks of the stages of a schedule of several stages per rank (default
-    :func:`default_fold`); refused for the others."""
+    :func:`default_fold`); refused for the others. ``early``: receives are posted as soon as their
+    message is sent and waited for at their use (:func:`~gpp_deepspeed.schedule.lowering.post_early`)."""
     if num_microbatches < 1:
         raise GPPConfigError(f"need at least one micro-batch, got {num_microbatches}")
     spec = get_schedule(schedule)
     if spec.folded is not None or fold is not None:
         return _folded_program(stage_graph, num_microbatches, spec, fold, train=train, duration=duration,
-                               layouts=layouts)
+                               layouts=layouts, early=early)
     if train and spec.asynchronous:
         raise GPPConfigError(f'schedule "{spec.name}" is asynchronous: its batches are AsyncProgram(...).batch(k)')
     compute = spec.generator(stage_graph, num_microbatches) if train else forward_only(stage_graph, num_microbatches)
-    actions = lower(compute, stage_graph, train=train, duration=duration, layouts=layouts)
+    actions = lower(compute, stage_graph, train=train, duration=duration, layouts=layouts, early=early)
     return Program(schedule=spec.name, num_microbatches=num_microbatches, train=train, actions=actions,
                    slots=assign_buffers(actions), layouts=layouts)
 
@@ -170,7 +171,7 @@ def check_fold(fold: Fold, stage_graph: StageGraph, schedule: str) -> None:
 
 
 def _folded_program(stage_graph: StageGraph, num_microbatches: int, spec: ScheduleSpec, fold: Fold | None, *,
-                    train: bool, duration, layouts: bool) -> Program:
+                    train: bool, duration, layouts: bool, early: bool = True) -> Program:
     """The program of a schedule of several stages per rank: each rank's one list across its
     stages (:func:`~gpp_deepspeed.schedule.virtual.fold_program`), keyed by rank."""
     from .virtual import fold_program, rank_orders
@@ -182,7 +183,7 @@ def _folded_program(stage_graph: StageGraph, num_microbatches: int, spec: Schedu
     orders = (spec.folded.orders(stage_graph, num_microbatches, fold) if train
               else rank_orders(stage_graph, num_microbatches, fold, split_backward=False))
     actions = fold_program(stage_graph, num_microbatches, fold, orders, duration=duration, train=train,
-                           layouts=layouts)
+                           layouts=layouts, early=early)
     per_stage: dict[int, list[Action]] = {s: [] for s in range(stage_graph.num_stages)}
     for r in sorted(actions):             # a group's ops belong to the stages they name, in order
         for op in (op for a in actions[r] for op in a.parts):
@@ -238,13 +239,15 @@ class AsyncProgram:
     ({0: 2, 1: 1}, [{4: 0, 5: 1}, {5: 1, 6: 0}])
     """
 
-    def __init__(self, stage_graph: StageGraph, num_microbatches: int, *, schedule: str, layouts: bool = False):
+    def __init__(self, stage_graph: StageGraph, num_microbatches: int, *, schedule: str, layouts: bool = False,
+                 early: bool = True):
         spec = get_schedule(schedule)
         if not spec.asynchronous:
             raise GPPConfigError(f'"{spec.name}" is not an asynchronous schedule')
         check_async_microbatches(stage_graph, num_microbatches, spec.weights, name=spec.name)
         self.spec, self.stage_graph, self.num_microbatches = spec, stage_graph, num_microbatches
         self.layouts = layouts   # every batch and flush sends each activation's layout before it
+        self.early = early       # receives posted early, waited for at their use (lowering.post_early)
         self._steady = steady_batch_idx(stage_graph, num_microbatches)
         self._lowered: dict[tuple[int, bool], Schedule] = {}
         self._batches: list[Program] = []
@@ -335,7 +338,7 @@ class AsyncProgram:
                                       for k in range(key[0] + 1, key[0] + self._steady + 1)]
             self._lowered[key] = lower(self._compute(segment), self.stage_graph, train=True, segment=segment,
                                        ahead=ahead, step=steps_at_end(segment, self.spec.weights),
-                                       layouts=self.layouts)
+                                       layouts=self.layouts, early=self.early)
         delta = (batch_idx - key[0]) * self.num_microbatches
         return {s: shift(actions, delta) for s, actions in self._lowered[key].items()}
 
@@ -428,9 +431,10 @@ class ProgramFactory:
     False
     """
 
-    def __init__(self, stage_graph: StageGraph, *, schedule: str, validate: bool = False, fold: Fold | None = None):
+    def __init__(self, stage_graph: StageGraph, *, schedule: str, validate: bool = False, fold: Fold | None = None,
+                 early: bool = True):
         self.spec = get_schedule(schedule)
-        self.stage_graph, self.validate = stage_graph, validate
+        self.stage_graph, self.validate, self.early = stage_graph, validate, early
         if fold is not None:
             check_fold(fold, stage_graph, self.spec.name)
         elif self.spec.folded is not None:
@@ -452,7 +456,7 @@ class ProgramFactory:
             key = (num_microbatches, train, layouts)
             if key not in self._batches:
                 program = build_program(self.stage_graph, num_microbatches, schedule=self.spec.name, train=train,
-                                        layouts=layouts, fold=self.fold)
+                                        layouts=layouts, fold=self.fold, early=self.early)
                 if self.validate:
                     validate_program(program, self.stage_graph)
                 self._batches[key] = program
@@ -471,7 +475,8 @@ class ProgramFactory:
         """The asynchronous schedule's never-draining program with ``num_microbatches`` per batch."""
         if num_microbatches not in self._pipelines:
             self._pipelines[num_microbatches] = AsyncProgram(self.stage_graph, num_microbatches,
-                                                             schedule=self.spec.name, layouts=True)
+                                                             schedule=self.spec.name, layouts=True,
+                                                             early=self.early)
             if self.validate:
                 self.report(num_microbatches)
         return self._pipelines[num_microbatches]

@@ -36,7 +36,7 @@ from typing import Callable
 
 from ..errors import ScheduleError
 from ..graph.stages import StageGraph
-from .ir import LAYOUT_OF, RELEASES, Action, ActionKind as K, Schedule
+from .ir import LAYOUT_OF, RELEASES, Action, ActionKind as K, Schedule, waited
 
 __all__ = ["Timeline", "simulate", "validate_schedule", "check_lists", "check_weight_versions", "default_duration",
            "MODES"]
@@ -70,14 +70,16 @@ MODES = ("async", "rendezvous")
 
 
 class _Channels:
-    """Posted sends and receives per channel; the n-th send of a channel matches its n-th receive."""
+    """Posted sends and receives per channel; the n-th send of a channel matches its n-th receive.
+    A transfer takes its place on its channel when its stage posts it (program order) and its time
+    when it is launched (:meth:`launch`; later than posted under NCCL's stream order)."""
 
     def __init__(self, latency: float, late_receive: float = 0.0, rank_of=None):
         self.latency, self.late_receive = latency, late_receive
         self.rank_of = rank_of
-        self.posted: dict[tuple, list[list[tuple[int, float]]]] = {}   # channel -> [sends, receives]
+        self.posted: dict[tuple, list[list[list]]] = {}   # channel -> [sends, receives], each [what, time]
 
-    def post(self, op: Action, time: float) -> tuple[tuple, int]:
+    def post(self, op: Action) -> tuple[tuple, int]:
         ch = op.channel
         what = (op.mb_idx, op.kind.spec.layout)
         if self.rank_of is not None:
@@ -85,13 +87,16 @@ class _Channels:
             # and matches in posting order, whatever stages and direction it belongs to.
             what, ch = (*what, ch), (self.rank_of[ch[0]], self.rank_of[ch[1]], "rank")
         side = self.posted.setdefault(ch, [[], []])[0 if op.kind.spec.send else 1]
-        side.append((what, time))
+        side.append([what, None])
         return ch, len(side) - 1
 
+    def launch(self, op: Action, ch: tuple, n: int, time: float) -> None:
+        self.posted[ch][0 if op.kind.spec.send else 1][n][1] = time
+
     def match_time(self, ch: tuple, n: int) -> float | None:
-        """When message ``n`` of ``ch`` is through (both ends posted), or None if one end is missing."""
+        """When message ``n`` of ``ch`` is through (both ends launched), or None if one end is missing."""
         sends, recvs = self.posted.get(ch, [[], []])
-        if n >= len(sends) or n >= len(recvs):
+        if n >= len(sends) or n >= len(recvs) or sends[n][1] is None or recvs[n][1] is None:
             return None
         ((sent_mb, sent_layout, *sent_ch), sent_at), ((recv_mb, recv_layout, *recv_ch), recv_at) = sends[n], recvs[n]
         if sent_ch != recv_ch:
@@ -114,18 +119,39 @@ class _Channels:
         return sent_at + self.latency
 
 
+@dataclass
+class _Group:
+    """One transfer action on the wire: its ``(op, channel, n)``, when its stage posted it, when
+    it was launched and when it completed as a whole (``None``: not yet)."""
+
+    action: Action
+    slot: int
+    ops: list[tuple[Action, tuple, int]]
+    posted: float
+    launched: float | None = None
+    done: float | None = None
+
+
 def simulate(schedule: Schedule, *, duration: Callable[[Action], float] = default_duration,
              latency: float = 0.0, late_receive: float = 0.0, mode: str = "async",
              rank_of: tuple[int, ...] | None = None) -> Timeline:
     """Run every stage's list and time it.
 
+    A transfer action posts its transfers. A receive completes in that action, which waits for
+    it, or, when the list has a wait for it (``WAIT_F``/``WAIT_B`` of its micro-batch:
+    :func:`~gpp_deepspeed.schedule.ir.waited`), at that wait, the stage going on meanwhile.
+
     ``mode="async"`` is gloo's behaviour, what the engine relies on at least: a send never blocks
-    its stage, a receive (or a grouped transfer holding receives) blocks until the matching sends
-    were posted, ``WAIT_SENDS`` until every send of the stage was received. ``mode="rendezvous"``
-    is NCCL's for large messages: a send completes only when its receive is posted too, so every
-    transfer blocks until its other end is posted; a grouped ``P2P`` action posts all its
-    transfers at once and completes when each of them has. A schedule that completes in rendezvous
-    mode completes in async mode.
+    its stage, a receive completes once the matching send was posted, ``WAIT_SENDS`` waits until
+    every send of the stage was received. ``mode="rendezvous"`` is NCCL's for large messages: a
+    send completes only when its receive is posted too; a grouped ``P2P`` action's transfers are
+    launched together and complete as a whole; and a stage's groups are launched one at a time in
+    posting order, each once the one before it has completed (NCCL's stream order; the stage
+    itself goes on past a group it does not wait for). The model holds because the engine posts
+    every transfer action, single or grouped, layouts included, as exactly one
+    ``batch_isend_irecv`` and never a single ``isend``/``irecv`` (:mod:`gpp_deepspeed.engine.p2p`):
+    what the validator sees as one group is one group on the wire. A schedule that completes in
+    rendezvous mode completes in async mode.
 
     Raises :class:`ScheduleError` on deadlock (naming the action each stuck stage waits on and
     the transfers nobody posted the other end of) and when the n-th message of a channel carries
@@ -136,59 +162,114 @@ def simulate(schedule: Schedule, *, duration: Callable[[Action], float] = defaul
     <gpp_deepspeed.planner.costs.CommFit.latency_s>`); a grouped action waits for its last message,
     so it pays the latency once, not once per message. ``late_receive``: what a message whose
     receive is posted after its send waits on top of that (:attr:`CommFit.late_receive_s
-    <gpp_deepspeed.planner.costs.CommFit.late_receive_s>`). ``rank_of``: the rank of every stage
-    when ranks hold several stages (``schedule`` keyed by rank): the messages between two ranks
-    match in posting order over all their channels, as on the wire.
+    <gpp_deepspeed.planner.costs.CommFit.late_receive_s>`): a receive posted early does not pay
+    it. ``rank_of``: the rank of every stage when ranks hold several stages (``schedule`` keyed by
+    rank): the messages between two ranks match in posting order over all their channels, as on
+    the wire.
     """
     if mode not in MODES:
         raise ScheduleError(f'unknown simulation mode "{mode}"; valid: {list(MODES)}')
+    rendezvous = mode == "rendezvous"
     channels = _Channels(latency, late_receive, rank_of)
+    deferred = {s: waited(actions) for s, actions in schedule.items()}
     pc = {s: 0 for s in schedule}
     clock = {s: 0.0 for s in schedule}
-    posted: dict[int, list[tuple[Action, tuple, int]]] = {}      # stage -> its current action's posted ops
-    my_sends: dict[int, list[tuple[tuple, int]]] = {s: [] for s in schedule}
+    stream: dict[int, list[_Group]] = {s: [] for s in schedule}    # a stage's groups, in posting order
+    first_open = {s: 0 for s in schedule}                          # its first group not complete
+    current: dict[int, _Group] = {}                                # the group of the action a stage is at
+    pending: dict[tuple, list[tuple[_Group, tuple, int]]] = {}      # a wait's key -> its posted receives
     timeline = Timeline({s: [] for s in schedule})
+
+    def launch(group: _Group, at: float) -> None:
+        group.launched = at
+        for op, ch, n in group.ops:
+            channels.launch(op, ch, n, at)
+
+    def advance(s: int) -> bool:
+        """Launch and complete the stage's groups in stream order (rendezvous); whether any did."""
+        moved = False
+        groups = stream[s]
+        while first_open[s] < len(groups):
+            group = groups[first_open[s]]
+            if group.launched is None:
+                before = groups[first_open[s] - 1].done if first_open[s] else 0.0
+                launch(group, max(group.posted, before))
+                moved = True
+            times = [channels.match_time(ch, n) for _, ch, n in group.ops]
+            if None in times:
+                break
+            group.done = max([group.launched] + times)
+            first_open[s] += 1
+            moved = True
+        return moved
+
+    def through(entries) -> float | None:
+        """When every ``(group, channel, n)`` of ``entries`` is complete: its group under
+        rendezvous (one request per group), its own message otherwise."""
+        times = [g.done if rendezvous else channels.match_time(ch, n) for g, ch, n in entries]
+        return None if None in times else max(times, default=0.0)
+
     progress = True
     while progress:
         progress = False
         for s, actions in schedule.items():
+            if rendezvous and advance(s):
+                progress = True
             while pc[s] < len(actions):
                 a = actions[pc[s]]
                 start = clock[s]
                 if a.kind.is_transfer:
-                    if s not in posted:
-                        posted[s] = [(op, *channels.post(op, start)) for op in a.transfers]
-                        my_sends[s] += [(ch, n) for op, ch, n in posted[s] if op.kind.spec.send]
-                    waits = [(ch, n) for op, ch, n in posted[s] if mode == "rendezvous" or not op.kind.spec.send]
-                    times = [channels.match_time(ch, n) for ch, n in waits]
-                    if None in times:
+                    if s not in current:
+                        group = current[s] = _Group(a, pc[s], [(op, *channels.post(op)) for op in a.transfers], posted=start)
+                        stream[s].append(group)
+                        if rendezvous:
+                            advance(s)
+                        else:
+                            launch(group, start)
+                        for entry in group.ops:
+                            if entry[0].completion in deferred[s]:
+                                pending.setdefault(entry[0].completion, []).append((group, *entry[1:]))
+                    group = current[s]
+                    blocking = [(group, ch, n) for op, ch, n in group.ops
+                                if not op.kind.spec.send and op.completion not in deferred[s]]
+                    done = through(blocking)
+                    if done is None:
                         break
-                    start = max([start] + times)
-                    del posted[s]
-                elif a.kind is K.WAIT_SENDS:
-                    times = [channels.match_time(ch, n) for ch, n in my_sends[s]]
-                    if None in times:
+                    start = max(start, done)
+                    del current[s]
+                elif a.kind.spec.completes or a.kind is K.WAIT_SENDS:
+                    entries = pending.get(a.completion, []) if a.kind.spec.completes else [
+                        (g, ch, n) for g in stream[s] for op, ch, n in g.ops if op.kind.spec.send]
+                    done = through(entries)
+                    if done is None:
                         break
-                    start = max([start] + times)
+                    start = max(start, done)
+                    pending.pop(a.completion, None)
                 end = start + duration(a)
                 timeline.spans[s].append((a, start, end))
                 clock[s] = end
                 pc[s] += 1
                 progress = True
-    stuck = {s: schedule[s][pc[s]] for s in schedule if pc[s] < len(schedule[s])}
+    stuck = {s: schedule[s][pc[s]] if pc[s] < len(schedule[s]) else None for s in schedule
+             if pc[s] < len(schedule[s]) or rendezvous and first_open[s] < len(stream[s])}
     if stuck:
-        raise ScheduleError(_deadlock_message(stuck, pc, posted, channels, mode))
+        raise ScheduleError(_deadlock_message(stuck, pc, stream, first_open, current, channels, mode))
     return timeline
 
 
-def _deadlock_message(stuck, pc, posted, channels: _Channels, mode: str) -> str:
+def _deadlock_message(stuck, pc, stream, first_open, current, channels: _Channels, mode: str) -> str:
     waits = []
     for s, a in sorted(stuck.items()):
-        missing = [op for op, ch, n in posted.get(s, ()) if channels.match_time(ch, n) is None
-                   and (mode == "rendezvous" or not op.kind.spec.send)]
+        # The group the stage waits on: under rendezvous its first incomplete one (stream order).
+        groups = stream[s][first_open[s]:first_open[s] + 1] if mode == "rendezvous" else [current.get(s)]
+        missing = [op for g in groups if g is not None for op, ch, n in g.ops
+                   if channels.match_time(ch, n) is None and (mode == "rendezvous" or not op.kind.spec.send)]
         other = "; ".join(f"{op} waits for stage {op.peer} to post its "
                           f"{'receive' if op.kind.spec.send else 'send'}" for op in missing)
-        waits.append(f"stage {s} at {a} (slot {pc[s]})" + (f" [{other}]" if other else ""))
+        host = f"{a} (slot {pc[s]})" if a is not None else "the end of its list"
+        group = groups[0] if groups and groups[0] is not None else None
+        at = host if group is None or group.slot == pc[s] else f"{group.action} (slot {group.slot}; the stage has gone on to {host})"
+        waits.append(f"stage {s} at {at}" + (f" [{other}]" if other else ""))
     text = "schedule deadlocks"
     if mode == "rendezvous":
         text += (" under rendezvous semantics (a send completes only when its receive is posted, as NCCL "
@@ -224,7 +305,9 @@ def check_lists(schedule: Schedule, stage_graph: StageGraph, num_microbatches: i
     frees it; and no two micro-batches that share a buffer slot (``slots[stage][mb]``, what
     :func:`~gpp_deepspeed.schedule.lowering.assign_buffers` returns) are live at once. With
     ``layouts``, every activation transfer has its layout transfer in an earlier action of the
-    stage (a receive is sized from it before it is posted); without, there is none.
+    stage (a receive is sized from it before it is posted); without, there is none. A wait
+    (``WAIT_F``/``WAIT_B``) follows every receive it completes and comes before the action that
+    uses them.
     """
     if sorted(schedule) != list(range(stage_graph.num_stages)):
         raise ScheduleError(f"schedule has stages {sorted(schedule)}, expected 0..{stage_graph.num_stages - 1}")
@@ -232,6 +315,7 @@ def check_lists(schedule: Schedule, stage_graph: StageGraph, num_microbatches: i
         slot_of = (slots or {}).get(s)
         _check_stage(s, actions, stage_graph, num_microbatches, train)
         _check_layouts(s, actions, layouts)
+        _check_waits(s, actions)
         _check_releases(s, actions, required=releases)
         if slot_of is not None:
             _check_buffers(s, actions, slot_of)
@@ -312,6 +396,30 @@ def _check_layouts(s: int, actions: list[Action], layouts: bool) -> None:
             if at is None or at >= i:
                 raise ScheduleError(f"stage {s} slot {i}: {a} needs {Action(s, LAYOUT_OF[a.kind], a.mb_idx, a.peer)} "
                                     "in an earlier action" + ("" if at is None else f", not in the same one (slot {at})"))
+
+
+def _check_waits(s: int, actions: list[Action]) -> None:
+    """Every wait completes receives posted before it and none posted after it, and comes before
+    the forward (``WAIT_F``) or the backward that takes the gradients (``WAIT_B``) of its
+    micro-batch: a receive it completes is not complete until then (:func:`~.ir.waited`)."""
+    waits = {a.completion: i for i, a in _flat(actions) if a.kind.spec.completes}
+    posted: set[tuple] = set()
+    for i, a in _flat(actions):
+        key = a.completion
+        if key in waits and not a.kind.spec.completes:
+            if i > waits[key]:
+                raise ScheduleError(f"stage {s} slot {i}: {a} is posted after {actions[waits[key]]} (slot {waits[key]}), "
+                                    "the wait that completes it")
+            posted.add(key)
+        need = ((s, "F", a.mb_idx) if a.kind is K.FORWARD else
+                (s, "B", a.mb_idx) if a.kind.spec.input_gradients else None)
+        if need in waits and waits[need] > i:
+            raise ScheduleError(f"stage {s} slot {i}: {a} runs before {actions[waits[need]]} (slot {waits[need]}) "
+                                "completes the receives it needs")
+    idle = sorted(set(waits) - posted, key=lambda k: waits[k])
+    if idle:
+        raise ScheduleError(f"stage {s} slot {waits[idle[0]]}: {actions[waits[idle[0]]]} completes no receive posted "
+                            "before it")
 
 
 def _check_backward_kinds(s: int, j: int, where: dict[tuple, int]) -> None:

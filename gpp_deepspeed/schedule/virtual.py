@@ -168,7 +168,7 @@ def _chunk_order(stages, num_mb: int, group: int, kind: K) -> list[Action]:
 
 def fold_program(stage_graph: StageGraph, num_microbatches: int, fold: Fold, orders: dict[int, list[Action]],
                  *, duration: Callable[[Action], float] | None = None, train: bool = True,
-                 layouts: bool = False) -> dict[int, list[Action]]:
+                 layouts: bool = False, early: bool = True) -> dict[int, list[Action]]:
     """Every rank's one list of actions across its stages, lowered for a synchronous batch.
 
     Each stage is lowered as a stage of its own is (``LOAD``, the transfers of its edges,
@@ -186,7 +186,8 @@ def fold_program(stage_graph: StageGraph, num_microbatches: int, fold: Fold, ord
       ``REDUCE_GRAD``, ``STEP``).
 
     ``train=False``: the forwards of ``orders`` only (evaluation). ``layouts``: every activation
-    message between ranks is preceded by its layout (:func:`~.lowering.add_layouts`).
+    message between ranks is preceded by its layout (:func:`~.lowering.add_layouts`). ``early``:
+    receives are posted early and waited for at their use (:func:`~.lowering.post_early`).
 
     The transfers are then grouped and ordered for rendezvous semantics as for any schedule
     (:func:`~gpp_deepspeed.schedule.lowering.group_for_rendezvous`), so the simulator's rendezvous
@@ -198,9 +199,9 @@ def fold_program(stage_graph: StageGraph, num_microbatches: int, fold: Fold, ord
     >>> chain, fold = StageGraph.chain(4), Fold.v_shape(num_stages=4)
     >>> program = fold_program(chain, 1, fold, interleaved_1f1b(chain, 1, fold))
     >>> " ".join(str(a) for a in program[1])
-    '1RECV_F0@0 1F0 2HAND_F0@1 2F0 (2SEND_F0@3;2RECV_B0@3)P2P 2B0 2RELEASE_OUT0 1HAND_B0@2 2RELEASE_IN0 1B0 1RELEASE_OUT0 1SEND_B0@0 1RELEASE_IN0 1WAIT_SENDS 1REDUCE_TIED 1REDUCE_GRAD 1STEP'
+    '1RECV_F0@0 1WAIT_F0 1F0 2HAND_F0@1 2F0 (2SEND_F0@3;2RECV_B0@3)P2P 2WAIT_B0 2B0 2RELEASE_OUT0 1HAND_B0@2 2RELEASE_IN0 1B0 1RELEASE_OUT0 1SEND_B0@0 1RELEASE_IN0 1WAIT_SENDS 1REDUCE_TIED 1REDUCE_GRAD 1STEP'
     """
-    from .lowering import add_layouts, group_for_rendezvous, merge_backward
+    from .lowering import add_layouts, group_for_rendezvous, merge_backward, post_early
 
     if train:
         merged = {s for s in range(stage_graph.num_stages) if not stage_graph.grad_preds(s)}
@@ -224,7 +225,8 @@ def fold_program(stage_graph: StageGraph, num_microbatches: int, fold: Fold, ord
     tail = (K.WAIT_SENDS, K.REDUCE_TIED, K.REDUCE_GRAD, K.STEP) if train else (K.WAIT_SENDS, )
     lists = {r: acts + [Action(fold.stages_of(r)[0], k) for k in tail]
              for r, acts in _interleave(per_stage, orders, rewrite=rewrite).items()}
-    lowered = _add_releases(group_for_rendezvous(lists, duration=duration, rank_of=fold.rank_of))
+    grouped = group_for_rendezvous(lists, duration=duration, rank_of=fold.rank_of)
+    lowered = _add_releases(post_early(grouped, duration=duration, rank_of=fold.rank_of) if early else grouped)
     validate_folded(lowered, stage_graph, num_microbatches, fold, train=train, layouts=layouts)
     return lowered
 
