@@ -60,6 +60,10 @@ TOPOLOGIES = {"two_branches": ((4, 2), 2), "four_branches": ((3, 1, 1, 1), 2), "
 TITLES = {"two_branches": "two branches", "four_branches": "four branches", "chain": "chain"}
 OURS = ("1f1b", "zb1", "zb2")
 OURS_FOLDED = ("interleaved", "zbv", "dualpipev")   # 16 half-layer stages, two per rank
+# Also run with every receive completed in place ("early_receives": false), to show in the same
+# launch what posting receives early (lowering.post_early) buys.
+IN_PLACE = ("1f1b", "dualpipev")
+IN_PLACE_SUFFIX = ", receives in place"
 TORCH_V = ("ZBVZeroBubble", "DualPipeV")  # the schedules that place their stages in a V
 DEEPSPEED = ("PipelineEngine", "DualPipeVEngine")
 
@@ -178,20 +182,26 @@ def build_ours(topology: str, unit, data):
 
     num_branches = len(TOPOLOGIES[topology][0])
     built = {}
-    for name in OURS + OURS_FOLDED:
-        folded = name in OURS_FOLDED
+    for name in OURS + OURS_FOLDED + tuple(n + IN_PLACE_SUFFIX for n in IN_PLACE):
+        schedule, early = variant(name)
+        folded = schedule in OURS_FOLDED
         rows, fraction = (half_layer_rows(topology), 0.5) if folded else (layer_rows(topology), 1.0)
         layers = [GraphLayerSpec(r["name"], unit, DIM, num_branches, r["branch"], r["merge"], fraction, r["source"],
                                  False, inputs=r["inputs"]) for r in rows]
-        extra = {"fold": list(searched_fold(topology, name).rank_of)} if folded else {}
+        extra = {"fold": list(searched_fold(topology, schedule).rank_of)} if folded else {}
         module = GraphPipelineModule(layers, input_names=[f"x{b}" for b in range(num_branches)], num_stages=len(rows),
                                      loss_fn=nn.MSELoss(), partition_method={r["name"]: i for i, r in enumerate(rows)},
                                      **extra)
-        cfg = _ds_config() | {"graph_pipeline": {"schedule": name, "print_stage_graph": False,
-                                                  "print_idle_fractions": False}}
+        cfg = _ds_config() | {"graph_pipeline": {"schedule": schedule, "print_stage_graph": False,
+                                                  "print_idle_fractions": False, "early_receives": early}}
         engine, *_ = gpp_deepspeed.initialize(model=module, model_parameters=list(module.parameters()), config=cfg)
         built[name] = (lambda engine=engine: engine.train_batch(data_iter=iter(data)), engine)
     return built
+
+
+def variant(name: str) -> tuple[str, bool]:
+    """The schedule a name of ours runs, and whether its receives are posted early."""
+    return (name[:-len(IN_PLACE_SUFFIX)], False) if name.endswith(IN_PLACE_SUFFIX) else (name, True)
 
 
 def ours_in_flight(engine) -> list[float]:
@@ -222,8 +232,31 @@ def predicted(engine, name: str) -> float:
 
     graph, fold = engine.stage_graph, engine.placement.fold
     duration = sleeps(graph, 0.5 if fold else 1.0)
-    program = build_program(graph, M, schedule=name, fold=Fold(fold) if fold else None)
+    schedule, early = variant(name)
+    program = build_program(graph, M, schedule=schedule, fold=Fold(fold) if fold else None, early=early)
     return simulate(program.actions, duration=duration, rank_of=fold or None).makespan
+
+
+def replayed(engine, name: str) -> float:
+    """Our simulator's makespan for the program the engine ran, each compute action priced at what
+    it took in the engine's last batch (a sleep overshooting on a loaded machine, the layer's own
+    Python), messages and everything else free: the step the runtime would give if it added nothing
+    between compute. Measured over replayed is what the runtime itself adds."""
+    import torch
+    from gpp_deepspeed.schedule import build_program, simulate
+    from gpp_deepspeed.schedule.ir import ActionKind
+    from gpp_deepspeed.schedule.virtual import Fold
+
+    took = {(a.stage_idx, a.kind.value, a.mb_idx): end - start for a, start, end in engine.last_timeline
+            if a.kind is ActionKind.FORWARD or a.kind.spec.backward}
+    gathered = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(gathered, took)
+    took = {k: v for part in gathered for k, v in part.items()}
+    fold = engine.placement.fold
+    schedule, early = variant(name)
+    program = build_program(engine.stage_graph, M, schedule=schedule, fold=Fold(fold) if fold else None, early=early)
+    return simulate(program.actions, duration=lambda a: took.get((a.stage_idx, a.kind.value, a.mb_idx), 0.0),
+                    rank_of=fold or None).makespan
 
 
 # -------------------------------------------------------------------------------------------- torch
@@ -394,6 +427,7 @@ def worker(topology: str, rounds: int, out: str) -> None:
         if engine is not None:  # ours: from the instructions it ran, and the simulator
             meta["in_flight"] = ours_in_flight(engine)
             meta["predicted"] = predicted(engine, label.split("/")[1])
+            meta["replayed"] = replayed(engine, label.split("/")[1])
             meta["fold"] = list(engine.placement.fold)
             meta["depth"] = engine.stage_graph.pipeline_depth
         results[label] = {**meta, "times": times.get(label)}
@@ -480,20 +514,22 @@ def summary_rows(results: dict) -> list[str]:
 
 def detail_rows(results: dict) -> list[str]:
     rows = ["| model | system | schedule | stages per rank | median step (ms) | best step (ms) | simulated (ms) "
-            "| median / simulated | peak in flight, max over ranks | per rank |",
-            "|---|---|---|---|---|---|---|---|---|---|"]
+            "| median / simulated | replayed (ms) | median / replayed | peak in flight, max over ranks | per rank |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     multi = {"Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV", "DualPipeVEngine",
              *OURS_FOLDED}
     for topology, by_label in results.items():
         for label, r in by_label.items():
             system, name = label.split("/")
-            per_rank = "-" if "refused" in r else 2 if name in multi else 1
+            per_rank = "-" if "refused" in r else 2 if variant(name)[0] in multi else 1
             head = f"| {TITLES.get(topology, topology)} | {system} | `{name}` | {per_rank} |"
             if "refused" in r:
-                rows.append(f"{head} refused: {r['refused'].replace('|', '/')} | | | | | |")
+                rows.append(f"{head} refused: {r['refused'].replace('|', '/')} | | | | | | | |")
                 continue
             sim = r.get("predicted")
             simulated = f"{sim * 1e3:,.0f} | {r['median_s'] / sim:.3f}" if sim else " | "
+            rep = r.get("replayed")
+            simulated += f" | {rep * 1e3:,.0f} | {r['median_s'] / rep:.3f}" if rep else " | | "
             rows.append(f"{head} {r['median_s'] * 1e3:,.0f} | {min(r['times'][1:] or r['times']) * 1e3:,.0f} | "
                         f"{simulated} | "
                         f"{_fmt(max(r['in_flight']))} | {' '.join(map(_fmt, r['in_flight']))} |")
