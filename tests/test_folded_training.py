@@ -73,7 +73,8 @@ def _check(out, c, world, *, rel=1e-5):
         assert res["schedule"] == c["schedule"]
         assert res["losses"] == pytest.approx(ref.losses, rel=rel), f"rank {r}"
         assert res["eval"] == pytest.approx(ref.eval_loss, rel=rel), f"rank {r}"
-        if c["schedule"] == "zbv" and not c.get("checkpoint"):   # a V always joins two stages on a rank
+        # a V joins two stages on a rank (not in tied, whose stages 1 and 2, the rank's pair, are parallel)
+        if c["schedule"] == "zbv" and not c.get("checkpoint") and c["model"] != "tied":
             assert any({"HAND_F", "HAND_B"} <= set(x["ran"]) for x in ranks), "the hand-overs ran as actions"
         if c.get("ckpt_interval"):
             assert res["ckpt_interval"] == c["ckpt_interval"], f"rank {r}"
@@ -99,7 +100,8 @@ def _check(out, c, world, *, rel=1e-5):
     for res in ranks:
         names = set(res["state"])
         where = (res["dp"], res["shard"])   # a replica, and a rank's row shard under per-stage degrees
-        assert not names & per_replica.get(where, set()), "a parameter lives on one rank of a replica"
+        owned = {n for n in names if not n.startswith("tied.")}   # a tie has a copy on each rank of its stages
+        assert not owned & per_replica.get(where, set()), "a parameter lives on one rank of a replica"
         per_replica.setdefault(where, set()).update(names)
         for name, value in res["state"].items():
             torch.testing.assert_close(value, ref.state[name], rtol=1e-5, atol=1e-6, msg=name)
@@ -133,6 +135,57 @@ def test_a_folded_schedule_with_per_stage_degrees_trains_like_one_device(run_cas
 def test_a_folded_schedule_in_bf16_tracks_the_fp32_single_device_model(run_cases, c):
     # bf16 keeps 8 mantissa bits: agreement to a few percent is what bf16 can promise.
     _check(run_cases("fold_bf16_w2", 2, BF16, timeout=900, env=STRICT), c, 2, rel=3e-2)
+
+
+# -- tied weights (DeepSpeed's TiedLayerSpec) under a fold -----------------------------------------
+
+# tied_lm: a language model's embedding and head tied, on stages 0 and 3: on one rank under the V
+# (zbv, dualpipev), which builds the tie once so both stages use one parameter whose gradient sums in
+# autograd; on ranks 0 and 1 under the looped fold, whose copies are summed by REDUCE_TIED. tied: the
+# tie on two parallel branches (stages 1 and 2), one rank under the V, two under the looped fold.
+# clip=0.05 clips every step: the gradient norm counts the tie once.
+TIED_LM = {"partition": "explicit"}
+TIED_W2 = [case("tied_lm", 4, 0, "zbv", fold="v", **TIED_LM),
+           case("tied_lm", 4, 1, "dualpipev", fold="v", clip=0.05, **TIED_LM),
+           case("tied_lm", 4, 1, "interleaved", stages_per_rank=2, clip=0.05, **TIED_LM),
+           case("tied", 4, 0, "zbv", fold="v"),
+           case("tied", 4, 1, "interleaved", stages_per_rank=2)]
+TIED_W4 = [case("tied_lm", 4, 1, "zbv", fold="v", clip=0.05, tag="-dp2", **TIED_LM),
+           case("tied_lm", 4, 2, "zbv", fold="v", tag="-dp2", **TIED_LM),
+           case("tied_lm", 4, 2, "interleaved", stages_per_rank=2, clip=0.05, tag="-dp2", **TIED_LM)]
+
+
+def _check_tie(out, c, world):
+    """Where both tied stages share a rank, they use one parameter of the rank's module; elsewhere
+    each rank holds one copy, used by its own stage."""
+    key, tied = ("embed", (0, 3)) if c["model"] == "tied_lm" else ("shared", (1, 2))
+    holders = 0
+    for r in range(world):
+        res = torch.load(out / f"{c['id']}.rank{r}.pt")
+        mine = [s for s in tied if s in res["rank_stages"]]
+        assert (key in res["ties"]) == bool(mine), f"rank {r} builds the tie only if it holds a tied stage"
+        if not mine:
+            continue
+        holders += len(mine) > 1
+        tie = res["ties"][key]
+        assert tie["params"] == tie["in_module"] == 1, f"rank {r}: the tie is one parameter on the rank"
+        assert tie["stages"] == mine, f"rank {r}: each tied stage of the rank uses that parameter"
+    same_rank = c.get("fold") == "v"   # the V puts stages 0 and 3 on one rank, and 1 and 2 on another
+    assert holders == (world // 2 if same_rank else 0), "ranks whose two stages share the tie"
+
+
+@pytest.mark.parametrize("c", TIED_W2, ids=[c["id"] for c in TIED_W2])
+def test_tied_weights_under_a_fold_train_like_one_device(run_cases, c):
+    out = run_cases("fold_tied_w2", 2, TIED_W2, timeout=900, env=STRICT)
+    _check(out, c, 2)
+    _check_tie(out, c, 2)
+
+
+@pytest.mark.parametrize("c", TIED_W4, ids=[c["id"] for c in TIED_W4])
+def test_tied_weights_under_a_fold_with_replicas_and_zero_train_like_one_device(run_cases, c):
+    out = run_cases("fold_tied_w4", 4, TIED_W4, timeout=900, env=STRICT)
+    _check(out, c, 4)
+    _check_tie(out, c, 4)
 
 
 # -- checkpoints: each rank saves and loads its own stages' layers --------------------------------
