@@ -9,7 +9,8 @@ final parameter, each parameter living on exactly one rank of each replica.
 
 Schedules: ``"interleaved"`` (Megatron's interleaved 1F1B, looped placement, fused backward),
 ``"zbv"`` (ZB-V: the V placement, split backward) and ``"dualpipev"`` (DualPipeV's pairs), on a chain and on DAGs (a skip edge, a fan-out
-into a fan-in), with data-parallel replicas (pipe 2 x data 2).
+into a fan-in), with data-parallel replicas (pipe 2 x data 2). Also: tied layers whose stages share a rank or not,
+and fp16 against the one-stage-per-rank fp16 engine (DeepSpeed's own on the chain).
 """
 
 import pytest
@@ -186,6 +187,49 @@ def test_tied_weights_under_a_fold_with_replicas_and_zero_train_like_one_device(
     out = run_cases("fold_tied_w4", 4, TIED_W4, timeout=900, env=STRICT)
     _check(out, c, 4)
     _check_tie(out, c, 4)
+
+
+# -- fp16 (DeepSpeed's loss scaler) under a fold ---------------------------------------------------
+
+# 5 steps of a dynamic loss scale that doubles every 2 (tests/workers/train_cases.py), each folded run
+# against a one-stage-per-rank fp16 run of the same model: DeepSpeed's own PipelineEngine on the chain,
+# ours on the DAG. fp16 follows DeepSpeed's engine, not the fp32 model: under ZeRO-0 DeepSpeed
+# 0.19.8's engine.backward does not scale the loss for its FP16_UnfusedOptimizer, whose step still
+# divides by the scale (an update lr / scale; its own PipelineEngine does the same).
+def _fp16(c, tag=""):
+    return {**c, "fp16": True, "steps": 5, "id": c["id"] + "-fp16" + tag}
+
+
+def _unfolded(model, zero, **extra):
+    return _fp16({**eq_case(model, 2, zero, **extra), "id": f"unfolded-{model}-z{zero}"})
+
+
+FP16_BASE = [_unfolded("chain", 0, deepspeed_module=True), _unfolded("chain", 1, deepspeed_module=True),
+             _unfolded("four_branch", 1, schedule="1f1b")]
+FP16 = [_fp16(case("chain", 4, 0, "zbv", fold="v")), _fp16(case("chain", 4, 1, "interleaved", stages_per_rank=2)),
+        _fp16(case("chain", 4, 2, "dualpipev", fold="v")), _fp16(case("four_branch", 4, 1, "zbv", fold="v"))]
+FP16_BASELINE = dict(zip([c["id"] for c in FP16], ["unfolded-chain-z0", "unfolded-chain-z1", "unfolded-chain-z1",
+                                                   "unfolded-four_branch-z1"]))
+
+
+@pytest.mark.parametrize("c", FP16, ids=[c["id"] for c in FP16])
+def test_a_folded_schedule_in_fp16_trains_like_the_one_stage_per_rank_fp16_engine(run_cases, c):
+    out = run_cases("fold_fp16_w2", 2, FP16 + FP16_BASE, timeout=900, env=STRICT)
+    ranks = [torch.load(out / f"{c['id']}.rank{r}.pt") for r in range(2)]
+    base = [torch.load(out / f"{FP16_BASELINE[c['id']]}-fp16.rank{r}.pt") for r in range(2)]
+    assert base[0]["loss_scale"] == 2**10, "the scale moved (2**8 doubled twice), so the test sees it move"
+    for r, res in enumerate(ranks):
+        assert res["optimizer"] == base[r]["optimizer"], f"rank {r}: DeepSpeed's fp16 optimizer of that ZeRO stage"
+        assert res["loss_scale"] == base[0]["loss_scale"], f"rank {r}"
+        assert res["losses"] == pytest.approx(base[0]["losses"], rel=1e-5), f"rank {r}"
+        assert res["eval"] == pytest.approx(base[0]["eval"], rel=1e-5), f"rank {r}"
+        assert res["strict_p2p"]["single_ops"] == 0, f"rank {r}: strict transport"
+    if "state" in base[0]:   # ours unfolded: every parameter, in fp16
+        theirs = {k: v for res in base for k, v in res["state"].items()}
+        mine = {k: v for res in ranks for k, v in res["state"].items()}
+        assert mine.keys() == theirs.keys()
+        for name, value in mine.items():
+            torch.testing.assert_close(value, theirs[name], rtol=1e-5, atol=1e-6, msg=name)
 
 
 # -- checkpoints: each rank saves and loads its own stages' layers --------------------------------
