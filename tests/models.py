@@ -266,7 +266,8 @@ class _Models(dict):
 MODELS: dict[str, Callable[[], ModelCase]] = _Models({
     "chain": chain, "diamond": diamond, "four_branch": four_branch, "skip": skip, "skip_frozen": skip_frozen,
     "fanout3": fanout3,
-    "three_input": three_input, "late_input": late_input, "tied": tied, "tied_lm": tied_lm, "varlen": varlen, "glue": glue, "glue_out": glue_out,
+    "three_input": three_input, "late_input": late_input, "tied": tied, "tied_lm": tied_lm, "varlen": varlen,
+    "glue": glue, "glue_out": glue_out,
 })
 
 

@@ -242,9 +242,19 @@ CKPT = [case("chain", 4, 0, "interleaved", stages_per_rank=2, optimizer="adam", 
              resume_as={"stages": 2, "schedule": "1f1b", "fold": None, "partition": "uniform"})]
 
 
-@pytest.mark.parametrize("c", CKPT, ids=[c["id"] for c in CKPT])
+# A V's tie on one rank (the embedding and head of tied_lm): both layer files hold the one parameter;
+# resumed in the V, and moved to one stage per rank (the tie on two ranks, synchronised at load).
+CKPT_TIED = [case("tied_lm", 4, 1, "zbv", fold="v", optimizer="adam", lr=0.01, tag="-ckpt", checkpoint=True,
+                  **TIED_LM),
+             case("tied_lm", 4, 0, "dualpipev", fold="v", optimizer="adam", lr=0.01, tag="-ckpt-moved",
+                  checkpoint=True, resume_as={"stages": 2, "schedule": "1f1b", "fold": None, "partition": "uniform"},
+                  **TIED_LM)]
+
+
+@pytest.mark.parametrize("c", CKPT + CKPT_TIED, ids=[c["id"] for c in CKPT + CKPT_TIED])
 def test_a_folded_checkpoint_resumes_like_an_uninterrupted_run(run_cases, c):
-    out = run_cases("fold_ckpt_w2", 2, CKPT, timeout=900, env=STRICT)
+    out = run_cases("fold_ckpt_w2", 2, CKPT, timeout=900, env=STRICT) if c in CKPT else \
+        run_cases("fold_tied_ckpt_w2", 2, CKPT_TIED, timeout=900, env=STRICT)
     ref = train_reference(c, dp=1, steps=range(4))
     for r in range(2):
         res = torch.load(out / f"{c['id']}.rank{r}.pt")
