@@ -204,6 +204,25 @@ def tied() -> ModelCase:
     return ModelCase(layers, ("x", ), (6, ), 3, parts)
 
 
+def tied_head(module, x):
+    """The output projection of a language model tied to its embedding: ``x @ E`` with ``E`` the
+    embedding's weight (``nn.Linear(V, D).weight``, ``D x V``), logits over the ``V`` input classes."""
+    return x @ module.weight
+
+
+def tied_lm() -> ModelCase:
+    """A language model's tie: the first layer (the embedding, ``V -> D``) and the last (the head,
+    ``D -> V``, its transpose) are one DeepSpeed ``TiedLayerSpec`` key, as Megatron ties its
+    embedding and output layer. At 4 stages they sit on stages 0 and 3: one rank under a V fold,
+    two ranks under a looped one."""
+    V = 6
+    layers = [TiedLayerSpec("embed", nn.Linear, V, D, bias=False),     # layer0
+              *(LayerSpec(Block, D) for _ in range(4)),                # layer1..layer4
+              TiedLayerSpec("embed", nn.Linear, V, D, bias=False, forward_fn=tied_head)]   # layer5
+    parts = {4: {"layer0": 0, "layer1": 0, "layer2": 1, "layer3": 2, "layer4": 3, "layer5": 3}}
+    return ModelCase(layers, ("input", ), (V, ), V, parts)
+
+
 def glue() -> ModelCase:
     """Two branches joined by glue (an Add, then two Concats of skips): at 4 stages every partition
     method puts the glue on a stage of its own, a stage without parameters."""
@@ -247,7 +266,8 @@ class _Models(dict):
 MODELS: dict[str, Callable[[], ModelCase]] = _Models({
     "chain": chain, "diamond": diamond, "four_branch": four_branch, "skip": skip, "skip_frozen": skip_frozen,
     "fanout3": fanout3,
-    "three_input": three_input, "late_input": late_input, "tied": tied, "varlen": varlen, "glue": glue, "glue_out": glue_out,
+    "three_input": three_input, "late_input": late_input, "tied": tied, "tied_lm": tied_lm, "varlen": varlen,
+    "glue": glue, "glue_out": glue_out,
 })
 
 

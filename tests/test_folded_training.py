@@ -9,7 +9,8 @@ final parameter, each parameter living on exactly one rank of each replica.
 
 Schedules: ``"interleaved"`` (Megatron's interleaved 1F1B, looped placement, fused backward),
 ``"zbv"`` (ZB-V: the V placement, split backward) and ``"dualpipev"`` (DualPipeV's pairs), on a chain and on DAGs (a skip edge, a fan-out
-into a fan-in), with data-parallel replicas (pipe 2 x data 2).
+into a fan-in), with data-parallel replicas (pipe 2 x data 2). Also: tied layers whose stages share a rank or not,
+and fp16 against the one-stage-per-rank fp16 engine (DeepSpeed's own on the chain).
 """
 
 import pytest
@@ -73,7 +74,8 @@ def _check(out, c, world, *, rel=1e-5):
         assert res["schedule"] == c["schedule"]
         assert res["losses"] == pytest.approx(ref.losses, rel=rel), f"rank {r}"
         assert res["eval"] == pytest.approx(ref.eval_loss, rel=rel), f"rank {r}"
-        if c["schedule"] == "zbv" and not c.get("checkpoint"):   # a V always joins two stages on a rank
+        # a V joins two stages on a rank (not in tied, whose stages 1 and 2, the rank's pair, are parallel)
+        if c["schedule"] == "zbv" and not c.get("checkpoint") and c["model"] != "tied":
             assert any({"HAND_F", "HAND_B"} <= set(x["ran"]) for x in ranks), "the hand-overs ran as actions"
         if c.get("ckpt_interval"):
             assert res["ckpt_interval"] == c["ckpt_interval"], f"rank {r}"
@@ -99,7 +101,8 @@ def _check(out, c, world, *, rel=1e-5):
     for res in ranks:
         names = set(res["state"])
         where = (res["dp"], res["shard"])   # a replica, and a rank's row shard under per-stage degrees
-        assert not names & per_replica.get(where, set()), "a parameter lives on one rank of a replica"
+        owned = {n for n in names if not n.startswith("tied.")}   # a tie has a copy on each rank of its stages
+        assert not owned & per_replica.get(where, set()), "a parameter lives on one rank of a replica"
         per_replica.setdefault(where, set()).update(names)
         for name, value in res["state"].items():
             torch.testing.assert_close(value, ref.state[name], rtol=1e-5, atol=1e-6, msg=name)
@@ -135,6 +138,100 @@ def test_a_folded_schedule_in_bf16_tracks_the_fp32_single_device_model(run_cases
     _check(run_cases("fold_bf16_w2", 2, BF16, timeout=900, env=STRICT), c, 2, rel=3e-2)
 
 
+# -- tied weights (DeepSpeed's TiedLayerSpec) under a fold -----------------------------------------
+
+# tied_lm: a language model's embedding and head tied, on stages 0 and 3: on one rank under the V
+# (zbv, dualpipev), which builds the tie once so both stages use one parameter whose gradient sums in
+# autograd; on ranks 0 and 1 under the looped fold, whose copies are summed by REDUCE_TIED. tied: the
+# tie on two parallel branches (stages 1 and 2), one rank under the V, two under the looped fold.
+# clip=0.05 clips every step: the gradient norm counts the tie once.
+TIED_LM = {"partition": "explicit"}
+TIED_W2 = [case("tied_lm", 4, 0, "zbv", fold="v", **TIED_LM),
+           case("tied_lm", 4, 1, "dualpipev", fold="v", clip=0.05, **TIED_LM),
+           case("tied_lm", 4, 1, "interleaved", stages_per_rank=2, clip=0.05, **TIED_LM),
+           case("tied", 4, 0, "zbv", fold="v"),
+           case("tied", 4, 1, "interleaved", stages_per_rank=2)]
+TIED_W4 = [case("tied_lm", 4, 1, "zbv", fold="v", clip=0.05, tag="-dp2", **TIED_LM),
+           case("tied_lm", 4, 2, "zbv", fold="v", tag="-dp2", **TIED_LM),
+           case("tied_lm", 4, 2, "interleaved", stages_per_rank=2, clip=0.05, tag="-dp2", **TIED_LM)]
+
+
+def _check_tie(out, c, world):
+    """Where both tied stages share a rank, they use one parameter of the rank's module; elsewhere
+    each rank holds one copy, used by its own stage."""
+    key, tied = ("embed", (0, 3)) if c["model"] == "tied_lm" else ("shared", (1, 2))
+    holders = 0
+    for r in range(world):
+        res = torch.load(out / f"{c['id']}.rank{r}.pt")
+        mine = [s for s in tied if s in res["rank_stages"]]
+        assert (key in res["ties"]) == bool(mine), f"rank {r} builds the tie only if it holds a tied stage"
+        if not mine:
+            continue
+        holders += len(mine) > 1
+        tie = res["ties"][key]
+        assert tie["params"] == tie["in_module"] == 1, f"rank {r}: the tie is one parameter on the rank"
+        assert tie["stages"] == mine, f"rank {r}: each tied stage of the rank uses that parameter"
+    same_rank = c.get("fold") == "v"   # the V puts stages 0 and 3 on one rank, and 1 and 2 on another
+    assert holders == (world // 2 if same_rank else 0), "ranks whose two stages share the tie"
+
+
+@pytest.mark.parametrize("c", TIED_W2, ids=[c["id"] for c in TIED_W2])
+def test_tied_weights_under_a_fold_train_like_one_device(run_cases, c):
+    out = run_cases("fold_tied_w2", 2, TIED_W2, timeout=900, env=STRICT)
+    _check(out, c, 2)
+    _check_tie(out, c, 2)
+
+
+@pytest.mark.parametrize("c", TIED_W4, ids=[c["id"] for c in TIED_W4])
+def test_tied_weights_under_a_fold_with_replicas_and_zero_train_like_one_device(run_cases, c):
+    out = run_cases("fold_tied_w4", 4, TIED_W4, timeout=900, env=STRICT)
+    _check(out, c, 4)
+    _check_tie(out, c, 4)
+
+
+# -- fp16 (DeepSpeed's loss scaler) under a fold ---------------------------------------------------
+
+# 5 steps of a dynamic loss scale that doubles every 2 (tests/workers/train_cases.py), each folded run
+# against a one-stage-per-rank fp16 run of the same model: DeepSpeed's own PipelineEngine on the chain,
+# ours on the DAG. fp16 follows DeepSpeed's engine, not the fp32 model: under ZeRO-0 DeepSpeed
+# 0.19.8's engine.backward does not scale the loss for its FP16_UnfusedOptimizer, whose step still
+# divides by the scale (an update lr / scale; its own PipelineEngine does the same).
+def _fp16(c, tag=""):
+    return {**c, "fp16": True, "steps": 5, "id": c["id"] + "-fp16" + tag}
+
+
+def _unfolded(model, zero, **extra):
+    return _fp16({**eq_case(model, 2, zero, **extra), "id": f"unfolded-{model}-z{zero}"})
+
+
+FP16_BASE = [_unfolded("chain", 0, deepspeed_module=True), _unfolded("chain", 1, deepspeed_module=True),
+             _unfolded("four_branch", 1, schedule="1f1b")]
+FP16 = [_fp16(case("chain", 4, 0, "zbv", fold="v")), _fp16(case("chain", 4, 1, "interleaved", stages_per_rank=2)),
+        _fp16(case("chain", 4, 2, "dualpipev", fold="v")), _fp16(case("four_branch", 4, 1, "zbv", fold="v"))]
+FP16_BASELINE = dict(zip([c["id"] for c in FP16], ["unfolded-chain-z0", "unfolded-chain-z1", "unfolded-chain-z1",
+                                                   "unfolded-four_branch-z1"]))
+
+
+@pytest.mark.parametrize("c", FP16, ids=[c["id"] for c in FP16])
+def test_a_folded_schedule_in_fp16_trains_like_the_one_stage_per_rank_fp16_engine(run_cases, c):
+    out = run_cases("fold_fp16_w2", 2, FP16 + FP16_BASE, timeout=900, env=STRICT)
+    ranks = [torch.load(out / f"{c['id']}.rank{r}.pt") for r in range(2)]
+    base = [torch.load(out / f"{FP16_BASELINE[c['id']]}-fp16.rank{r}.pt") for r in range(2)]
+    assert base[0]["loss_scale"] == 2**10, "the scale moved (2**8 doubled twice), so the test sees it move"
+    for r, res in enumerate(ranks):
+        assert res["optimizer"] == base[r]["optimizer"], f"rank {r}: DeepSpeed's fp16 optimizer of that ZeRO stage"
+        assert res["loss_scale"] == base[0]["loss_scale"], f"rank {r}"
+        assert res["losses"] == pytest.approx(base[0]["losses"], rel=1e-5), f"rank {r}"
+        assert res["eval"] == pytest.approx(base[0]["eval"], rel=1e-5), f"rank {r}"
+        assert res["strict_p2p"]["single_ops"] == 0, f"rank {r}: strict transport"
+    if "state" in base[0]:   # ours unfolded: every parameter, in fp16
+        theirs = {k: v for res in base for k, v in res["state"].items()}
+        mine = {k: v for res in ranks for k, v in res["state"].items()}
+        assert mine.keys() == theirs.keys()
+        for name, value in mine.items():
+            torch.testing.assert_close(value, theirs[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
 # -- checkpoints: each rank saves and loads its own stages' layers --------------------------------
 
 # Save after 2 steps, train 2 more; rebuild, load, train the same 2: both runs must agree. The
@@ -145,9 +242,19 @@ CKPT = [case("chain", 4, 0, "interleaved", stages_per_rank=2, optimizer="adam", 
              resume_as={"stages": 2, "schedule": "1f1b", "fold": None, "partition": "uniform"})]
 
 
-@pytest.mark.parametrize("c", CKPT, ids=[c["id"] for c in CKPT])
+# A V's tie on one rank (the embedding and head of tied_lm): both layer files hold the one parameter;
+# resumed in the V, and moved to one stage per rank (the tie on two ranks, synchronised at load).
+CKPT_TIED = [case("tied_lm", 4, 1, "zbv", fold="v", optimizer="adam", lr=0.01, tag="-ckpt", checkpoint=True,
+                  **TIED_LM),
+             case("tied_lm", 4, 0, "dualpipev", fold="v", optimizer="adam", lr=0.01, tag="-ckpt-moved",
+                  checkpoint=True, resume_as={"stages": 2, "schedule": "1f1b", "fold": None, "partition": "uniform"},
+                  **TIED_LM)]
+
+
+@pytest.mark.parametrize("c", CKPT + CKPT_TIED, ids=[c["id"] for c in CKPT + CKPT_TIED])
 def test_a_folded_checkpoint_resumes_like_an_uninterrupted_run(run_cases, c):
-    out = run_cases("fold_ckpt_w2", 2, CKPT, timeout=900, env=STRICT)
+    out = run_cases("fold_ckpt_w2", 2, CKPT, timeout=900, env=STRICT) if c in CKPT else \
+        run_cases("fold_tied_ckpt_w2", 2, CKPT_TIED, timeout=900, env=STRICT)
     ref = train_reference(c, dp=1, steps=range(4))
     for r in range(2):
         res = torch.load(out / f"{c['id']}.rank{r}.pt")

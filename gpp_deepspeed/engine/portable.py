@@ -72,11 +72,15 @@ def _torch_optimizer(engine) -> torch.optim.Optimizer | None:
 
 
 def local_layers(engine):
-    """``(name, layer module)`` of every layer this stage builds (glue without parameters included)."""
+    """``(name, layer module)`` of every layer this stage builds (glue without parameters included);
+    a tied layer's module is its tie's, also where DeepSpeed's ``_build`` made the layer a function
+    of it (a ``forward_fn``: a language model's head), so a rank that holds a tie through such a
+    layer alone saves and loads the tie's optimizer state too."""
     module = engine.module
     for entry, fn in zip(module._local_entries, module.forward_funcs):
-        if isinstance(fn, torch.nn.Module):
-            yield entry.name, fn
+        layer = module.tied_modules[entry.tie_key] if entry.tie_key is not None else fn
+        if isinstance(layer, torch.nn.Module):
+            yield entry.name, layer
 
 
 def save_checkpoint(engine, save_dir: str, tag: str, *, save_latest: bool, ds_save) -> bool:

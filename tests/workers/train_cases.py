@@ -198,12 +198,25 @@ def run_case(case, out, rank, world_size):
         if isinstance(module, GraphPipelineModule):
             with engine.gathered_parameters():   # ZeRO-3 partitions them
                 result["state"] = {k: v.detach().float().clone() for k, v in module.graph_state_dict().items()}
+            result["ties"], result["rank_stages"] = tie_users(module), list(module.stages)
     if case.get("fp16"):
         result["loss_scale"] = float(engine.optimizer.loss_scale)
     if hasattr(engine, "weight_version_memory"):
         result["weight_versions"] = engine.weight_version_memory()
     result["strict_p2p"] = strict_p2p.stats()
     torch.save(result, out / f"{case['id']}.rank{rank}.pt")
+
+
+def tie_users(module) -> dict:
+    """For each tied key this rank holds: which of its stages use the tie's weights and how many
+    parameters the tie has here (a rank holding two stages of one tie builds it once, so both use
+    the same parameters)."""
+    out = {}
+    for key, tied in module.tied_modules.items():
+        own = {id(p) for p in tied.parameters()}
+        out[key] = {"stages": [s for s in module.stages if own & {id(p) for p in module.stage_parameters(s)}],
+                    "params": len(own), "in_module": sum(id(p) in own for p in module.parameters())}
+    return out
 
 
 def allow_fp16_on_this_cpu() -> None:
