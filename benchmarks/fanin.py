@@ -35,7 +35,9 @@ from pathlib import Path
 import peers
 
 ROOT = Path(__file__).resolve().parent.parent
-VARIANTS = ("fanin", "chain")
+# Each also with its receives completed in place (graph_pipeline.early_receives false), the
+# transport before lowering.post_early: posted as their message is sent, waited for at their use.
+VARIANTS = ("fanin", "chain", "fanin" + peers.IN_PLACE_SUFFIX, "chain" + peers.IN_PLACE_SUFFIX)
 
 
 def topology(name: str, branches: int) -> str:
@@ -52,7 +54,8 @@ def build(name: str, branches: int, unit):
     import gpp_deepspeed
     from gpp_deepspeed import GraphLayerSpec, GraphPipelineModule
 
-    key = topology(name, branches)
+    schedule, early = peers.variant(name)   # the topology's name, and whether receives go early
+    key = topology(schedule, branches)
     rows = peers.layer_rows(key)
     inputs = len(peers.TOPOLOGIES[key][0])
     gen = torch.Generator().manual_seed(0)
@@ -63,7 +66,7 @@ def build(name: str, branches: int, unit):
     module = GraphPipelineModule(layers, input_names=[f"x{b}" for b in range(inputs)], num_stages=len(rows),
                                  loss_fn=nn.MSELoss(), partition_method={r["name"]: i for i, r in enumerate(rows)})
     cfg = peers._ds_config() | {"graph_pipeline": {"schedule": "1f1b", "print_stage_graph": False,
-                                                    "print_idle_fractions": False}}
+                                                    "print_idle_fractions": False, "early_receives": early}}
     engine, *_ = gpp_deepspeed.initialize(model=module, model_parameters=list(module.parameters()), config=cfg)
     return (lambda: engine.train_batch(data_iter=iter(data))), engine
 
@@ -72,10 +75,12 @@ def stage_costs(engine) -> dict:
     """The output stage's transfers in the last batch, split by what they waited for, from every
     rank's timeline (``time.perf_counter`` is the machine's monotonic clock, one for all ranks).
 
-    For each transfer action of the output stage that receives activations, ``ready`` is when the
-    last of its senders posted the matching send (the start of the sender's action that holds it:
-    sends are posted first). Its time before ``ready`` is waiting for a peer (the schedule and the
-    peers' speed), its time after is the transport's own work once every message could flow.
+    For each action of the output stage that completes activation receives (a transfer action
+    receiving them in place, or the ``WAIT_F`` of receives posted early), ``ready`` is when the last
+    of its senders posted the matching send (the start of the sender's action that holds it: sends
+    are posted first). Its time before ``ready`` is waiting for a peer (the schedule and the peers'
+    speed), its time after is the transport's own work once every message could flow (for a wait,
+    what is left of it: the rest overlapped the compute before). Transfer time counts the waits.
     Collective: every rank calls it."""
     import torch
 
@@ -95,20 +100,23 @@ def stage_costs(engine) -> dict:
                     posted[(stage, op.mb_idx)] = t0
     waiting = working = 0.0
     messages = groups = 0
+    waited = {a.completion for a, _, _ in mine if a.kind.spec.completes}
+    senders = engine.stage_graph.preds(out_stage)
     for a, t0, t1 in mine:
-        recvs = [op for op in a.transfers if op.kind is K.RECV_F]
+        recvs = ([(op.peer, op.mb_idx) for op in a.transfers if op.kind is K.RECV_F and op.completion not in waited]
+                 if a.kind.is_transfer else [(p, a.mb_idx) for p in senders] if a.kind is K.WAIT_F else [])
         if not recvs:
             continue
-        ready = max(posted[(op.peer, op.mb_idx)] for op in recvs)
+        ready = max(posted[key] for key in recvs)
         waiting += min(max(ready - t0, 0.0), t1 - t0)
         working += t1 - max(ready, t0)
-        messages += len(a.transfers)
+        messages += len(recvs) if a.kind is K.WAIT_F else len(a.transfers)
         groups += 1
-    transfers = [(a, t0, t1) for a, t0, t1 in mine if a.kind.is_transfer]
+    transfers = [(a, t0, t1) for a, t0, t1 in mine if a.kind.is_transfer or a.kind.spec.completes]
     return {"stage": engine.stage_id, "wall": mine[-1][2] - mine[0][1],
             "transfer_s": sum(t1 - t0 for _, t0, t1 in transfers), "waiting_s": waiting, "working_s": working,
             "recv_groups": groups, "recv_group_messages": messages,
-            "messages": sum(len(a.transfers) for a, _, _ in transfers), "actions": len(mine)}
+            "messages": sum(len(a.transfers) for a, _, _ in transfers if a.kind.is_transfer), "actions": len(mine)}
 
 
 def worker(branches: int, rounds: int, out: str, profile: bool = False) -> None:
@@ -151,7 +159,8 @@ def worker(branches: int, rounds: int, out: str, profile: bool = False) -> None:
     for name, (_, engine) in built.items():
         gathered = [None] * torch.distributed.get_world_size()
         torch.distributed.all_gather_object(gathered, costs[name][1:] or costs[name])
-        results[name] = {"times": times[name], "predicted": peers.predicted(engine.stage_graph, "1f1b"),
+        suffix = name[len(peers.variant(name)[0]):]   # the variant's receives, on the schedule it runs
+        results[name] = {"times": times[name], "predicted": peers.predicted(engine, "1f1b" + suffix),
                          "depth": engine.stage_graph.pipeline_depth, "costs": gathered,
                          "output_stage": engine.stage_graph.num_stages - 1}
     if torch.distributed.get_rank() == 0:
@@ -235,7 +244,11 @@ def write_section() -> None:
              "actions is split by the timelines of every rank: before the last sender had posted the matching send "
              "(waiting for a peer: what coupling to the slowest branch would cost), and after (the transport's own "
              "work, per message of the receiving actions). `--strict` runs it under `tests/strict_p2p.py` (NCCL's "
-             "semantics). The machine was shared with other jobs (load averages in the run column).", ""]
+             "semantics). The machine was shared with other jobs (load averages in the run column). Since issue 28's "
+             "early receives, each variant also runs with its receives completed in place (`early_receives` false, "
+             "the transport before); with receives posted early, the output stage's transfer time counts its waits "
+             "(`WAIT_F`), and a wait's time after every send was posted is what was left of the messages once the "
+             "compute before it ended.", ""]
     for path in sorted((ROOT / "benchmarks" / "results").glob("fanin_*.json")):
         branches = int(path.stem.split("_")[1])
         for label, run in json.loads(path.read_text()).items():
