@@ -46,6 +46,10 @@ DAGS = [case("skip", 4, 0, "zbv", fold="v"),
 DAGS += [case("chain", 4, 0, "dualpipev", fold="v"),
          case("four_branch", 4, 1, "dualpipev", fold="v"),
          case("four_branch", 4, 0, "zbv", fold=[0, 1, 0, 1], tag="-pairs")]
+# Glue stages (no parameters: nothing to differentiate on the stage itself, gradients still pass
+# through), a glue stage sharing a rank with a trained one in a V, and a glue loss stage.
+DAGS += [case("glue", 4, 0, "zbv", fold="v", tag="-glue"),
+         case("glue_out", 4, 0, "dualpipev", fold="v", tag="-glue")]
 W2 = CHAINS + DAGS
 W4 = [case("chain", 4, 1, "interleaved", stages_per_rank=2, tag="-dp2"),
       case("skip", 4, 0, "zbv", fold="v", tag="-dp2"),
