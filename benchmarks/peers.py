@@ -6,7 +6,7 @@ Issue 28's benchmark. One launch of 8 gloo ranks per topology trains the same sl
   (``1f1b``, ``zb1``, ``zb2``) on :class:`GraphPipelineModule` + ``gpp_deepspeed.initialize``, and
   the folded schedules (``interleaved``, ``zbv``, ``dualpipev``) on the DAG of 16 half-layer stages,
   two per rank, on the fold GraphPipe's fold search picks for each
-  (:func:`~gpp_deepspeed.schedule.virtual.search_fold`, priced with the same sleeps);
+  (:func:`~gpp_deepspeed.planner.fold_search.search_fold`, priced with the same sleeps);
 * torch 2.13: the layers as a chain of ``PipelineStage`` s for every schedule of
   ``torch.distributed.pipelining.schedules.get_schedule_class``. The single-stage ones
   (``GPipe``, ``1F1B``) get one layer per rank; the multi-stage ones (``Interleaved1F1B``,
@@ -166,7 +166,7 @@ def sleeps(stage_graph, fraction: float):
 
 def searched_fold(topology: str, name: str):
     """The fold GraphPipe's fold search picks for folded schedule ``name`` (same on every rank)."""
-    from gpp_deepspeed.schedule.virtual import search_fold
+    from gpp_deepspeed.planner.fold_search import search_fold
 
     graph = half_stage_graph(topology)
     return search_fold(graph, M, num_ranks=RANKS, duration=sleeps(graph, 0.5), schedules=(name, ),

@@ -167,7 +167,8 @@ def test_a_folded_program_with_a_hand_over_out_of_order_or_a_release_missing_is_
 def test_the_fold_search_finds_what_a_brute_force_over_every_map_of_stages_to_ranks_finds(seed):
     import itertools
 
-    from gpp_deepspeed.schedule.virtual import dualpipev_orders, interleaved_1f1b, search_fold
+    from gpp_deepspeed.planner.fold_search import search_fold
+    from gpp_deepspeed.schedule.virtual import dualpipev_orders, interleaved_1f1b
 
     rng = random.Random(seed)
     graph = _random_dag(rng, rng.randint(3, 6)) if seed else StageGraph.chain(6)
@@ -320,7 +321,7 @@ def test_interleaved_1f1b_never_pairs_a_backward_with_a_forward_run_before_its_o
 
 def test_the_fold_search_beyond_brute_force_is_no_worse_than_the_looped_and_v_folds():
     # 10 stages on 5 ranks: 945 groupings, over the brute-force limit, so the local search runs.
-    from gpp_deepspeed.schedule.virtual import _BRUTE_FORCE_LIMIT, _groupings, search_fold
+    from gpp_deepspeed.planner.fold_search import _BRUTE_FORCE_LIMIT, _groupings, search_fold
 
     graph = StageGraph.chain(10)
     assert sum(1 for _ in _groupings(10, 5, 2)) > _BRUTE_FORCE_LIMIT

@@ -5,7 +5,7 @@ DP and bottleneck bisection as an unfolded plan, Sec. 5, on ``k R`` virtual devi
 them on ``R`` ranks: which stages share a rank (a V pairing an early stage with a late one,
 looped, or two branches of the DAG on one rank) and the schedule the ranks run
 (:data:`~gpp_deepspeed.schedule.virtual.FOLDED_SCHEDULES`) are chosen by
-:func:`~gpp_deepspeed.schedule.virtual.search_fold`, which prices every fold with the simulator on
+:func:`~.fold_search.search_fold`, which prices every fold with the simulator on
 the stage costs of the cost model and keeps each rank's memory (its stages' weight state plus the
 activations it holds at its peak) within the device's. The fold is a step after the DP rather than
 inside it: the DP's value (a source stage's in-flight count under a per-stage bottleneck) does not
@@ -32,8 +32,9 @@ import time
 from typing import Callable, Sequence
 
 from ..errors import ScheduleError
-from ..schedule.virtual import FOLDED_SCHEDULES, Fold, search_fold
+from ..schedule.virtual import FOLDED_SCHEDULES, Fold
 from .costs import CostDB, StageCostModel, micro_batch_sizes
+from .fold_search import search_fold
 from .plan import Plan, SearchResult
 from .search import _REL_TOL, _plan, bottleneck_search
 from .simulate import action_duration, priced_stages, simulate_folded
@@ -45,7 +46,7 @@ __all__ = ["fold_plan", "fold_search"]
 def fold_plan(plan: Plan, db: CostDB, *, num_ranks: int, schedules: Sequence[str] = tuple(FOLDED_SCHEDULES),
               max_stages_per_rank: int = 2) -> Plan:
     """``plan``'s single-device stages placed on ``num_ranks`` ranks: the fold and schedule
-    :func:`~gpp_deepspeed.schedule.virtual.search_fold` finds fastest within the device's memory
+    :func:`~.fold_search.search_fold` finds fastest within the device's memory
     on the stages' costs, predicted (:func:`~gpp_deepspeed.planner.simulate.simulate_folded`). Raises
     :class:`~gpp_deepspeed.errors.ScheduleError` when no fold fits."""
     start = dataclasses.replace(plan, fold=Fold.looped(num_stages=plan.num_stages, num_ranks=num_ranks).rank_of,
