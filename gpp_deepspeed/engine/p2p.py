@@ -311,12 +311,13 @@ class EdgeTransport:
         self._pending += [(w, [op.tensor for op in ops[:num_sends]]) for w in works]
         return [list(works) for _ in recvs]
 
-    def finish(self, recvs: list[Incoming], requests: list[list]) -> None:
+    def finish(self, recvs: list[Incoming], requests: list[list], *, stage: int | None = None) -> None:
         """Wait until every message of ``recvs`` is in its buffers (``requests``: what
-        :meth:`start` gave for them)."""
+        :meth:`start` gave for them); ``stage``: the rank's stage that receives them (default the
+        transport's), which a timeout names."""
         for m, works in zip(recvs, requests):
             for work in works:
-                self._wait(work, m.peer, m.rank)
+                self._wait(work, m.peer, m.rank, stage=stage)
 
     def broadcast(self, buffers: list[torch.Tensor], *, src: int, group) -> None:
         """Broadcast ``buffers`` from global rank ``src`` over ``group`` (a stage's TP group: the
@@ -326,11 +327,12 @@ class EdgeTransport:
             work = dist.broadcast(b, src=src, group=group, async_op=True)
             self._wait(work, self.stage, src)
 
-    def _wait(self, work, peer: int, rank: int) -> None:
+    def _wait(self, work, peer: int, rank: int, *, stage: int | None = None) -> None:
         try:
             work.wait(timeout=self.timeout)
         except RuntimeError as exc:
-            raise GPPError(f"stage {self.stage} waited for stage {peer} (global rank {rank}), which sent "
+            me = self.stage if stage is None else stage
+            raise GPPError(f"stage {me} waited for stage {peer} (global rank {rank}), which sent "
                            f"nothing (the wait ends after graph_pipeline.p2p_timeout_s = "
                            f"{self.timeout.total_seconds():g} s, or when the peer disconnects); that rank has "
                            f"probably failed: see its log. gloo said: {exc}") from exc

@@ -150,7 +150,7 @@ class RankStages:
             self._complete(stage, mine, requests, stores)
 
     def _complete(self, stage: int, mine: list, requests: list, stores: list) -> None:
-        self.transport.finish(mine, requests)
+        self.transport.finish(mine, requests, stage=stage)   # a timeout names the stage that waited
         transfers = self.rooms[stage].transfers
         transfers.broadcast(stores)   # under TP: to the leader's TP peers
         StageTransfers.store(stores)
