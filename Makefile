@@ -31,7 +31,7 @@ demo: setup
 	$(VENV)/bin/deepspeed --num_gpus 4 examples/multimodal_demo.py --deepspeed_config configs/example.json
 
 test: setup
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=20 tests   # ends with the 20 slowest: where the suite's time goes
 
 bench: setup
 	$(PY) benchmarks/step_time.py
