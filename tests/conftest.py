@@ -1,10 +1,19 @@
 import json
+import os
 import sys
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+# One ninja for every build of DeepSpeed's CPU ops. torch runs the first ``ninja`` on PATH; the
+# launcher tests (deepspeed, torchrun, mpiexec) put this interpreter's bin first, where pip put the
+# ninja DeepSpeed depends on (1.13 here), while ranks started by tests/dist.py used the system's
+# (1.11 here). The two hash a command differently in ``.ninja_log``, so each took the other's build
+# for a changed command and rebuilt the shm all-reduce op (30-60 s, every rank of the launch waiting)
+# at every switch between the two kinds of test: several minutes of a suite run.
+os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
 
 from dist import launch  # noqa: E402
 
