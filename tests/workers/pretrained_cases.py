@@ -182,15 +182,12 @@ def run_bad(out: Path, rank: int) -> None:
 
 def main():
     import deepspeed
+    from dist import runs
     deepspeed.init_distributed(dist_backend="gloo")
     rank = torch.distributed.get_rank()
-    runs = {"init": run_init, "bad": run_bad, "peft": run_peft, "roundtrip": run_roundtrip}
-    args = sys.argv[1:]
-    while args:
-        job = args[:args.index("+")] if "+" in args else args
-        args = args[len(job) + 1:]
-        mode, *paths = job
-        runs[mode](*map(Path, paths), rank)
+    modes = {"init": run_init, "bad": run_bad, "peft": run_peft, "roundtrip": run_roundtrip}
+    for mode, *paths in runs(sys.argv[1:]):
+        modes[mode](*map(Path, paths), rank)
         torch.distributed.barrier()
     torch.distributed.destroy_process_group()
 
