@@ -13,6 +13,8 @@ export OMP_NUM_THREADS ?= 1
 # gpp_deepspeed/engine/startup.py). Each virtual environment keeps its own build, so two clones on
 # one machine never rebuild each other's ops (minutes each); set TORCH_EXTENSIONS_DIR to share one.
 export TORCH_EXTENSIONS_DIR ?= $(abspath $(VENV))/torch_extensions
+# The ops are built by the venv's ninja, as the tests build them (tests/conftest.py says why).
+export PATH := $(abspath $(VENV))/bin:$(PATH)
 OPS_BUILT := $(TORCH_EXTENSIONS_DIR)/.gpp-ops-built
 
 setup: $(VENV)/.installed $(OPS_BUILT)
@@ -31,7 +33,7 @@ demo: setup
 	$(VENV)/bin/deepspeed --num_gpus 4 examples/multimodal_demo.py --deepspeed_config configs/example.json
 
 test: setup
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=20 tests   # ends with the 20 slowest: where the suite's time goes
 
 bench: setup
 	$(PY) benchmarks/step_time.py

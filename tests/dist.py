@@ -73,6 +73,19 @@ def remove_shm(port: int, master_addr: str = "127.0.0.1") -> list[str]:
     return [p.name for p in left]
 
 
+def runs(argv: list[str]) -> list[list[str]]:
+    """A worker's command line of several runs joined by ``+``, run one after the other by the same
+    ranks (a launch pays each rank's start of torch and DeepSpeed once for all of them):
+    ``["init", "A", "+", "roundtrip", "B", "C"]`` -> ``[["init", "A"], ["roundtrip", "B", "C"]]``."""
+    out = [[]]
+    for arg in argv:
+        if arg == "+":
+            out.append([])
+        else:
+            out[-1].append(arg)
+    return out
+
+
 def launch(world_size: int, script: str | Path, *args: str, timeout: float = 300, log_dir: Path,
            kill_on_failure: bool = True, wait_for: set[int] | None = None, env: dict[str, str] | None = None) -> Result:
     """Run ``script`` on ``world_size`` local ranks; kill all of them on a failure or at ``timeout``.

@@ -61,6 +61,16 @@ def eval_batch():
     return batches(100)
 
 
+def save_llama(directory, *, shard: str | None = None, seed: int = 0, **overrides) -> nn.Module:
+    """A seeded tiny Llama (``config(**overrides)``), saved to ``directory`` by ``save_pretrained``
+    (in shards of at most ``shard``, e.g. ``"20KB"``, when given); returns the model."""
+    from transformers import LlamaForCausalLM
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config(**overrides))
+    model.save_pretrained(directory, **({"max_shard_size": shard} if shard else {}))
+    return model
+
+
 def capture_llama(*, meta: bool, config_dir=None, **overrides):
     """The captured LM: built on the meta device (nothing allocated) or seeded on CPU; its config
     from ``config_dir`` (a Hugging Face directory) when given."""

@@ -12,15 +12,15 @@ pytestmark = pytest.mark.dist
 WORKER = ROOT / "tests" / "workers" / "device_profile.py"
 
 
-def _run(tmp_path, mode: str) -> list[dict]:
-    out = tmp_path / mode
-    res = launch(2, WORKER, str(out), mode, timeout=300, log_dir=tmp_path / f"logs_{mode}")
+def _run(tmp_path, *modes: str) -> list[list[dict]]:
+    """Each mode's output of every rank, the modes run one after the other in one launch."""
+    res = launch(2, WORKER, str(tmp_path), *modes, timeout=300, log_dir=tmp_path / "logs")
     assert res.ok, res.report()
-    return [json.loads((tmp_path / f"{mode}.rank{r}").read_text()) for r in range(2)]
+    return [[json.loads((tmp_path / f"{mode}.rank{r}").read_text()) for r in range(2)] for mode in modes]
 
 
 def test_graphpipe_plans_from_layers_timed_at_start_up_and_every_rank_agrees(tmp_path):
-    profiled, proxy = _run(tmp_path, "profiled"), _run(tmp_path, "proxy")
+    profiled, proxy = _run(tmp_path, "profiled", "proxy")
     # every rank planned from the same numbers, so every rank has the same partition
     assert profiled[0] == profiled[1] and proxy[0]["stage_of"] == proxy[1]["stage_of"]
     db = CostDB.from_json(profiled[0]["costs"])

@@ -76,29 +76,34 @@ def _single_device_losses():
     return losses
 
 
-def _run(mode, world, tmp_path):
-    result = launch(world, WORKER, mode, str(tmp_path), timeout=240, log_dir=tmp_path / f"logs_{mode}")
-    assert result.ok, result.report()
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """``run(mode, world)``: the folder the worker wrote ``<mode>.pt`` to, each mode launched once
+    per module (DeepSpeed's run serves two tests)."""
+    out, done = tmp_path_factory.mktemp("dualpipev"), {}
+
+    def go(mode, world):
+        if mode not in done:
+            done[mode] = launch(world, WORKER, mode, str(out), timeout=240, log_dir=out / f"logs_{mode}")
+        assert done[mode].ok, done[mode].report()
+        return out
+    return go
 
 
-def test_deepspeeds_dualpipev_engine_trains_like_one_device(tmp_path):
-    _run("deepspeed", 2, tmp_path)
-    theirs = torch.load(tmp_path / "deepspeed.pt")
+def test_deepspeeds_dualpipev_engine_trains_like_one_device(run):
+    theirs = torch.load(run("deepspeed", 2) / "deepspeed.pt")
     assert theirs["engine"] == "DualPipeVEngine"
     torch.testing.assert_close(theirs["losses"], _single_device_losses(), rtol=1e-5, atol=0)
 
 
-def test_the_converted_chain_computes_the_loss_of_the_dualpipev_modules_two_phases(tmp_path):
+def test_the_converted_chain_computes_the_loss_of_the_dualpipev_modules_two_phases(run):
     # One rank: DeepSpeed builds both stages there; the conversion hands over its built layers.
-    _run("single", 1, tmp_path)
-    single = torch.load(tmp_path / "single.pt")
+    single = torch.load(run("single", 1) / "single.pt")
     assert single["converted"] == single["deepspeed"]
     assert single["fold"] == (0, 0) and set(single["stage_of"].values()) == {0, 1} and all(single["built"])
 
 
-def test_our_engine_trains_a_dualpipev_module_with_deepspeeds_losses(tmp_path):
-    _run("deepspeed", 2, tmp_path)
-    _run("ours", 2, tmp_path)
-    ours, theirs = torch.load(tmp_path / "ours.pt"), torch.load(tmp_path / "deepspeed.pt")
+def test_our_engine_trains_a_dualpipev_module_with_deepspeeds_losses(run):
+    ours, theirs = torch.load(run("ours", 2) / "ours.pt"), torch.load(run("deepspeed", 2) / "deepspeed.pt")
     assert ours["engine"] == "GraphPipelineEngine"
     torch.testing.assert_close(ours["losses"], theirs["losses"], rtol=1e-5, atol=0)

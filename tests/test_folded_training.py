@@ -115,13 +115,18 @@ def _check(out, c, world, *, rel=1e-5):
         assert seen == set(ref.state), "every parameter is trained in every replica"
 
 
+def _w2(run_cases):
+    """The two-rank cases (W2, BF16, checkpoints, tied layers) in one launch: one start of the ranks for all."""
+    return run_cases("fold_w2", 2, W2 + BF16 + CKPT + CKPT_TIED + TIED_W2, timeout=900, env=STRICT)
+
+
 @pytest.mark.parametrize("c", W2, ids=[c["id"] for c in W2])
 def test_a_folded_schedule_on_two_ranks_trains_like_one_device_under_the_strict_transport(run_cases, c):
-    _check(run_cases("fold_w2", 2, W2, timeout=900, env=STRICT), c, 2)
+    _check(_w2(run_cases), c, 2)
 
 
 def test_the_memory_report_names_every_stage_a_rank_holds(run_cases):
-    log = (run_cases("fold_w2", 2, W2, timeout=900, env=STRICT) / "logs" / "rank0.log").read_text()
+    log = (_w2(run_cases) / "logs" / "rank0.log").read_text()
     assert "stages 0+2 (rank 0)" in log and "stages 1+3 (rank 1)" in log      # interleaved: looped
     assert "stages 0+3 (rank 0)" in log and "stages 1+2 (rank 1)" in log      # zbv: the V
 
@@ -139,7 +144,7 @@ def test_a_folded_schedule_with_per_stage_degrees_trains_like_one_device(run_cas
 @pytest.mark.parametrize("c", BF16, ids=[c["id"] for c in BF16])
 def test_a_folded_schedule_in_bf16_tracks_the_fp32_single_device_model(run_cases, c):
     # bf16 keeps 8 mantissa bits: agreement to a few percent is what bf16 can promise.
-    _check(run_cases("fold_bf16_w2", 2, BF16, timeout=900, env=STRICT), c, 2, rel=3e-2)
+    _check(_w2(run_cases), c, 2, rel=3e-2)
 
 
 # -- tied weights (DeepSpeed's TiedLayerSpec) under a fold -----------------------------------------
@@ -181,7 +186,7 @@ def _check_tie(out, c, world):
 
 @pytest.mark.parametrize("c", TIED_W2, ids=[c["id"] for c in TIED_W2])
 def test_tied_weights_under_a_fold_train_like_one_device(run_cases, c):
-    out = run_cases("fold_tied_w2", 2, TIED_W2, timeout=900, env=STRICT)
+    out = _w2(run_cases)
     _check(out, c, 2)
     _check_tie(out, c, 2)
 
@@ -257,8 +262,7 @@ CKPT_TIED = [case("tied_lm", 4, 1, "zbv", fold="v", optimizer="adam", lr=0.01, t
 
 @pytest.mark.parametrize("c", CKPT + CKPT_TIED, ids=[c["id"] for c in CKPT + CKPT_TIED])
 def test_a_folded_checkpoint_resumes_like_an_uninterrupted_run(run_cases, c):
-    out = run_cases("fold_ckpt_w2", 2, CKPT, timeout=900, env=STRICT) if c in CKPT else \
-        run_cases("fold_tied_ckpt_w2", 2, CKPT_TIED, timeout=900, env=STRICT)
+    out = _w2(run_cases)
     ref = train_reference(c, dp=1, steps=range(4))
     for r in range(2):
         res = torch.load(out / f"{c['id']}.rank{r}.pt")

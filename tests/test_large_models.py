@@ -24,17 +24,7 @@ from gpp_deepspeed import load_pretrained  # noqa: E402
 from gpp_deepspeed.frontend import capture  # noqa: E402
 from gpp_deepspeed.errors import CheckpointError, GPPConfigError, GraphError  # noqa: E402
 from gpp_deepspeed.frontend.meta import is_meta  # noqa: E402
-from llama_tiny import LM, STAGES, batches, capture_llama, config, eval_batch, train_reference  # noqa: E402
-
-WORKER = Path(__file__).resolve().parent / "workers" / "pretrained_cases.py"
-
-
-def _save_llama(directory: Path, *, shard: str | None = None, seed: int = 0, **overrides) -> nn.Module:
-    from transformers import LlamaForCausalLM
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(config(**overrides))
-    model.save_pretrained(directory, **({"max_shard_size": shard} if shard else {}))
-    return model
+from llama_tiny import LM, STAGES, batches, capture_llama, config, eval_batch, save_llama, train_reference  # noqa: E402
 
 
 # -- the meta device ----------------------------------------------------------------------------
@@ -164,7 +154,7 @@ def test_module_state_dict_has_every_name_of_a_tied_tensor_so_t5_loads_strictly(
 @pytest.mark.parametrize("shard", [None, "20KB"])
 def test_a_meta_model_loaded_from_a_directory_computes_what_from_pretrained_computes(tmp_path, shard):
     from transformers import LlamaForCausalLM
-    _save_llama(tmp_path, shard=shard)
+    save_llama(tmp_path, shard=shard)
     assert (tmp_path / "model.safetensors.index.json").is_file() == (shard is not None)
     captured = load_pretrained(capture_llama(meta=True, config_dir=tmp_path), tmp_path)
     twin = captured.graph_model()
@@ -181,7 +171,7 @@ def test_loaded_weights_are_the_processs_own_so_overwriting_the_directory_leaves
     # safetensors hands out views of the file's mapping; a parameter never written (a frozen one)
     # would keep reading the file, and save_pretrained to the same path rewrites it.
     from safetensors.torch import load_file, save_file
-    _save_llama(tmp_path)
+    save_llama(tmp_path)
     twin = load_pretrained(capture_llama(meta=True, config_dir=tmp_path), tmp_path).graph_model()
     before = {k: v.clone() for k, v in twin.state_dict().items()}
     file = tmp_path / "model.safetensors"
@@ -191,14 +181,14 @@ def test_loaded_weights_are_the_processs_own_so_overwriting_the_directory_leaves
 
 
 def test_a_directory_whose_names_or_shapes_differ_is_refused_naming_the_first_few(tmp_path):
-    _save_llama(tmp_path / "wide", hidden_size=24, num_attention_heads=2, num_key_value_heads=1)
+    save_llama(tmp_path / "wide", hidden_size=24, num_attention_heads=2, num_key_value_heads=1)
     with pytest.raises(CheckpointError, match=r"other shapes: \['m.model.embed_tokens.weight: checkpoint "
                                               r"\[64, 24\], model \[64, 16\]'"):
         load_pretrained(capture_llama(meta=True), tmp_path / "wide")
-    _save_llama(tmp_path / "deep", num_hidden_layers=5)
+    save_llama(tmp_path / "deep", num_hidden_layers=5)
     with pytest.raises(CheckpointError, match=r"9 tensor\(s\) the model does not have: \['model.layers.4.*strict=False"):
         load_pretrained(capture_llama(meta=True), tmp_path / "deep")
-    _save_llama(tmp_path / "shallow", num_hidden_layers=3)
+    save_llama(tmp_path / "shallow", num_hidden_layers=3)
     with pytest.raises(CheckpointError, match=r"9 tensor\(s\) of the model missing: \['model.layers.3.self_attn"):
         load_pretrained(capture_llama(meta=True), tmp_path / "shallow")
     with pytest.raises(CheckpointError, match="neither model.safetensors.index.json nor model.safetensors"):
@@ -207,7 +197,7 @@ def test_a_directory_whose_names_or_shapes_differ_is_refused_naming_the_first_fe
 
 def test_strict_false_initialises_what_the_directory_lacks_and_ignores_the_rest(tmp_path):
     from transformers import LlamaForCausalLM
-    saved = _save_llama(tmp_path, num_hidden_layers=3)
+    saved = save_llama(tmp_path, num_hidden_layers=3)
     captured = load_pretrained(capture_llama(meta=True), tmp_path, strict=False)
     state = {k.split(".", 2)[2]: v for k, v in captured.graph_model().state_dict().items()}
     torch.testing.assert_close(state["m.model.layers.2.mlp.up_proj.weight"], saved.model.layers[2].mlp.up_proj.weight)
@@ -219,11 +209,8 @@ def test_strict_false_initialises_what_the_directory_lacks_and_ignores_the_rest(
 
 
 @pytest.fixture(scope="module")
-def initialised(tmp_path_factory):
-    out = tmp_path_factory.mktemp("init")
-    result = launch(STAGES, WORKER, "init", str(out), timeout=400, log_dir=out / "logs")
-    assert result.ok, result.report()
-    return [torch.load(out / f"init.rank{r}.pt") for r in range(STAGES)]
+def initialised(pretrained):
+    return [torch.load(pretrained["init"] / f"init.rank{r}.pt") for r in range(STAGES)]
 
 
 @pytest.mark.dist
@@ -244,13 +231,9 @@ def test_each_rank_materialises_its_stage_as_the_single_device_twin_has_it(initi
 
 
 @pytest.fixture(scope="module")
-def roundtrip(tmp_path_factory):
-    src = tmp_path_factory.mktemp("pretrained")
-    _save_llama(src, shard="20KB")
-    out = tmp_path_factory.mktemp("roundtrip")
-    result = launch(STAGES, WORKER, "roundtrip", str(src), str(out), timeout=400, log_dir=out / "logs")
-    assert result.ok, result.report()
-    return src, out, [torch.load(out / f"roundtrip.rank{r}.pt") for r in range(STAGES)]
+def roundtrip(pretrained):
+    out = pretrained["roundtrip"]
+    return pretrained["sharded"], out, [torch.load(out / f"roundtrip.rank{r}.pt") for r in range(STAGES)]
 
 
 @pytest.mark.dist
@@ -298,7 +281,7 @@ def test_pretrained_to_pipeline_to_directory_round_trip_equals_one_process(round
 
 
 @pytest.mark.dist
-def test_the_memory_report_counts_each_ranks_stage_and_is_printed_beneath_the_stage_graph(roundtrip):
+def test_the_memory_report_counts_each_ranks_stage_and_is_printed_beneath_the_stage_graph(roundtrip, pretrained):
     _, out, ranks = roundtrip
     for res in ranks:
         report = res["memory"]   # gathered: every rank's entry, the same on every rank
@@ -310,7 +293,7 @@ def test_the_memory_report_counts_each_ranks_stage_and_is_printed_beneath_the_st
         assert mine["optimizer_bytes"] == 0                           # plain SGD keeps no state
         assert mine["activation_peak_bytes"] > 0
         assert mine["process_peak_bytes"] > mine["param_bytes"] + mine["grad_bytes"] + mine["activation_peak_bytes"]
-    log = (out / "logs" / "rank0.log").read_text()
+    log = (pretrained["logs"] / "rank0.log").read_text()
     graph, at_init, after_step = (log.find(s) for s in ("stage graph:", "memory per rank (MiB) at initialize",
                                                         "memory per rank (MiB) after step 1"))
     assert 0 <= graph < at_init < after_step, log[-2000:]
@@ -318,15 +301,14 @@ def test_the_memory_report_counts_each_ranks_stage_and_is_printed_beneath_the_st
 
 
 @pytest.mark.dist
-def test_models_that_cannot_be_built_fail_on_every_rank_before_any_communication(tmp_path):
-    result = launch(2, WORKER, "bad", str(tmp_path), timeout=300, log_dir=tmp_path / "logs")
-    assert result.ok, result.report()
-    for r in range(2):
-        errors = json.loads((tmp_path / f"bad.rank{r}.json").read_text())
+def test_models_that_cannot_be_built_fail_on_every_rank_before_any_communication(pretrained):
+    # 2 stages on 4 ranks of one node; the launch goes on to its other runs, so nothing blocked
+    for r in range(STAGES):
+        errors = json.loads((pretrained["bad"] / f"bad.rank{r}.json").read_text())
         kind, message = errors["meta_without_init"]
         assert kind == "GPPConfigError" and "nothing initialises ['scale.gain']" in message
         kind, message = errors["does_not_fit"]
-        assert kind == "InfeasiblePlanError" and "node 0 (ranks 0-1) cannot hold its stages" in message
+        assert kind == "InfeasiblePlanError" and "node 0 (ranks 0-3) cannot hold its stages" in message
 
 
 

@@ -7,22 +7,17 @@ pipeline's logits, and the merged directory loads into the base class.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
 
 pytest.importorskip("peft", reason="the [hf] extra (make test installs it)")
 
-from dist import launch  # noqa: E402
 from gpp_deepspeed import load_pretrained  # noqa: E402
 from gpp_deepspeed.errors import CheckpointError  # noqa: E402
 from gpp_deepspeed.frontend import capture  # noqa: E402
-from llama_tiny import LM, STAGES, batches, config, eval_batch, layer_names  # noqa: E402
-from test_large_models import _save_llama  # noqa: E402
+from llama_tiny import LM, STAGES, batches, config, eval_batch, layer_names, save_llama  # noqa: E402
 from workers.pretrained_cases import LORA  # noqa: E402
-
-WORKER = Path(__file__).resolve().parent / "workers" / "pretrained_cases.py"
 
 
 def _meta_lora(num_layers: int | None = None):
@@ -37,7 +32,7 @@ def _meta_lora(num_layers: int | None = None):
 
 
 def test_a_meta_lora_model_loads_its_base_weights_and_starts_equal_to_the_base(tmp_path):
-    base = _save_llama(tmp_path)
+    base = save_llama(tmp_path)
     model = load_pretrained(_meta_lora(), tmp_path).graph_model()
     state = dict(model.named_parameters())
     lora_b = [p for n, p in state.items() if ".lora_B." in n]
@@ -50,7 +45,7 @@ def test_a_meta_lora_model_loads_its_base_weights_and_starts_equal_to_the_base(t
 
 
 def test_a_base_weight_a_directory_lacks_is_reported_under_strict_false_and_refused_under_strict(tmp_path):
-    _save_llama(tmp_path, num_hidden_layers=3)
+    save_llama(tmp_path, num_hidden_layers=3)
     with pytest.raises(CheckpointError, match=r"missing: \['model.layers.3.self_attn.q_proj.weight'"):
         load_pretrained(_meta_lora(num_layers=4), tmp_path)
     with pytest.warns(UserWarning, match=r"lacks \d+ tensor\(s\) of the model.*'model.layers.3.self_attn.q_proj.weight'"):
@@ -58,14 +53,10 @@ def test_a_base_weight_a_directory_lacks_is_reported_under_strict_false_and_refu
 
 
 @pytest.mark.dist
-def test_lora_fine_tuned_pipelined_saves_an_adapter_peft_loads_to_the_same_logits(tmp_path):
+def test_lora_fine_tuned_pipelined_saves_an_adapter_peft_loads_to_the_same_logits(pretrained):
     from peft import PeftModel
     from transformers import LlamaForCausalLM
-    src, out = tmp_path / "base", tmp_path / "out"
-    out.mkdir()
-    _save_llama(src)
-    result = launch(STAGES, WORKER, "peft", str(src), str(out), timeout=400, log_dir=tmp_path / "logs")
-    assert result.ok, result.report()
+    src, out = pretrained["plain"], pretrained["peft"]   # launched with test_large_models' runs (conftest.py)
     ranks = [torch.load(out / f"peft.rank{r}.pt") for r in range(STAGES)]
     logits = next(r["logits"] for r in ranks if r["logits"] is not None)
     assert all(".lora_" in n for r in ranks for n in r["trainable"])   # the base stays frozen

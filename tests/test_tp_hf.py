@@ -24,10 +24,26 @@ WORKER = Path(__file__).parent / "workers" / "tp_hf_cases.py"
 RTOL, ATOL = 1e-5, 1e-6
 
 
-def _run(tmp_path: Path, *args: str) -> list[dict]:
-    result = launch(2, WORKER, *args, str(tmp_path), timeout=240, log_dir=tmp_path / "logs")
+@pytest.fixture(scope="module")
+def ran(tmp_path_factory):
+    """Every case of the worker on 2 ranks, in one launch: ``(folder, the directory "load" read, the
+    model saved there)``."""
+    from transformers import LlamaForCausalLM
+    from llama_tiny import config
+    from tp_llama import TP_CONFIG
+    out = tmp_path_factory.mktemp("tp_hf")
+    torch.manual_seed(3)
+    hf = LlamaForCausalLM(config(**TP_CONFIG))
+    src = out / "src"
+    hf.save_pretrained(src, safe_serialization=True)
+    result = launch(2, WORKER, "grads", str(out), "+", "zero1", str(out), "+", "load", str(src), str(out),
+                    timeout=400, log_dir=out / "logs")
     assert result.ok, result.report()
-    return [torch.load(tmp_path / f"{args[0]}.rank{r}.pt", weights_only=False) for r in range(2)]
+    return out, src, hf
+
+
+def _ranks(ran, case: str) -> list[dict]:
+    return [torch.load(ran[0] / f"{case}.rank{r}.pt", weights_only=False) for r in range(2)]
 
 
 def _reference():
@@ -39,8 +55,8 @@ def _reference():
     return model, logits.detach(), loss.item()
 
 
-def test_split_decoder_layers_give_the_unsplit_models_logits_loss_and_gradients(tmp_path):
-    ranks = _run(tmp_path, "grads")
+def test_split_decoder_layers_give_the_unsplit_models_logits_loss_and_gradients(ran):
+    ranks = _ranks(ran, "grads")
     model, logits, loss = _reference()
     whole = dict(model.named_parameters())
     for got in ranks:
@@ -58,8 +74,8 @@ def test_split_decoder_layers_give_the_unsplit_models_logits_loss_and_gradients(
     assert shapes[norm] == tuple(whole[norm].shape)                       # replicated
 
 
-def test_deepspeed_zero1_over_split_layers_trains_like_sgd_on_one_process(tmp_path):
-    ranks = _run(tmp_path, "zero1")
+def test_deepspeed_zero1_over_split_layers_trains_like_sgd_on_one_process(ran):
+    ranks = _ranks(ran, "zero1")
     model = capture_tp_llama(meta=False).graph_model()
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     losses = []
@@ -77,15 +93,10 @@ def test_deepspeed_zero1_over_split_layers_trains_like_sgd_on_one_process(tmp_pa
             torch.testing.assert_close(got["params"][name], p.detach(), rtol=RTOL, atol=ATOL, msg=name)
 
 
-def test_a_pretrained_directory_loads_split_each_rank_reading_only_its_slices(tmp_path):
+def test_a_pretrained_directory_loads_split_each_rank_reading_only_its_slices(ran):
     from transformers import LlamaForCausalLM
-    from llama_tiny import config
-    from tp_llama import TP_CONFIG
-    torch.manual_seed(3)
-    hf = LlamaForCausalLM(config(**TP_CONFIG))
-    src = tmp_path / "src"
-    hf.save_pretrained(src, safe_serialization=True)
-    ranks = _run(tmp_path, "load", str(src))
+    _, src, hf = ran
+    ranks = _ranks(ran, "load")
     ids, _ = step_batches(0)[0]
     from llama_tiny import LM
     reference = LM(LlamaForCausalLM.from_pretrained(src))(ids).detach()

@@ -1,5 +1,9 @@
 """Worker of tests/test_device_profile.py: GraphPipelineModule(partition_method="graphpipe") with a
-DeviceProfile on every rank; writes the partition and the measured costs of this rank."""
+DeviceProfile on every rank (mode ``profiled``) or priced by parameters (``proxy``); writes the
+partition and the measured costs of this rank to ``OUT_DIR/<mode>.rank<r>``.
+
+    python device_profile.py OUT_DIR MODE [MODE ...]   # each mode in turn, in one launch
+"""
 
 import json
 import sys
@@ -39,8 +43,7 @@ LAYERS = [GraphLayerSpec("slow", Slow, inputs=["x"]),
           GraphLayerSpec("head", Add, inputs=["slow", "p", "q2"])]
 
 
-def main(out: str, profiled: bool) -> None:
-    deepspeed.init_distributed(dist_backend="gloo")
+def run(out: str, profiled: bool) -> None:
     cost_db = DeviceProfile(make_inputs=lambda b: torch.randn(b, 4), micro_batches=(1, 2), repeats=2) if profiled else None
     module = GraphPipelineModule(LAYERS, input_names=("x",), num_stages=2, loss_fn=nn.MSELoss(),
                                  partition_method="graphpipe", cost_db=cost_db)
@@ -48,8 +51,15 @@ def main(out: str, profiled: bool) -> None:
     db = module.measured_costs
     with open(f"{out}.rank{rank}", "w") as f:
         json.dump({"stage_of": dict(module.partition.stage_of), "costs": None if db is None else db.to_json()}, f)
+
+
+def main(out_dir: str, modes: list[str]) -> None:
+    deepspeed.init_distributed(dist_backend="gloo")
+    for mode in modes:
+        run(f"{out_dir}/{mode}", mode == "profiled")
+        torch.distributed.barrier()
     torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2] == "profiled")
+    main(sys.argv[1], sys.argv[2:])

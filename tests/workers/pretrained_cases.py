@@ -6,6 +6,10 @@ Run by ``tests/test_large_models.py`` through ``tests/dist.py``:
     python pretrained_cases.py roundtrip IN_DIR OUT_DIR  # loaded from IN_DIR, trained, saved to OUT_DIR/saved
     python pretrained_cases.py bad OUT_DIR               # models that cannot be built: the error of each
     python pretrained_cases.py peft IN_DIR OUT_DIR       # LoRA on IN_DIR's weights, trained, adapter saved
+    python pretrained_cases.py init OUT_A + roundtrip IN_DIR OUT_B + ...   # several, in order, in one launch
+
+Several modes joined by ``+`` run one after the other in the same processes (a barrier between),
+so the tests pay one start of torch, DeepSpeed and transformers per rank for all of them.
 
 ``init`` writes ``OUT_DIR/init.rank<r>.pt`` (this stage's initial weights by module name, and its
 parameter bytes). ``roundtrip`` records every tensor this rank read from IN_DIR (by wrapping
@@ -178,17 +182,13 @@ def run_bad(out: Path, rank: int) -> None:
 
 def main():
     import deepspeed
+    from dist import runs
     deepspeed.init_distributed(dist_backend="gloo")
     rank = torch.distributed.get_rank()
-    if sys.argv[1] == "init":
-        run_init(Path(sys.argv[2]), rank)
-    elif sys.argv[1] == "bad":
-        run_bad(Path(sys.argv[2]), rank)
-    elif sys.argv[1] == "peft":
-        run_peft(Path(sys.argv[2]), Path(sys.argv[3]), rank)
-    else:
-        run_roundtrip(Path(sys.argv[2]), Path(sys.argv[3]), rank)
-    torch.distributed.barrier()
+    modes = {"init": run_init, "bad": run_bad, "peft": run_peft, "roundtrip": run_roundtrip}
+    for mode, *paths in runs(sys.argv[1:]):
+        modes[mode](*map(Path, paths), rank)
+        torch.distributed.barrier()
     torch.distributed.destroy_process_group()
 
 

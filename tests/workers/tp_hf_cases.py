@@ -8,7 +8,8 @@ one :class:`~gpp_deepspeed.GraphModel` on every rank, its decoder layers built s
     python tp_hf_cases.py zero1 OUT          # STEPS steps of DeepSpeed's engine under ZeRO-1; parameters gathered
     python tp_hf_cases.py load IN OUT        # load_pretrained(IN) on the meta device: what was read, logits
 
-Each writes ``OUT/<case>.rank<r>.pt``.
+Each writes ``OUT/<case>.rank<r>.pt``; cases joined by ``+`` run in turn in one launch
+(``grads OUT + zero1 OUT + load IN OUT``, as the test runs them).
 """
 
 import sys
@@ -162,10 +163,11 @@ def run_load(src: Path, out: Path, rank: int) -> None:
 def main() -> None:
     import deepspeed
     deepspeed.init_distributed(dist_backend="gloo")
+    from dist import runs   # tests/dist.py (``dist`` here is torch.distributed)
     rank = dist.get_rank()
-    case, *paths = sys.argv[1:]
-    paths = [Path(p) for p in paths]
-    {"grads": run_grads, "zero1": run_zero1, "load": run_load}[case](*paths, rank)
+    for case, *paths in runs(sys.argv[1:]):   # several cases joined by "+": one launch
+        {"grads": run_grads, "zero1": run_zero1, "load": run_load}[case](*map(Path, paths), rank)
+        dist.barrier()
 
 
 if __name__ == "__main__":
