@@ -537,7 +537,7 @@ def detail_rows(results: dict) -> list[str]:
 
 
 def write_table(results: dict, rounds: int, loads: dict) -> None:
-    short = rounds < 8
+    short = rounds < 6
     load = "; ".join(f"{TITLES.get(t, t)} {a:.1f} and {b:.1f}" for t, (a, b) in loads.items())
     load = f" One-minute load average at the start and end of each launch: {load}." if loads else ""
     text = ("## Against the best chain schedules (peers.py)\n\n"
@@ -555,7 +555,11 @@ def write_table(results: dict, rounds: int, loads: dict) -> None:
             "micro-batch activations a rank holds at once, in units of one layer's (a half-layer stage counts "
             "a half): ours from the instructions the engine ran, torch's from its schedule's `pipeline_order`, "
             "DeepSpeed's from its instruction schedule. \"Simulated\" is our schedule simulator's step for the "
-            f"same sleeps. A ratio below 1 means ours is faster.{load}\n\n"
+            "same sleeps; \"replayed\" is the same simulation with each compute action priced at what it took in "
+            "the run (its sleep overshooting on a loaded machine, the layer's own Python), messages free: median "
+            "over replayed is what the runtime adds beyond compute. Ours also runs `1f1b` and `dualpipev` with "
+            "every receive completed in place (`early_receives` false, the transport before issue 28's early "
+            f"receives), in the same launch. A ratio below 1 means ours is faster.{load}\n\n"
             + "\n".join(summary_rows(results)) + "\n\n" + "\n".join(detail_rows(results)) + "\n")
     (ROOT / "benchmarks" / "results" / "peers.md").write_text(text)
     sys.path.insert(0, str(ROOT / "benchmarks"))
