@@ -115,6 +115,22 @@ def reentrant_checkpointing(module) -> bool:
             and module.activation_checkpoint_func not in (checkpointing.non_reentrant_checkpoint, recompute))
 
 
+def fp16_scaled(engine, loss):
+    """``loss`` times the fp16 optimizer's loss scale under fp16 without ZeRO, else ``loss``.
+
+    DeepSpeed 0.19.8's ``engine.backward`` scales the loss for its ZeRO optimizers and torch
+    autocast only; with fp16 and ZeRO stage 0 (``FP16_Optimizer``, ``FP16_UnfusedOptimizer``) it
+    calls ``loss.backward()`` on the unscaled loss while the optimizer's ``step`` still divides the
+    gradients by its loss scale: every update is ``1 / loss_scale`` of what it should be, silently
+    (deepspeedai/DeepSpeed#8393, open). The output stage's backward scales it here by the
+    optimizer's public ``loss_scale``, as that optimizer's own ``backward(loss)`` does; the other
+    stages' gradients arrive scaled."""
+    scale = getattr(engine.optimizer, "loss_scale", None) if engine.fp16_enabled() else None
+    if scale is None or isinstance(engine.optimizer, ZeROOptimizer) or engine.torch_autocast_z0_gradscaler:
+        return loss
+    return loss * scale
+
+
 class StageBackward:
     """``B``, ``I`` and ``W`` of one rank's stage, run on ``engine``'s buffers (module docstring)."""
 
@@ -130,7 +146,7 @@ class StageBackward:
                     else contextlib.nullcontext())
         with versions:
             if engine.is_last_stage():
-                engine.loss = buffers[Buffer.LOSS, slot]
+                engine.loss = fp16_scaled(engine, buffers[Buffer.LOSS, slot])
                 self._gradients(lambda: compat.pipeline_backward_pass(engine, slot), deepspeed=True)
                 return
             pairs = output_gradient_pairs(buffers[Buffer.OUTPUTS, slot], buffers[Buffer.GRADS, slot])
@@ -198,6 +214,8 @@ class StageBackward:
             loss = engine.optimizer.scale_if_loss(loss)
         elif engine.torch_autocast_z0_gradscaler:
             loss = engine.torch_autocast_z0_gradscaler.scale(loss)
+        else:
+            loss = fp16_scaled(engine, loss)
         tracker = compat.backward_graph_tracker()
         state = tracker.new_state()
         hook = loss.register_hook(lambda grad: tracker.register_current_graph(grad, state))
