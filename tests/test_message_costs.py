@@ -19,7 +19,7 @@ from gpp_deepspeed.planner import CommFit, StageCostModel
 from gpp_deepspeed.planner.plan import Plan, PlanStage
 from gpp_deepspeed.planner.search import graphpipe_search
 from gpp_deepspeed.planner.simulate import simulate_plan
-from gpp_deepspeed.schedule import build_schedule, simulate
+from gpp_deepspeed.schedule import build_program, simulate
 from gpp_deepspeed.schedule.ir import ActionKind as K
 
 OVERHEAD, LATENCY = 0.1, 0.3
@@ -83,7 +83,12 @@ def test_a_two_stage_chain_waits_the_latency_after_a_receive_posted_behind_its_s
     b0_on_0_done = b0_on_1_done + lat + (2 + o)  # stage 0 waits for B0's gradient since 2 + 2o
     b1_on_0_done = max(b0_on_0_done, b1_on_1_done + lat) + (2 + o)
     assert b1_on_0_done == pytest.approx(9 + 6 * o + 3 * lat)
-    assert simulate_plan(plan, db).prediction.iteration_time_s == pytest.approx(b1_on_0_done)
+    assert simulate_plan(plan, db, early=False).prediction.iteration_time_s == pytest.approx(b1_on_0_done)
+    # Posted early (the default: before F0, as stage 0 sends F1 while stage 1 runs it), F1 is there
+    # when B0 ends: one latency less on the way to the end.
+    b1_on_1_early = b0_on_1_done + (1 + o) + (2 + o)
+    assert simulate_plan(plan, db).prediction.iteration_time_s == pytest.approx(
+        max(b0_on_0_done, b1_on_1_early + lat) + (2 + o)) == pytest.approx(9 + 6 * o + 2 * lat)
 
 
 def test_a_receive_posted_behind_its_send_waits_the_late_receive_time_on_top_and_only_it():
@@ -99,8 +104,13 @@ def test_a_receive_posted_behind_its_send_waits_the_late_receive_time_on_top_and
     b0_on_1_done = (1 + o) + lat + (1 + o) + (2 + o)
     b1_on_1_done = b0_on_1_done + lat + late + (1 + o) + (2 + o)
     b0_on_0_done = b0_on_1_done + lat + (2 + o)
-    assert simulate_plan(plan, db).prediction.iteration_time_s == pytest.approx(
+    assert simulate_plan(plan, db, early=False).prediction.iteration_time_s == pytest.approx(
         max(b0_on_0_done, b1_on_1_done + lat) + (2 + o))
+    # Posted early, no receive comes behind its send: neither the latency nor the late-receive time
+    # is on F1's way.
+    b1_on_1_early = b0_on_1_done + (1 + o) + (2 + o)
+    assert simulate_plan(plan, db).prediction.iteration_time_s == pytest.approx(
+        max(b0_on_0_done, b1_on_1_early + lat) + (2 + o))
 
 
 def test_a_negative_late_receive_time_is_refused():
@@ -111,7 +121,7 @@ def test_a_negative_late_receive_time_is_refused():
 def test_the_schedule_simulator_starts_a_message_when_the_later_of_its_two_ends_is_posted():
     # Forward only, two micro-batches: stage 0 sends F0 at 1 and F1 at 2; stage 1 (5 s a forward)
     # posts its receive of F1 at 6 + L, so F1 arrives at 6 + 2L, not at 2 + L.
-    sched = build_schedule(StageGraph.chain(2), 2, name="1f1b", train=False)
+    sched = build_program(StageGraph.chain(2), 2, schedule="1f1b", train=False, early=False).actions
     lat = 0.5
 
     def duration(a):
@@ -121,6 +131,9 @@ def test_the_schedule_simulator_starts_a_message_when_the_later_of_its_two_ends_
     # the receive of F1 came last: with a late-receive time it waits that much more
     assert simulate(sched, duration=duration, latency=lat, late_receive=0.25).makespan == \
         pytest.approx(1 + lat + 5 + lat + 0.25 + 5)
+    # posted early (with F0's), F1 moves as it is sent, at 2, and is there long before F0 ends
+    early = build_program(StageGraph.chain(2), 2, schedule="1f1b", train=False).actions
+    assert simulate(early, duration=duration, latency=lat, late_receive=0.25).makespan == pytest.approx(1 + lat + 5 + 5)
 
 
 def test_the_search_prices_a_stages_messages_as_the_simulator_does():

@@ -46,12 +46,13 @@ class SimulatedPlan:
 
 def simulate_plan(plan: Plan, db: CostDB, *, schedule: str | None = None, cluster=None,
                   train: bool = True, stage_costs: tuple[StageCost, ...] | None = None,
-                  link: CommFit | None = None) -> SimulatedPlan:
+                  link: CommFit | None = None, early: bool = True) -> SimulatedPlan:
     """Simulate one iteration (one mini-batch) of ``plan`` priced by ``db``, under ``schedule``
     (default: the plan's own). With a :class:`~gpp_deepspeed.planner.hetero.Cluster`, each stage
     is priced for its ``device_class``; ``train=False`` runs forwards only (inference);
     ``stage_costs`` replaces the cost model's prices and ``link`` the links' time in flight (a
-    placement on a topology prices its own links).
+    placement on a topology prices its own links); ``early``: the program posts its receives early
+    (``graph_pipeline.early_receives``, :func:`~gpp_deepspeed.schedule.posting.post_early`).
 
     A message keeps both its stages busy (:meth:`~gpp_deepspeed.planner.costs.CommFit.busy`, in
     their ``F``/``B`` prices, as the search prices them) and is in flight the link's
@@ -71,7 +72,7 @@ def simulate_plan(plan: Plan, db: CostDB, *, schedule: str | None = None, cluste
                                                 priced.models)
     masks, bounds, b = priced.masks, priced.bounds, plan.micro_batch
     # The program the engine runs once the pipeline is full (an asynchronous schedule's steady batch).
-    programs = ProgramFactory(stage_graph, schedule=schedule)
+    programs = ProgramFactory(stage_graph, schedule=schedule, early=early)
     lists = programs.program(plan.num_microbatches, train=train).actions
 
     duration = action_duration(costs, step_s)
