@@ -328,6 +328,15 @@ class Action:
         return (self.stage_idx, spec.completes, self.mb_idx) if spec.completes else None
 
     @property
+    def consumes(self) -> tuple[int, str, int] | None:
+        """The :attr:`completion` key of the data receives this action needs complete: the
+        forward's activations, the gradients of the backward that computes input gradients
+        (``B``, ``I``); ``None`` for any other action."""
+        if self.kind is ActionKind.FORWARD:
+            return (self.stage_idx, "F", self.mb_idx)
+        return (self.stage_idx, "B", self.mb_idx) if self.kind.spec.input_gradients else None
+
+    @property
     def channel(self) -> tuple[int, int, str]:
         """The ordered channel a single transfer's message travels: (sender stage, receiver stage,
         ``"F"`` or ``"B"``). The n-th send of a channel matches its n-th receive."""

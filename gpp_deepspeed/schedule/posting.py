@@ -131,15 +131,11 @@ def order_transfers(schedule: Schedule, *, duration: Callable[[Action], float] |
     recv_at: dict[tuple, tuple] = {}   # (channel, n) -> key of that message
     sends: list[tuple[int, int, tuple]] = []
     for s, spans in timeline.spans.items():
-        count: dict[tuple, int] = {}
-        for slot, (a, start, _) in enumerate(spans):
-            if a.kind.has_peer:
-                ch = a.channel
-                n = count[ch] = count.get(ch, -1) + 1
-                if _is_send(a):
-                    sends.append((s, slot, (ch, n)))
-                else:
-                    keys[(s, slot)] = recv_at[(ch, n)] = (start, ch, n)
+        for slot, a, (ch, n) in _messages(a for a, _, _ in spans):
+            if _is_send(a):
+                sends.append((s, slot, (ch, n)))
+            else:
+                keys[(s, slot)] = recv_at[(ch, n)] = (spans[slot][1], ch, n)
     for s, slot, message in sends:
         if message not in recv_at:
             raise ScheduleError(f"{timeline.spans[s][slot][0]} is never received")
@@ -181,6 +177,17 @@ def _merge(actions: list[Action], keys: dict[int, tuple], early: dict[int, int] 
         out.append(a)
     place(len(order), len(local))
     return out
+
+
+def _messages(actions):
+    """``(index, transfer, (channel, n))`` for every single transfer of one list, in order: the
+    n-th message of its channel, the same pair at both ends."""
+    count: dict[tuple, int] = {}
+    for i, a in enumerate(actions):
+        if a.kind.has_peer:
+            ch = a.channel
+            count[ch] = count.get(ch, -1) + 1
+            yield i, a, (ch, count[ch])
 
 
 def _is_send(a: Action) -> bool:
@@ -229,15 +236,8 @@ def post_early(schedule: Schedule, *, duration: Callable[[Action], float] | None
     flat = {s: [op for a in actions for op in a.parts] for s, actions in schedule.items()}
     try:
         timeline = simulate(flat, mode="async", duration=duration or default_duration, rank_of=rank_of)
-        sent: dict[tuple, float] = {}
-        for spans in timeline.spans.values():
-            count: dict[tuple, int] = {}
-            for a, start, _ in spans:
-                if a.kind.has_peer:
-                    ch = a.channel
-                    n = count[ch] = count.get(ch, -1) + 1
-                    if a.kind.spec.send:
-                        sent[(ch, n)] = start
+        sent = {message: spans[i][1] for spans in timeline.spans.values()
+                for i, a, message in _messages(a for a, _, _ in spans) if a.kind.spec.send}
         early = {s: _with_waits(_post_stage_early(timeline.spans[s], sent)) for s in flat}
         simulate(early, mode="rendezvous", rank_of=rank_of)
         # Never slower where messages are free: a receive held back by what it depends on holds
@@ -259,17 +259,10 @@ def _post_stage_early(spans, sent: dict[tuple, float]) -> list[Action]:
     local = [a for a in actions if not a.kind.has_peer]
     keys: dict[int, tuple] = {}
     before: dict[int, int] = {}   # transfer -> how many local actions precede it
-    count: dict[tuple, int] = {}
-    seen = 0
-    for i, a in enumerate(actions):
-        if not a.kind.has_peer:
-            seen += 1
-            continue
-        ch = a.channel
-        n = count[ch] = count.get(ch, -1) + 1
+    for i, a, (ch, n) in _messages(actions):
         if (ch, n) not in sent:
             raise ScheduleError(f"{a} is never sent")
-        keys[i], before[i] = (sent[(ch, n)], ch, n), seen
+        keys[i], before[i] = (sent[(ch, n)], ch, n), i - len(keys)
     early: dict[int, int] = {}
     floor = 0   # where the transfers keyed so far have been placed, at the earliest
     for i in sorted(keys, key=lambda i: (keys[i], i)):
@@ -290,8 +283,7 @@ def _with_waits(actions: list[Action]) -> list[Action]:
     receives = {a.completion for a in actions if a.completion is not None}
     out: list[Action] = []
     for a in actions:
-        need = ((a.stage_idx, "F", a.mb_idx) if a.kind is K.FORWARD else
-                (a.stage_idx, "B", a.mb_idx) if a.kind.spec.input_gradients else None)
+        need = a.consumes
         if need in receives:
             receives.discard(need)
             out.append(Action(a.stage_idx, WAIT_OF[need[1]], a.mb_idx))

@@ -411,8 +411,7 @@ def _check_waits(s: int, actions: list[Action]) -> None:
                 raise ScheduleError(f"stage {s} slot {i}: {a} is posted after {actions[waits[key]]} (slot {waits[key]}), "
                                     "the wait that completes it")
             posted.add(key)
-        need = ((s, "F", a.mb_idx) if a.kind is K.FORWARD else
-                (s, "B", a.mb_idx) if a.kind.spec.input_gradients else None)
+        need = a.consumes
         if need in waits and waits[need] > i:
             raise ScheduleError(f"stage {s} slot {i}: {a} runs before {actions[waits[need]]} (slot {waits[need]}) "
                                 "completes the receives it needs")
