@@ -160,7 +160,7 @@ def worker(branches: int, rounds: int, out: str, profile: bool = False) -> None:
         gathered = [None] * torch.distributed.get_world_size()
         torch.distributed.all_gather_object(gathered, costs[name][1:] or costs[name])
         suffix = name[len(peers.variant(name)[0]):]   # the variant's receives, on the schedule it runs
-        results[name] = {"times": times[name], "predicted": peers.predicted(engine, "1f1b" + suffix),
+        results[name] = {"times": times[name], "predicted": peers.predicted(engine, "1f1b" + suffix, topology(peers.variant(name)[0], branches)),
                          "depth": engine.stage_graph.pipeline_depth, "costs": gathered,
                          "output_stage": engine.stage_graph.num_stages - 1}
     if torch.distributed.get_rank() == 0:

@@ -150,12 +150,16 @@ def half_stage_graph(topology: str):
     return StageGraph(num_stages=len(rows), edges=edges, output_stage=len(rows) - 1, loading=loading)
 
 
-def sleeps(stage_graph, fraction: float):
-    """Each action's sleep: ``fraction`` of a layer's, no input gradient on a source stage."""
+def sleeps(topology: str, folded: bool):
+    """Each action's sleep on the topology's stages (half-layer ones if ``folded``): what the
+    sleeping units sleep, a layer's share of ``T_F``, ``T_I``, ``T_W``, and no input gradient on any
+    part of a branch's first layer (the units' ``source``: its second half too, so that a layer's
+    halves add up to the layer, for torch's chain as for our DAG)."""
     from gpp_deepspeed.schedule import ActionKind as K
 
+    rows, fraction = (half_layer_rows(topology), 0.5) if folded else (layer_rows(topology), 1.0)
     times = {K.FORWARD: T_F, K.BACKWARD: T_I + T_W, K.BACKWARD_INPUT: T_I, K.BACKWARD_WEIGHT: T_W}
-    sources = {s for s in range(stage_graph.num_stages) if not stage_graph.preds(s)}
+    sources = {s for s, row in enumerate(rows) if row["source"]}
 
     def duration(a):
         if a.stage_idx in sources and a.kind in (K.BACKWARD, K.BACKWARD_INPUT):
@@ -164,12 +168,21 @@ def sleeps(stage_graph, fraction: float):
     return duration
 
 
+def stage_times(topology: str, num_stages: int, folded: bool) -> list[list[float]]:
+    """Each stage's ``[F, B, I, W]`` sleeps (``graph_pipeline.stage_times``)."""
+    from gpp_deepspeed.schedule import Action, ActionKind as K
+
+    duration = sleeps(topology, folded)
+    return [[duration(Action(s, k, 0)) for k in (K.FORWARD, K.BACKWARD, K.BACKWARD_INPUT, K.BACKWARD_WEIGHT)]
+            for s in range(num_stages)]
+
+
 def searched_fold(topology: str, name: str):
     """The fold GraphPipe's fold search picks for folded schedule ``name`` (same on every rank)."""
     from gpp_deepspeed.planner.fold_search import search_fold
 
     graph = half_stage_graph(topology)
-    return search_fold(graph, M, num_ranks=RANKS, duration=sleeps(graph, 0.5), schedules=(name, ),
+    return search_fold(graph, M, num_ranks=RANKS, duration=sleeps(topology, True), schedules=(name, ),
                        activation={s: 0.5 for s in range(graph.num_stages)}).fold
 
 
@@ -189,11 +202,13 @@ def build_ours(topology: str, unit, data):
         layers = [GraphLayerSpec(r["name"], unit, DIM, num_branches, r["branch"], r["merge"], fraction, r["source"],
                                  False, inputs=r["inputs"]) for r in rows]
         extra = {"fold": list(searched_fold(topology, schedule).rank_of)} if folded else {}
+        # The times the fold's order is made for, as a plan brings them (``gpp plan``): the layers' sleeps.
+        times = {"stage_times": stage_times(topology, len(rows), folded)} if folded else {}
         module = GraphPipelineModule(layers, input_names=[f"x{b}" for b in range(num_branches)], num_stages=len(rows),
                                      loss_fn=nn.MSELoss(), partition_method={r["name"]: i for i, r in enumerate(rows)},
                                      **extra)
         cfg = _ds_config() | {"graph_pipeline": {"schedule": schedule, "print_stage_graph": False,
-                                                  "print_idle_fractions": False, "early_receives": early}}
+                                                  "print_idle_fractions": False, "early_receives": early, **times}}
         engine, *_ = gpp_deepspeed.initialize(model=module, model_parameters=list(module.parameters()), config=cfg)
         built[name] = (lambda engine=engine: engine.train_batch(data_iter=iter(data)), engine)
     return built
@@ -225,16 +240,13 @@ def _rank_peak(actions) -> float:
     return rank_peak([a for a in actions if a.kind.value in ("F", "B", "I", "W")], None)
 
 
-def predicted(engine, name: str) -> float:
-    """Our simulator's makespan for the program the engine runs, priced with the same sleeps."""
-    from gpp_deepspeed.schedule import build_program, simulate
-    from gpp_deepspeed.schedule.virtual import Fold
+def predicted(engine, name: str, topology: str) -> float:
+    """Our simulator's makespan for the program the engine runs (a steady batch's) on ``topology``,
+    priced with the sleeps its layers sleep; ``name`` is kept for the callers' symmetry."""
+    from gpp_deepspeed.schedule import simulate
 
-    graph, fold = engine.stage_graph, engine.placement.fold
-    duration = sleeps(graph, 0.5 if fold else 1.0)
-    schedule, early = variant(name)
-    program = build_program(graph, M, schedule=schedule, fold=Fold(fold) if fold else None, early=early)
-    return simulate(program.actions, duration=duration, rank_of=fold or None).makespan
+    fold = engine.placement.fold
+    return simulate(engine.program(M).actions, duration=sleeps(topology, bool(fold)), rank_of=fold or None).makespan
 
 
 def replayed(engine, name: str) -> float:
@@ -243,9 +255,8 @@ def replayed(engine, name: str) -> float:
     Python), messages and everything else free: the step the runtime would give if it added nothing
     between compute. Measured over replayed is what the runtime itself adds."""
     import torch
-    from gpp_deepspeed.schedule import build_program, simulate
+    from gpp_deepspeed.schedule import simulate
     from gpp_deepspeed.schedule.ir import ActionKind
-    from gpp_deepspeed.schedule.virtual import Fold
 
     took = {(a.stage_idx, a.kind.value, a.mb_idx): end - start for a, start, end in engine.last_timeline
             if a.kind is ActionKind.FORWARD or a.kind.spec.backward}
@@ -253,9 +264,7 @@ def replayed(engine, name: str) -> float:
     torch.distributed.all_gather_object(gathered, took)
     took = {k: v for part in gathered for k, v in part.items()}
     fold = engine.placement.fold
-    schedule, early = variant(name)
-    program = build_program(engine.stage_graph, M, schedule=schedule, fold=Fold(fold) if fold else None, early=early)
-    return simulate(program.actions, duration=lambda a: took.get((a.stage_idx, a.kind.value, a.mb_idx), 0.0),
+    return simulate(engine.program(M).actions, duration=lambda a: took.get((a.stage_idx, a.kind.value, a.mb_idx), 0.0),
                     rank_of=fold or None).makespan
 
 
@@ -426,7 +435,7 @@ def worker(topology: str, rounds: int, out: str) -> None:
         engine = meta.pop("engine", None)
         if engine is not None:  # ours: from the instructions it ran, and the simulator
             meta["in_flight"] = ours_in_flight(engine)
-            meta["predicted"] = predicted(engine, label.split("/")[1])
+            meta["predicted"] = predicted(engine, label.split("/")[1], topology)
             meta["replayed"] = replayed(engine, label.split("/")[1])
             meta["fold"] = list(engine.placement.fold)
             meta["depth"] = engine.stage_graph.pipeline_depth

@@ -14,7 +14,7 @@ Example::
 
 from typing import Any, Literal, Mapping
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeFloat, ValidationError
 
 from .errors import GPPConfigError
 from .schedule.registry import SCHEDULES
@@ -66,6 +66,13 @@ class GraphPipelineConfig(BaseModel):
     process groups, so this must equal what ``GraphPipelineModule(stage_tp=...)`` (or DeepSpeed's
     ``PipeModelDataParallelTopology``, or a plan's stages) gave it; it is checked, never applied.
     Default: whatever the module has."""
+
+    stage_times: list[tuple[NonNegativeFloat, NonNegativeFloat, NonNegativeFloat, NonNegativeFloat]] | None = None
+    """Each stage's forward, backward, input-gradient and weight-gradient seconds ``[F, B, I, W]``,
+    that a schedule ordered on a simulated clock (``zbv``: each rank runs what is ready, by
+    priority, as the clock says) and the transfers are ordered for. Every rank must give the same.
+    Default: the plan's (``gpp plan`` records the times it priced a folded plan with), else unit
+    times; a fold given by hand with stages of unequal cost runs a better order with them."""
 
     early_receives: bool = True
     """Post every receive of activations and gradients as soon as its message is sent and wait for

@@ -82,6 +82,31 @@ def test_a_folded_plan_round_trips_through_json_and_old_plan_files_load_unfolded
         assert old.fold == () and old.stages_per_rank == 1 and old.num_devices == sum(s.devices for s in old.stages)
 
 
+def test_a_folded_plan_carries_the_times_its_order_was_made_with_and_the_engine_builds_that_order():
+    from gpp_deepspeed.planner.simulate import action_duration, priced_stages
+    from gpp_deepspeed.schedule import ProgramFactory
+    from gpp_deepspeed.schedule.greedy import Fold, stage_duration
+    from gpp_deepspeed.schedule.virtual import fold_program
+
+    db = _db()
+    folded = fold_plan(_plan(db, STAGES), db, num_ranks=2, schedules=("zbv", ))
+    priced = priced_stages(folded, db)
+    assert folded.stage_times == tuple((c.fwd_s, c.bwd_s, c.bwd_input_s, c.bwd_weight_s) for c in priced.costs)
+    assert Plan.from_json(folded.to_json()) == folded
+    # What simulate_folded prices (orders made with the cost model's times) against what the
+    # engine's program factory builds from the plan's times: the same compute, rank by rank.
+    graph, fold, m = priced.stage_graph, Fold(folded.fold), folded.num_microbatches
+    duration = action_duration(priced.costs, priced.step_s)
+    planned = fold_program(graph, m, fold, FOLDED_SCHEDULES["zbv"][1](graph, m, fold, duration=duration), duration=duration)
+    run = ProgramFactory(graph, schedule="zbv", fold=fold, duration=stage_duration(folded.stage_times, 4)).program(m)
+
+    def compute(lists):
+        return {r: [a for a in acts if a.kind.value in ("F", "B", "I", "W")] for r, acts in lists.items()}
+    assert compute(run.actions) == compute(planned)
+    with pytest.raises(GPPConfigError, match="stage_times must give each of its 4 stages"):
+        dataclasses.replace(folded, stage_times=folded.stage_times[:3])
+
+
 def test_a_plan_refuses_a_fold_that_does_not_match_its_stages_or_schedule_by_name():
     db = _db()
     base = _plan(db, STAGES)

@@ -50,7 +50,7 @@ from ..config import GraphPipelineConfig, with_plan_schedule
 from ..errors import GPPConfigError
 from ..graph.stages import mark_gradient_flow
 from ..schedule import KINDS, Program, ProgramFactory, get_schedule
-from ..schedule.greedy import Fold
+from ..schedule.greedy import Fold, stage_duration
 from ..schedule.ir import Action, ActionKind as K, Buffer
 from .flat import flatten
 from . import asynchronous as _async
@@ -118,7 +118,7 @@ class GraphPipelineEngine(PipelineEngine):
         self._programs = ProgramFactory(self.stage_graph, schedule=self.schedule_spec.name,
                                         validate=self.gpp_config.validate_schedule,
                                         fold=Fold(self.placement.fold) if self.placement.fold else None,
-                                        early=self.gpp_config.early_receives)
+                                        early=self.gpp_config.early_receives, duration=self._stage_duration())
         self.last_timeline: list[tuple[Action, float, float]] = []   # this stage's last batch, timed
         self._trace_events: list[dict] = []
         self._trace_t0 = time.perf_counter()
@@ -303,6 +303,14 @@ class GraphPipelineEngine(PipelineEngine):
         wall = spans[-1][2] - spans[0][1]
         waiting = sum(end - start for a, start, end in spans if a.kind in _WAITING)
         return waiting / wall if wall > 0 else 0.0
+
+    def _stage_duration(self):
+        """The compute times the programs are made for: ``graph_pipeline.stage_times``, else the
+        plan's, else None (unit times)."""
+        times = self.gpp_config.stage_times or self.module.plan_stage_times
+        if not times:
+            return None
+        return stage_duration(times, self.stage_graph.num_stages)
 
     def train_batch(self, data_iter=None):
         if self._async is not None:

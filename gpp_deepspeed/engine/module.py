@@ -147,6 +147,8 @@ class GraphPipelineModule(PipelineModule):
         self.measured_costs = measured
         # The schedule a plan was priced with; the engine runs it unless its config names one.
         self.plan_schedule: str | None = resolved.schedule
+        # The compute times it was ordered with (a folded plan's; () without a plan or times).
+        self.plan_stage_times = resolved.stage_times
         # The first communication: every rank has passed init_distributed, so each can unlink its
         # DeepSpeed shm file now (the memory stays mapped) and nothing is left in /dev/shm.
         release_own_shm()

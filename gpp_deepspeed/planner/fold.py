@@ -58,7 +58,9 @@ def fold_plan(plan: Plan, db: CostDB, *, num_ranks: int, schedules: Sequence[str
                          static={s: c.memory(0) for s, c in enumerate(priced.costs)},
                          memory=db.hardware.memory_bytes, max_stages_per_rank=max_stages_per_rank,
                          schedules=tuple(schedules))
-    folded = dataclasses.replace(start, fold=choice.fold.rank_of, schedule=choice.schedule)
+    # The times the fold's orders were made with travel in the plan: the engine builds the same order.
+    times = tuple((c.fwd_s, c.bwd_s, c.bwd_input_s, c.bwd_weight_s) for c in priced.costs)
+    folded = dataclasses.replace(start, fold=choice.fold.rank_of, schedule=choice.schedule, stage_times=times)
     sim = simulate_folded(folded, db)
     edges = tuple(sorted({(e.src, e.dst) for e in priced.stage_graph.edges}))
     return folded.with_prediction(sim.prediction, edges)

@@ -84,6 +84,9 @@ class Plan:
     :data:`~gpp_deepspeed.schedule.virtual.FOLDED_SCHEDULES` and every stage has one device), ``()``
     when each stage has ranks of its own (a file written before the field existed loads so).
     A stage's ``tp`` (its tensor-parallel degree) loads as 1 from a file written before it existed.
+    ``stage_times`` is each stage's ``(F, B, I, W)`` seconds the plan's schedule was ordered and
+    priced with (a folded plan's: ``zbv`` orders its actions on a simulated clock of them, so the
+    engine builds the very order the planner priced; ``()``: none, unit times).
 
     >>> p = Plan(model="m", method="manual", source="hand", micro_batch=2, mini_batch=8,
     ...          stages=(PlanStage(layers=("a",)), PlanStage(layers=("b", "c"))))
@@ -108,6 +111,7 @@ class Plan:
     # device ids per stage on a topology (planner/topology.py); () means contiguous rank order
     placement: tuple[tuple[int, ...], ...] = ()
     fold: tuple[int, ...] = ()
+    stage_times: tuple[tuple[float, float, float, float], ...] = ()
 
     @property
     def stages_per_rank(self) -> int:
@@ -144,6 +148,10 @@ class Plan:
         check_zero_stage(self.zero_stage)
         if self.fold:
             self._check_fold()
+        if self.stage_times and (len(self.stage_times) != self.num_stages
+                                 or any(len(t) != 4 or min(t) < 0 for t in self.stage_times)):
+            raise GPPConfigError(f"plan stage_times must give each of its {self.num_stages} stages four non-negative "
+                                 f"seconds (F, B, I, W), got {[list(t) for t in self.stage_times]}")
 
     def _check_fold(self) -> None:
         from ..schedule.virtual import FOLDED_SCHEDULES, Fold
@@ -178,6 +186,7 @@ class Plan:
             d["stage_edges"] = tuple(tuple(e) for e in d.get("stage_edges", ()))
             d["placement"] = tuple(tuple(p) for p in d.get("placement", ()))
             d["fold"] = tuple(d.get("fold", ()))
+            d["stage_times"] = tuple(tuple(t) for t in d.get("stage_times", ()))
             if pred is not None:
                 pred = Prediction(**{k: tuple(v) if isinstance(v, list) else v for k, v in pred.items()})
             return cls(**d, stages=stages, predicted=pred)

@@ -30,16 +30,37 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable
 
-from ..errors import ScheduleError
+from ..errors import GPPConfigError, ScheduleError
 from ..graph.stages import StageGraph
 from .ir import Action, ActionKind as K
 
-__all__ = ["Fold", "rank_orders", "rank_in_flight", "unit_split_duration"]
+__all__ = ["Fold", "rank_orders", "rank_in_flight", "unit_split_duration", "stage_duration"]
 
 
 def unit_split_duration(kind: K) -> float:
     """``T_F = T_I = T_W = 1``: the zero-bubble paper's setting for the closed forms; ``B = I + W``."""
     return {K.FORWARD: 1.0, K.BACKWARD_INPUT: 1.0, K.BACKWARD_WEIGHT: 1.0, K.BACKWARD: 2.0}.get(kind, 0.0)
+
+
+def stage_duration(times, num_stages: int) -> Callable[[Action], float]:
+    """The price of a compute action of stage ``s`` from ``times[s]``, its ``(F, B, I, W)``
+    seconds (a plan's ``stage_times``, ``graph_pipeline.stage_times``), one entry for each of the
+    ``num_stages`` stages: what a schedule made on a simulated clock (:func:`rank_orders`,
+    ``zbv``) and its transfers are ordered for. Any other action costs nothing.
+
+    >>> stage_duration([(1.0, 2.0, 1.5, 0.5)], 1)(Action.parse("0I3"))
+    1.5
+    """
+    times = tuple(tuple(t) for t in times)
+    if len(times) != num_stages or any(len(t) != 4 or min(t) < 0 for t in times):
+        raise GPPConfigError(f"stage_times must give each of the pipeline's {num_stages} stages four non-negative "
+                             f"seconds [F, B, I, W]; got {[list(t) for t in times]}")
+    column = {K.FORWARD: 0, K.BACKWARD: 1, K.BACKWARD_INPUT: 2, K.BACKWARD_WEIGHT: 3}
+
+    def duration(a: Action) -> float:
+        at = column.get(a.kind)
+        return 0.0 if at is None else times[a.stage_idx][at]
+    return duration
 
 
 @dataclass(frozen=True, slots=True)

@@ -96,13 +96,30 @@ def group_for_rendezvous(schedule: Schedule, *, duration: Callable[[Action], flo
     return ordered
 
 
+_TICK = 1e-9
+"""The least time a compute takes when transfers are ordered by a simulation (:func:`_positive`)."""
+
+
+def _positive(duration: Callable[[Action], float] | None) -> Callable[[Action], float]:
+    """``duration`` (default :func:`~gpp_deepspeed.schedule.validate.default_duration`) with every
+    forward and backward taking at least :data:`_TICK`: ordering transfers by simulated times
+    relies on each compute ending after it starts, or a send could tie with, and be placed before,
+    the compute that produces it (a split backward's ``I`` on a stage whose input needs no gradient
+    is priced at nothing)."""
+    from .validate import default_duration
+
+    priced = duration or default_duration
+    return lambda a: max(priced(a), _TICK) if a.kind is K.FORWARD or a.kind.spec.backward else priced(a)
+
+
 def order_transfers(schedule: Schedule, *, duration: Callable[[Action], float] | None = None) -> Schedule:
     """Put every stage's transfers in one global order of messages, keeping its compute order.
 
     The schedule (compute order plus ungrouped transfers, as
     :func:`~gpp_deepspeed.schedule.generators.add_send_recv` writes it) is simulated with
     asynchronous sends (:func:`~gpp_deepspeed.schedule.validate.simulate`, priced by ``duration``,
-    by default unit forwards and double backwards; compute times must be positive). Each message then has a key, the time it is received with its channel and index
+    by default unit forwards and double backwards; a compute priced at nothing, as a layer with no
+    input gradient, counts a tick, :func:`_positive`). Each message then has a key, the time it is received with its channel and index
     as tie-breaks, the same at both of its ends. Each stage keeps its local actions in order and
     places its transfers between them in key order: a send as soon as its compute ran and every
     transfer keyed before it was placed, a receive just in time for the action that needs it.
@@ -124,9 +141,9 @@ def order_transfers(schedule: Schedule, *, duration: Callable[[Action], float] |
     >>> order_transfers(sched)[0][:8]
     [0F0, 0SEND_F0@1, 0F1, 0SEND_F1@1, 0F2, 0RECV_B0@1, 0SEND_F2@1, 0B0]
     """
-    from .validate import default_duration, simulate
+    from .validate import simulate
 
-    timeline = simulate(schedule, mode="async", duration=duration or default_duration)
+    timeline = simulate(schedule, mode="async", duration=_positive(duration))
     keys: dict[tuple, tuple] = {}      # (stage, slot) -> sort key of its message
     recv_at: dict[tuple, tuple] = {}   # (channel, n) -> key of that message
     sends: list[tuple[int, int, tuple]] = []
@@ -231,18 +248,19 @@ def post_early(schedule: Schedule, *, duration: Callable[[Action], float] | None
     >>> " ".join(map(str, post_early(lists)[2]))
     '2LOAD0 (2RECV_F0@1;2RECV_F1@1)P2P 2WAIT_F0 2F0 2B0 2SEND_B0@1 2LOAD1 2WAIT_F1 2F1 2B1 2SEND_B1@1'
     """
-    from .validate import default_duration, simulate
+    from .validate import simulate
 
+    duration = _positive(duration)
     flat = {s: [op for a in actions for op in a.parts] for s, actions in schedule.items()}
     try:
-        timeline = simulate(flat, mode="async", duration=duration or default_duration, rank_of=rank_of)
+        timeline = simulate(flat, mode="async", duration=duration, rank_of=rank_of)
         sent = {message: spans[i][1] for spans in timeline.spans.values()
                 for i, a, message in _messages(a for a, _, _ in spans) if a.kind.spec.send}
         early = {s: _with_waits(_post_stage_early(timeline.spans[s], sent)) for s in flat}
         simulate(early, mode="rendezvous", rank_of=rank_of)
         # Never slower where messages are free: a receive held back by what it depends on holds
         # back the sends keyed after it.
-        if simulate(early, duration=duration or default_duration, rank_of=rank_of).makespan > timeline.makespan:
+        if simulate(early, duration=duration, rank_of=rank_of).makespan > timeline.makespan:
             return schedule
     except ScheduleError:
         return schedule

@@ -114,8 +114,11 @@ def build_program(stage_graph: StageGraph, num_microbatches: int, *, schedule: s
                   duration: Callable[[Action], float] | None = None, layouts: bool = False,
                   fold: Fold | None = None, early: bool = True) -> Program:
     """The program of one batch of a synchronous schedule (or of any schedule in evaluation,
-    which runs forwards only). ``duration``: the compute times the transfers are ordered for,
-    when they must be reordered (:func:`~gpp_deepspeed.schedule.lowering.group_for_rendezvous`).
+    which runs forwards only). ``duration``: the compute times the program is made for (default
+    unit ones): the order of a folded schedule made on a simulated clock (``zbv``:
+    :func:`~gpp_deepspeed.schedule.greedy.rank_orders`) and the order of the transfers, when they
+    must be reordered (:func:`~gpp_deepspeed.schedule.lowering.group_for_rendezvous`) or posted
+    early.
     ``layouts``: every activation's layout is sent before it (``dynamic_shape``, a first batch).
     ``fold``: the ranks of the stages of a schedule of several stages per rank (default
     :func:`default_fold`); refused for the others. ``early``: receives are posted as soon as their
@@ -180,7 +183,7 @@ def _folded_program(stage_graph: StageGraph, num_microbatches: int, spec: Schedu
     check_fold(fold, stage_graph, spec.name)
     if spec.folded is None:                  # a one-stage-per-rank schedule on a permuted fold
         raise GPPConfigError(f'schedule "{spec.name}" runs one stage per rank without a fold')
-    orders = (spec.folded.orders(stage_graph, num_microbatches, fold) if train
+    orders = (spec.folded.orders(stage_graph, num_microbatches, fold, duration=duration) if train
               else rank_orders(stage_graph, num_microbatches, fold, split_backward=False))
     actions = fold_program(stage_graph, num_microbatches, fold, orders, duration=duration, train=train,
                            layouts=layouts, early=early)
@@ -418,6 +421,10 @@ class ProgramFactory:
     engine asks it for the program of each ``train_batch``, evaluation and flush; the simulator for
     the batch it prices.
 
+    ``duration``: the compute times the synchronous programs are made for (:func:`build_program`;
+    the engine's come from ``graph_pipeline.stage_times`` or the plan's ``stage_times``, the same
+    on every rank, so every rank builds the same order).
+
     Layouts: a synchronous batch sends them when asked (a first batch, ``dynamic_shape``); an
     asynchronous schedule sends them in every batch and flush, because its batches share buffer
     slots across their boundaries, so the first cannot be lowered apart from the others (a
@@ -432,9 +439,9 @@ class ProgramFactory:
     """
 
     def __init__(self, stage_graph: StageGraph, *, schedule: str, validate: bool = False, fold: Fold | None = None,
-                 early: bool = True):
+                 early: bool = True, duration: Callable[[Action], float] | None = None):
         self.spec = get_schedule(schedule)
-        self.stage_graph, self.validate, self.early = stage_graph, validate, early
+        self.stage_graph, self.validate, self.early, self.duration = stage_graph, validate, early, duration
         if fold is not None:
             check_fold(fold, stage_graph, self.spec.name)
         elif self.spec.folded is not None:
@@ -456,7 +463,7 @@ class ProgramFactory:
             key = (num_microbatches, train, layouts)
             if key not in self._batches:
                 program = build_program(self.stage_graph, num_microbatches, schedule=self.spec.name, train=train,
-                                        layouts=layouts, fold=self.fold, early=self.early)
+                                        layouts=layouts, fold=self.fold, early=self.early, duration=self.duration)
                 if self.validate:
                     validate_program(program, self.stage_graph)
                 self._batches[key] = program
