@@ -246,7 +246,7 @@ def predicted(engine, name: str, topology: str) -> float:
     from gpp_deepspeed.schedule import simulate
 
     fold = engine.placement.fold
-    return simulate(engine.program(M).actions, duration=sleeps(topology, bool(fold)), rank_of=fold or None).makespan
+    return simulate(engine.program(M, train=True).actions, duration=sleeps(topology, bool(fold)), rank_of=fold or None).makespan
 
 
 def replayed(engine, name: str) -> float:
@@ -264,7 +264,7 @@ def replayed(engine, name: str) -> float:
     torch.distributed.all_gather_object(gathered, took)
     took = {k: v for part in gathered for k, v in part.items()}
     fold = engine.placement.fold
-    return simulate(engine.program(M).actions, duration=lambda a: took.get((a.stage_idx, a.kind.value, a.mb_idx), 0.0),
+    return simulate(engine.program(M, train=True).actions, duration=lambda a: took.get((a.stage_idx, a.kind.value, a.mb_idx), 0.0),
                     rank_of=fold or None).makespan
 
 
