@@ -63,6 +63,7 @@ OURS_FOLDED = ("interleaved", "zbv", "dualpipev")   # 16 half-layer stages, two 
 # Also run with every receive completed in place ("early_receives": false), to show in the same
 # launch what posting receives early (lowering.post_early) buys.
 IN_PLACE = ("1f1b", "dualpipev")
+WARM_UP = 2   # rounds left out of the medians: our engines build their first and their steady program
 IN_PLACE_SUFFIX = ", receives in place"
 TORCH_V = ("ZBVZeroBubble", "DualPipeV")  # the schedules that place their stages in a V
 DEEPSPEED = ("PipelineEngine", "DualPipeVEngine")
@@ -314,6 +315,28 @@ def build_torch(topology: str, name: str, unit, batch):
     return step, schedule.pipeline_order, 1 / (2 if multi else 1)
 
 
+def torch_predicted(topology: str, order, per_layer: int) -> float:
+    """Our simulator's step for a torch schedule's action lists (its ``pipeline_order``, overlapped
+    pairs taken apart) on the chain of ``per_layer`` stages a layer, priced with the sleeps of
+    those stages, messages free: the step torch's runtime would give if it added nothing."""
+    from gpp_deepspeed.graph.stages import StageGraph
+    from gpp_deepspeed.schedule import Action, ActionKind as K
+    from gpp_deepspeed.schedule.virtual import rank_makespan
+
+    units = chain_units(topology, per_layer)
+    kind = {"F": K.FORWARD, "I": K.BACKWARD_INPUT, "W": K.BACKWARD_WEIGHT, "B": K.BACKWARD}
+    orders = {rank: [Action(a.stage_index, kind[a.computation_type.value], a.microbatch_index)
+                     for action in actions if action is not None for a in (action.sub_actions or (action, ))]
+              for rank, actions in order.items()}
+    times = {K.FORWARD: T_F, K.BACKWARD_INPUT: T_I, K.BACKWARD_WEIGHT: T_W, K.BACKWARD: T_I + T_W}
+
+    def duration(a):
+        fraction, source = units[a.stage_idx][4], units[a.stage_idx][5]
+        no_input_grad = T_I if source and a.kind in (K.BACKWARD, K.BACKWARD_INPUT) else 0.0
+        return (times.get(a.kind, 0.0) - no_input_grad) * fraction
+    return rank_makespan(orders, StageGraph.chain(len(units)), duration)
+
+
 def torch_in_flight(order, fraction: float) -> list[float]:
     """Every rank's peak held activations in torch's action lists (``I`` keeps them for its ``W``)."""
     peaks = []
@@ -404,7 +427,8 @@ def build_all(topology: str):
         configs[f"ours/{name}"] = (step, {"engine": engine})
     for name in torch_schedule_names():
         built, reason = _attempt(lambda: build_torch(topology, name, unit, batch))
-        meta = {"refused": reason} if reason else {"in_flight": torch_in_flight(built[1], built[2])}
+        meta = {"refused": reason} if reason else {"in_flight": torch_in_flight(built[1], built[2]),
+                                                   "predicted": torch_predicted(topology, built[1], round(1 / built[2]))}
         configs[f"torch/{name}"] = (built and built[0], meta)
     for name in DEEPSPEED:
         step, reason = _attempt(lambda: build_deepspeed(topology, name, unit, chain_data))
@@ -480,7 +504,7 @@ def main() -> None:
         loads[topology] = (load, os.getloadavg()[0])
         for label, r in results[topology].items():
             if r.get("times"):
-                r["median_s"] = statistics.median(r["times"][1:] or r["times"])
+                r["median_s"] = statistics.median(r["times"][WARM_UP:] or r["times"])
             print(f"{topology:14s} {label:32s} " + (f"refused: {r['refused']}" if "refused" in r else
                   f"median {r['median_s'] * 1e3:7.1f} ms  peak in flight {max(r['in_flight'])}"), flush=True)
         print(f"{topology}: {time.monotonic() - start:.0f} s", flush=True)
@@ -539,7 +563,7 @@ def detail_rows(results: dict) -> list[str]:
             simulated = f"{sim * 1e3:,.0f} | {r['median_s'] / sim:.3f}" if sim else " | "
             rep = r.get("replayed")
             simulated += f" | {rep * 1e3:,.0f} | {r['median_s'] / rep:.3f}" if rep else " | | "
-            rows.append(f"{head} {r['median_s'] * 1e3:,.0f} | {min(r['times'][1:] or r['times']) * 1e3:,.0f} | "
+            rows.append(f"{head} {r['median_s'] * 1e3:,.0f} | {min(r['times'][WARM_UP:] or r['times']) * 1e3:,.0f} | "
                         f"{simulated} | "
                         f"{_fmt(max(r['in_flight']))} | {' '.join(map(_fmt, r['in_flight']))} |")
     return rows
@@ -557,14 +581,16 @@ def write_table(results: dict, rounds: int, loads: dict) -> None:
             f"{RANKS} gloo ranks, {M} micro-batches, sleeping layers (forward, input gradient and weight gradient "
             f"{T_F * 1e3:.0f} ms each; a branch's first layer has no input gradient). One launch per model trains "
             "every configuration in turn, one step each, round after round; each figure is the median step of "
-            f"rounds 2..{rounds}. Ours runs the stage DAG (one layer per stage and rank); torch "
+            f"rounds {WARM_UP + 1}..{rounds} (our engines build their programs in the first two: the first "
+            "batch's, which sends every edge's layout, and the steady one). Ours runs the stage DAG (one layer per stage and rank); torch "
             "(`torch.distributed.pipelining`, 2.13) and DeepSpeed (0.19.8) run the same layers as a chain: one "
             "layer per rank for single-stage schedules, two half-layer stages per rank for the multi-stage ones "
             "(looped placement, a V for `ZBVZeroBubble` and both DualPipeVs). \"Peak in flight\" is the most "
             "micro-batch activations a rank holds at once, in units of one layer's (a half-layer stage counts "
             "a half): ours from the instructions the engine ran, torch's from its schedule's `pipeline_order`, "
             "DeepSpeed's from its instruction schedule. \"Simulated\" is our schedule simulator's step for the "
-            "same sleeps; \"replayed\" is the same simulation with each compute action priced at what it took in "
+            "same sleeps, for torch's schedules of their `pipeline_order` (free messages, each rank's own "
+            "stages handing over locally), so median over simulated compares the two runtimes; \"replayed\" is the same simulation with each compute action priced at what it took in "
             "the run (its sleep overshooting on a loaded machine, the layer's own Python), messages free: median "
             "over replayed is what the runtime adds beyond compute. Ours also runs `1f1b` and `dualpipev` with "
             "every receive completed in place (`early_receives` false, the transport before issue 28's early "
