@@ -103,7 +103,7 @@ def test_a_folded_plan_carries_the_times_its_order_was_made_with_and_the_engine_
     def compute(lists):
         return {r: [a for a in acts if a.kind.value in ("F", "B", "I", "W")] for r, acts in lists.items()}
     assert compute(run.actions) == compute(planned)
-    with pytest.raises(GPPConfigError, match="stage_times must give each of its 4 stages"):
+    with pytest.raises(GPPConfigError, match="stage_times must give each of the 4 stages"):
         dataclasses.replace(folded, stage_times=folded.stage_times[:3])
 
 

@@ -148,10 +148,9 @@ class Plan:
         check_zero_stage(self.zero_stage)
         if self.fold:
             self._check_fold()
-        if self.stage_times and (len(self.stage_times) != self.num_stages
-                                 or any(len(t) != 4 or min(t) < 0 for t in self.stage_times)):
-            raise GPPConfigError(f"plan stage_times must give each of its {self.num_stages} stages four non-negative "
-                                 f"seconds (F, B, I, W), got {[list(t) for t in self.stage_times]}")
+        if self.stage_times:
+            from ..schedule.greedy import check_stage_times
+            check_stage_times(self.stage_times, self.num_stages)
 
     def _check_fold(self) -> None:
         from ..schedule.virtual import FOLDED_SCHEDULES, Fold

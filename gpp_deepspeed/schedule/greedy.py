@@ -34,12 +34,23 @@ from ..errors import GPPConfigError, ScheduleError
 from ..graph.stages import StageGraph
 from .ir import Action, ActionKind as K
 
-__all__ = ["Fold", "rank_orders", "rank_in_flight", "unit_split_duration", "stage_duration"]
+__all__ = ["Fold", "rank_orders", "rank_in_flight", "unit_split_duration", "stage_duration",
+           "check_stage_times"]
 
 
 def unit_split_duration(kind: K) -> float:
     """``T_F = T_I = T_W = 1``: the zero-bubble paper's setting for the closed forms; ``B = I + W``."""
     return {K.FORWARD: 1.0, K.BACKWARD_INPUT: 1.0, K.BACKWARD_WEIGHT: 1.0, K.BACKWARD: 2.0}.get(kind, 0.0)
+
+
+def check_stage_times(times, num_stages: int) -> tuple[tuple[float, float, float, float], ...]:
+    """``times`` as a tuple of ``(F, B, I, W)`` per stage, refused unless it gives each of the
+    ``num_stages`` stages four non-negative seconds (``graph_pipeline.stage_times``, a plan's)."""
+    times = tuple(tuple(t) for t in times)
+    if len(times) != num_stages or any(len(t) != 4 or min(t) < 0 for t in times):
+        raise GPPConfigError(f"stage_times must give each of the {num_stages} stages four non-negative seconds "
+                             f"[F, B, I, W]; got {[list(t) for t in times]}")
+    return times
 
 
 def stage_duration(times, num_stages: int) -> Callable[[Action], float]:
@@ -51,10 +62,7 @@ def stage_duration(times, num_stages: int) -> Callable[[Action], float]:
     >>> stage_duration([(1.0, 2.0, 1.5, 0.5)], 1)(Action.parse("0I3"))
     1.5
     """
-    times = tuple(tuple(t) for t in times)
-    if len(times) != num_stages or any(len(t) != 4 or min(t) < 0 for t in times):
-        raise GPPConfigError(f"stage_times must give each of the pipeline's {num_stages} stages four non-negative "
-                             f"seconds [F, B, I, W]; got {[list(t) for t in times]}")
+    times = check_stage_times(times, num_stages)
     column = {K.FORWARD: 0, K.BACKWARD: 1, K.BACKWARD_INPUT: 2, K.BACKWARD_WEIGHT: 3}
 
     def duration(a: Action) -> float:
