@@ -315,10 +315,11 @@ def build_torch(topology: str, name: str, unit, batch):
     return step, schedule.pipeline_order, 1 / (2 if multi else 1)
 
 
-def torch_predicted(topology: str, order, per_layer: int) -> float:
+def torch_predicted(topology: str, order, per_layer: int) -> float | None:
     """Our simulator's step for a torch schedule's action lists (its ``pipeline_order``, overlapped
     pairs taken apart) on the chain of ``per_layer`` stages a layer, priced with the sleeps of
     those stages, messages free: the step torch's runtime would give if it added nothing."""
+    from gpp_deepspeed.errors import ScheduleError
     from gpp_deepspeed.graph.stages import StageGraph
     from gpp_deepspeed.schedule import Action, ActionKind as K
     from gpp_deepspeed.schedule.virtual import rank_makespan
@@ -326,7 +327,8 @@ def torch_predicted(topology: str, order, per_layer: int) -> float:
     units = chain_units(topology, per_layer)
     kind = {"F": K.FORWARD, "I": K.BACKWARD_INPUT, "W": K.BACKWARD_WEIGHT, "B": K.BACKWARD}
     orders = {rank: [Action(a.stage_index, kind[a.computation_type.value], a.microbatch_index)
-                     for action in actions if action is not None for a in (action.sub_actions or (action, ))]
+                     for action in actions if action is not None for a in (action.sub_actions or (action, ))
+                     if a.computation_type.value in kind]   # compute only (not REDUCE_GRAD, UNSHARD, ...)
               for rank, actions in order.items()}
     times = {K.FORWARD: T_F, K.BACKWARD_INPUT: T_I, K.BACKWARD_WEIGHT: T_W, K.BACKWARD: T_I + T_W}
 
@@ -334,7 +336,10 @@ def torch_predicted(topology: str, order, per_layer: int) -> float:
         fraction, source = units[a.stage_idx][4], units[a.stage_idx][5]
         no_input_grad = T_I if source and a.kind in (K.BACKWARD, K.BACKWARD_INPUT) else 0.0
         return (times.get(a.kind, 0.0) - no_input_grad) * fraction
-    return rank_makespan(orders, StageGraph.chain(len(units)), duration)
+    try:
+        return rank_makespan(orders, StageGraph.chain(len(units)), duration)
+    except ScheduleError:   # torch 2.13's Schedule1F1B.pipeline_order skips micro-batch 0 on the last rank
+        return None         # (its IR only; the runtime runs it): no simulated step for that order
 
 
 def torch_in_flight(order, fraction: float) -> list[float]:
