@@ -151,22 +151,22 @@ def half_stage_graph(topology: str):
     return StageGraph(num_stages=len(rows), edges=edges, output_stage=len(rows) - 1, loading=loading)
 
 
-def sleeps(topology: str, folded: bool):
-    """Each action's sleep on the topology's stages (half-layer ones if ``folded``): what the
-    sleeping units sleep, a layer's share of ``T_F``, ``T_I``, ``T_W``, and no input gradient on any
-    part of a branch's first layer (the units' ``source``: its second half too, so that a layer's
-    halves add up to the layer, for torch's chain as for our DAG)."""
+def layer_sleep(kind, fraction: float, source: bool) -> float:
+    """What a sleeping unit of ``fraction`` of a layer sleeps in an action of ``kind``: its share of
+    ``T_F``, ``T_I``, ``T_W`` (``B`` is ``I`` and ``W``), no input gradient on a ``source`` (any part
+    of a branch's first layer, its second half too, so that a layer's parts add up to the layer);
+    nothing for the other kinds."""
     from gpp_deepspeed.schedule import ActionKind as K
 
-    rows, fraction = (half_layer_rows(topology), 0.5) if folded else (layer_rows(topology), 1.0)
-    times = {K.FORWARD: T_F, K.BACKWARD: T_I + T_W, K.BACKWARD_INPUT: T_I, K.BACKWARD_WEIGHT: T_W}
-    sources = {s for s, row in enumerate(rows) if row["source"]}
+    t_i = 0.0 if source else T_I
+    return {K.FORWARD: T_F, K.BACKWARD: t_i + T_W, K.BACKWARD_INPUT: t_i, K.BACKWARD_WEIGHT: T_W}.get(kind, 0.0) * fraction
 
-    def duration(a):
-        if a.stage_idx in sources and a.kind in (K.BACKWARD, K.BACKWARD_INPUT):
-            return (times[a.kind] - T_I) * fraction
-        return times.get(a.kind, 0.0) * fraction
-    return duration
+
+def sleeps(topology: str, folded: bool):
+    """Each action's sleep on the topology's stages (half-layer ones if ``folded``), as
+    :func:`layer_sleep` says."""
+    rows, fraction = (half_layer_rows(topology), 0.5) if folded else (layer_rows(topology), 1.0)
+    return lambda a: layer_sleep(a.kind, fraction, rows[a.stage_idx]["source"])
 
 
 def stage_times(topology: str, num_stages: int, folded: bool) -> list[list[float]]:
@@ -244,10 +244,7 @@ def _rank_peak(actions) -> float:
 def predicted(engine, name: str, topology: str) -> float:
     """Our simulator's makespan for the program the engine runs (a steady batch's) on ``topology``,
     priced with the sleeps its layers sleep; ``name`` is kept for the callers' symmetry."""
-    from gpp_deepspeed.schedule import simulate
-
-    fold = engine.placement.fold
-    return simulate(engine.program(M, train=True).actions, duration=sleeps(topology, bool(fold)), rank_of=fold or None).makespan
+    return _simulated(engine, sleeps(topology, bool(engine.placement.fold)))
 
 
 def replayed(engine, name: str) -> float:
@@ -256,7 +253,6 @@ def replayed(engine, name: str) -> float:
     Python), messages and everything else free: the step the runtime would give if it added nothing
     between compute. Measured over replayed is what the runtime itself adds."""
     import torch
-    from gpp_deepspeed.schedule import simulate
     from gpp_deepspeed.schedule.ir import ActionKind
 
     took = {(a.stage_idx, a.kind.value, a.mb_idx): end - start for a, start, end in engine.last_timeline
@@ -264,9 +260,15 @@ def replayed(engine, name: str) -> float:
     gathered = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(gathered, took)
     took = {k: v for part in gathered for k, v in part.items()}
+    return _simulated(engine, lambda a: took.get((a.stage_idx, a.kind.value, a.mb_idx), 0.0))
+
+
+def _simulated(engine, duration) -> float:
+    """Our simulator's makespan for the steady program the engine runs, priced by ``duration``."""
+    from gpp_deepspeed.schedule import simulate
+
     fold = engine.placement.fold
-    return simulate(engine.program(M, train=True).actions, duration=lambda a: took.get((a.stage_idx, a.kind.value, a.mb_idx), 0.0),
-                    rank_of=fold or None).makespan
+    return simulate(engine.program(M, train=True).actions, duration=duration, rank_of=fold or None).makespan
 
 
 # -------------------------------------------------------------------------------------------- torch
@@ -330,14 +332,9 @@ def torch_predicted(topology: str, order, per_layer: int) -> float | None:
                      for action in actions if action is not None for a in (action.sub_actions or (action, ))
                      if a.computation_type.value in kind]   # compute only (not REDUCE_GRAD, UNSHARD, ...)
               for rank, actions in order.items()}
-    times = {K.FORWARD: T_F, K.BACKWARD_INPUT: T_I, K.BACKWARD_WEIGHT: T_W, K.BACKWARD: T_I + T_W}
-
-    def duration(a):
-        fraction, source = units[a.stage_idx][4], units[a.stage_idx][5]
-        no_input_grad = T_I if source and a.kind in (K.BACKWARD, K.BACKWARD_INPUT) else 0.0
-        return (times.get(a.kind, 0.0) - no_input_grad) * fraction
     try:
-        return rank_makespan(orders, StageGraph.chain(len(units)), duration)
+        return rank_makespan(orders, StageGraph.chain(len(units)),
+                             lambda a: layer_sleep(a.kind, *units[a.stage_idx][4:6]))
     except ScheduleError:   # torch 2.13's Schedule1F1B.pipeline_order skips micro-batch 0 on the last rank
         return None         # (its IR only; the runtime runs it): no simulated step for that order
 

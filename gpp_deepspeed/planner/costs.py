@@ -325,6 +325,12 @@ class StageCost:
     param_bytes: float = 0.0    # one copy of the parameters (an asynchronous schedule stashes versions)
     gathered_bytes: float = 0.0  # ZeRO-3: the largest layer's parameters, gathered whole while it computes
 
+    @property
+    def times(self) -> tuple[float, float, float, float]:
+        """Its ``(F, B, I, W)`` seconds per micro-batch: what a schedule made on a simulated clock is
+        ordered for (:func:`~gpp_deepspeed.schedule.greedy.stage_duration`, a plan's ``stage_times``)."""
+        return self.fwd_s, self.bwd_s, self.bwd_input_s, self.bwd_weight_s
+
     def memory(self, in_flight: int, versions: int = 0) -> float:
         """Peak bytes per device with ``in_flight`` micro-batches and ``versions`` extra copies of
         the weights stashed (GraphPipe Sec. 3, Eq. 2; a recomputed stage stashes only its inputs

@@ -59,8 +59,8 @@ def fold_plan(plan: Plan, db: CostDB, *, num_ranks: int, schedules: Sequence[str
                          memory=db.hardware.memory_bytes, max_stages_per_rank=max_stages_per_rank,
                          schedules=tuple(schedules))
     # The times the fold's orders were made with travel in the plan: the engine builds the same order.
-    times = tuple((c.fwd_s, c.bwd_s, c.bwd_input_s, c.bwd_weight_s) for c in priced.costs)
-    folded = dataclasses.replace(start, fold=choice.fold.rank_of, schedule=choice.schedule, stage_times=times)
+    folded = dataclasses.replace(start, fold=choice.fold.rank_of, schedule=choice.schedule,
+                                 stage_times=tuple(c.times for c in priced.costs))
     sim = simulate_folded(folded, db)
     edges = tuple(sorted({(e.src, e.dst) for e in priced.stage_graph.edges}))
     return folded.with_prediction(sim.prediction, edges)

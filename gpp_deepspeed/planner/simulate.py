@@ -22,6 +22,7 @@ from dataclasses import dataclass, replace
 from ..errors import GPPConfigError, PartitionError, ScheduleError
 from ..graph.stages import StageGraph
 from ..schedule.ir import Action, ActionKind as K, Schedule
+from ..schedule.greedy import stage_duration
 from ..schedule.program import ProgramFactory
 from ..schedule.registry import is_async
 from ..schedule.validate import Timeline, simulate
@@ -216,21 +217,14 @@ def action_duration(costs: tuple[StageCost, ...], step_s: list[float]):
     """The price of an action of stage ``s``: its stage's ``F``, ``B``, ``I``, ``W`` and all-reduce
     times, the hardware's ``step_s`` for ``STEP``, nothing for the rest (transfers are priced by
     the link in the simulator)."""
+    compute = stage_duration([c.times for c in costs], len(costs))
+
     def duration(a: Action) -> float:
-        c = costs[a.stage_idx]
-        if a.kind is K.FORWARD:
-            return c.fwd_s
-        if a.kind is K.BACKWARD:
-            return c.bwd_s
-        if a.kind is K.BACKWARD_INPUT:
-            return c.bwd_input_s
-        if a.kind is K.BACKWARD_WEIGHT:
-            return c.bwd_weight_s
         if a.kind is K.REDUCE_GRAD:
-            return c.allreduce_s
+            return costs[a.stage_idx].allreduce_s
         if a.kind is K.STEP:
             return step_s[a.stage_idx]
-        return 0.0
+        return compute(a)
     return duration
 
 
