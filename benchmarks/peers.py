@@ -179,12 +179,13 @@ def stage_times(topology: str, num_stages: int, folded: bool) -> list[list[float
 
 
 def searched_fold(topology: str, name: str):
-    """The fold GraphPipe's fold search picks for folded schedule ``name`` (same on every rank)."""
+    """What GraphPipe's fold search picks for folded schedule ``name`` (same on every rank): a
+    ``FoldChoice``, its fold and the caps of micro-batches in flight its order was made under."""
     from gpp_deepspeed.planner.fold_search import search_fold
 
     graph = half_stage_graph(topology)
     return search_fold(graph, M, num_ranks=RANKS, duration=sleeps(topology, True), schedules=(name, ),
-                       activation={s: 0.5 for s in range(graph.num_stages)}).fold
+                       activation={s: 0.5 for s in range(graph.num_stages)})
 
 
 def build_ours(topology: str, unit, data):
@@ -202,9 +203,13 @@ def build_ours(topology: str, unit, data):
         rows, fraction = (half_layer_rows(topology), 0.5) if folded else (layer_rows(topology), 1.0)
         layers = [GraphLayerSpec(r["name"], unit, DIM, num_branches, r["branch"], r["merge"], fraction, r["source"],
                                  False, inputs=r["inputs"]) for r in rows]
-        extra = {"fold": list(searched_fold(topology, schedule).rank_of)} if folded else {}
-        # The times the fold's order is made for, as a plan brings them (``gpp plan``): the layers' sleeps.
+        choice = searched_fold(topology, schedule) if folded else None
+        extra = {"fold": list(choice.fold.rank_of)} if folded else {}
+        # The times and caps the fold's order is made for, as a plan brings them (``gpp plan``): the
+        # layers' sleeps, the caps the search chose (when not the schedule's own).
         times = {"stage_times": stage_times(topology, len(rows), folded)} if folded else {}
+        if folded and choice.max_in_flight:
+            times["max_in_flight"] = list(choice.max_in_flight)
         module = GraphPipelineModule(layers, input_names=[f"x{b}" for b in range(num_branches)], num_stages=len(rows),
                                      loss_fn=nn.MSELoss(), partition_method={r["name"]: i for i, r in enumerate(rows)},
                                      **extra)

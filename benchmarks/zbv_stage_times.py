@@ -25,13 +25,15 @@ def worker(out):
     chain = [(torch.cat(x, dim=1), y) for x, y in dag]
     batch = (torch.cat([x for x, _ in chain]), torch.cat([y for _, y in chain]))
     rows = peers.half_layer_rows(TOPO)
-    fold = list(peers.searched_fold(TOPO, "zbv").rank_of)
+    choice = peers.searched_fold(TOPO, "zbv")
+    fold = list(choice.fold.rank_of)
+    caps = {"max_in_flight": list(choice.max_in_flight)} if choice.max_in_flight else {}
     configs = {}
     for label, times in (("zbv, stage times", {"stage_times": peers.stage_times(TOPO, len(rows), True)}), ("zbv, unit times (before)", {})):
         layers = [GraphLayerSpec(r["name"], unit, peers.DIM, 4, r["branch"], r["merge"], 0.5, r["source"], False, inputs=r["inputs"]) for r in rows]
         module = GraphPipelineModule(layers, input_names=[f"x{b}" for b in range(4)], num_stages=len(rows), loss_fn=nn.MSELoss(),
                                      partition_method={r["name"]: i for i, r in enumerate(rows)}, fold=fold)
-        cfg = peers._ds_config() | {"graph_pipeline": {"schedule": "zbv", "print_stage_graph": False, "print_idle_fractions": False, **times}}
+        cfg = peers._ds_config() | {"graph_pipeline": {"schedule": "zbv", "print_stage_graph": False, "print_idle_fractions": False, **times, **caps}}
         engine, *_ = gpp_deepspeed.initialize(model=module, model_parameters=list(module.parameters()), config=cfg)
         configs[label] = lambda engine=engine: engine.train_batch(data_iter=iter(dag))
     configs["torch ZBVZeroBubble"] = peers.build_torch(TOPO, "ZBVZeroBubble", unit, batch)[0]

@@ -14,7 +14,7 @@ Example::
 
 from typing import Any, Literal, Mapping
 
-from pydantic import BaseModel, ConfigDict, Field, NonNegativeFloat, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeFloat, PositiveInt, ValidationError
 
 from .errors import GPPConfigError
 from .schedule.registry import SCHEDULES
@@ -73,6 +73,14 @@ class GraphPipelineConfig(BaseModel):
     priority, as the clock says) and the transfers are ordered for. Every rank must give the same.
     Default: the plan's (``gpp plan`` records the times it priced a folded plan with), else unit
     times; a fold given by hand with stages of unequal cost runs a better order with them."""
+
+    max_in_flight: PositiveInt | list[PositiveInt] | None = None
+    """The micro-batches each pipeline rank may hold at once in ``zbv``'s order, counted once per
+    stage that holds one (one int for every rank, or one per rank). Default: the plan's (``gpp
+    plan`` records the caps it priced a fold under when they are not the default), else every rank
+    the fold's largest bound (:func:`~gpp_deepspeed.schedule.greedy.fold_in_flight`: ZB-V's ``2p``
+    on a V over a chain). Fewer hold less memory and leave more bubble; refused for the other
+    schedules, whose orders no cap shapes."""
 
     early_receives: bool = True
     """Post every receive of activations and gradients as soon as its message is sent and wait for

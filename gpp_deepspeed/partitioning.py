@@ -174,9 +174,10 @@ class ResolvedPartition:
     ``stage_degrees[s]`` is how many ranks run stage ``s`` in one copy of the stage DAG (a plan's
     devices, the ``stage_degrees`` asked for, or one each). ``schedule`` is the training schedule a
     plan was priced with (None: no plan), ``stage_times`` the compute times its schedule was ordered
-    with (``()``: none). ``recompute`` holds the stages a plan runs with
-    activation checkpointing. ``keep_stage_order``: the plan was mapped onto a device topology
-    assuming stage blocks in stage order, so ranks must not be reordered to fit nodes.
+    with (``()``: none), ``max_in_flight`` the caps it was ordered under (``()``: the schedule's
+    own). ``recompute`` holds the stages a plan runs with activation checkpointing.
+    ``keep_stage_order``: the plan was mapped onto a device topology assuming stage blocks in stage
+    order, so ranks must not be reordered to fit nodes.
     ``source`` says where the partition came from, for messages.
     """
 
@@ -188,6 +189,7 @@ class ResolvedPartition:
     source: str = ""
     stage_tp: tuple[int, ...] | None = None   # a plan's tensor-parallel degree per stage (None: 1 each)
     stage_times: tuple[tuple[float, float, float, float], ...] = ()   # a plan's (F, B, I, W) per stage
+    max_in_flight: tuple[int, ...] = ()   # a folded plan's caps of micro-batches in flight per rank (): its own
 
     @property
     def num_stages(self) -> int:
@@ -376,7 +378,7 @@ def _from_plan(graph: LayerGraph, plan: Plan, *, num_stages: int | None, stage_d
                              recompute=frozenset(i for i, s in enumerate(plan.stages) if s.recompute),
                              keep_stage_order=bool(plan.placement), source=source,
                              stage_tp=tuple(s.tp for s in plan.stages) if any(s.tp > 1 for s in plan.stages) else None,
-                             stage_times=plan.stage_times)
+                             stage_times=plan.stage_times, max_in_flight=plan.max_in_flight)
 
 
 def _check_resolved(graph: LayerGraph, resolved: ResolvedPartition, *, num_stages: int | None,

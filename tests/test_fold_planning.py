@@ -14,8 +14,8 @@ from costdbs import branches, hardware
 from gpp_deepspeed.errors import GPPConfigError, ScheduleError
 from gpp_deepspeed.planner import CommFit, Plan, PlanStage
 from gpp_deepspeed.planner.fold import fold_plan, fold_search
-from gpp_deepspeed.planner.simulate import simulate_folded
-from gpp_deepspeed.schedule.virtual import FOLDED_SCHEDULES
+from gpp_deepspeed.planner.simulate import priced_stages, simulate_folded
+from gpp_deepspeed.schedule.virtual import FOLDED_SCHEDULES, Fold, rank_in_flight
 
 GOLDEN = Path(__file__).resolve().parent / "golden"
 
@@ -45,25 +45,29 @@ def _every_fold(num_stages, num_ranks):
 
 @pytest.mark.parametrize("memory_bytes", [1e12, 3.45e6])
 def test_fold_plan_picks_the_fold_and_schedule_a_brute_force_over_every_fold_finds(memory_bytes):
-    # Every fold of 4 stages onto 2 ranks under every folded schedule, simulated in full (the
-    # program with its transfers and latency). The planner prices folds by their compute order
-    # alone; here that lands on the brute force's best. 3.45 MB rules out the fastest fold's
-    # interleaved schedule (3.6 MB on rank 1) and DualPipeV's (3.5 MB): zbv on the same fold.
+    # Every fold of 4 stages onto 2 ranks under every folded schedule, zbv under its own caps and
+    # under each rank's own bound, simulated in full (the program with its transfers and latency).
+    # The planner prices folds by their compute order alone; here that lands on the brute force's
+    # best. With memory to spare zbv wins at its own caps (every rank the fold's largest bound);
+    # 3.45 MB rules those out (and interleaved's 3.6 MB on rank 1, DualPipeV's 3.5 MB): zbv again,
+    # each rank at its own bound, which the plan carries.
     db = _db(memory_bytes)
     base = _plan(db, STAGES)
     chosen = fold_plan(base, db, num_ranks=2)
     best = None
+    graph = priced_stages(base, db).stage_graph
     for rank_of in _every_fold(4, 2):
-        for name in FOLDED_SCHEDULES:
+        own = tuple(rank_in_flight(graph, Fold(rank_of), r) for r in range(2))
+        for name, caps in [(n, ()) for n in FOLDED_SCHEDULES] + [("zbv", own)]:
             try:
-                sim = simulate_folded(dataclasses.replace(base, fold=rank_of, schedule=name), db)
+                sim = simulate_folded(dataclasses.replace(base, fold=rank_of, schedule=name, max_in_flight=caps), db)
             except ScheduleError:       # dualpipev on a fold without two stages a rank
                 continue
             if sim.prediction.fits_memory and (best is None or sim.prediction.iteration_time_s < best[0]):
-                best = (sim.prediction.iteration_time_s, rank_of, name)
+                best = (sim.prediction.iteration_time_s, rank_of, name, caps)
     assert chosen.predicted.fits_memory
-    assert (chosen.predicted.iteration_time_s, chosen.fold, chosen.schedule) == best
-    assert chosen.schedule == ("interleaved" if memory_bytes > 1e9 else "zbv")
+    assert (chosen.predicted.iteration_time_s, chosen.fold, chosen.schedule, chosen.max_in_flight) == best
+    assert chosen.schedule == "zbv" and bool(chosen.max_in_flight) == (memory_bytes < 1e9)
 
 
 def test_fold_plan_refuses_when_no_fold_fits_memory():

@@ -95,6 +95,84 @@ def test_the_in_flight_bound_of_a_rank_is_1f1b_with_one_stage_megatrons_when_loo
     assert {rank_in_flight(chain, Fold.v_shape(num_stages=8), r) for r in range(p)} == {2 * p}
 
 
+def _four_branches_in_halves() -> StageGraph:
+    """benchmarks/peers.py's four branches (3, 1, 1, 1 layers into a trunk of 2), each layer two
+    half-layer stages, the second half what the layer's successors read: 16 stages."""
+    layers = [("b0_0", []), ("b0_1", ["b0_0"]), ("b0_2", ["b0_1"]), ("b1_0", []), ("b2_0", []), ("b3_0", []),
+              ("t0", ["b0_2", "b1_0", "b2_0", "b3_0"]), ("t1", ["t0"])]
+    second, edges = {}, []
+    for name, inputs in layers:
+        first = 2 * len(second)
+        second[name] = first + 1
+        edges += [StageEdge(second[x], first, ()) for x in inputs] + [StageEdge(first, first + 1, ())]
+    return StageGraph(num_stages=16, edges=tuple(edges), output_stage=15)
+
+
+def test_zbv_lets_every_rank_hold_what_the_folds_fullest_rank_may_and_so_fills_a_dags_gaps():
+    # The fold the fold search picks for peers.py's four branches, priced with its sleeps (10 ms
+    # per half-layer action; a branch's first layer has no input gradient).
+    from gpp_deepspeed.schedule.virtual import FOLDED_SCHEDULES
+
+    graph = _four_branches_in_halves()
+    fold = Fold((0, 1, 2, 3, 4, 0, 5, 6, 7, 4, 2, 3, 1, 7, 5, 6))
+    sources = {0, 1, 6, 7, 8, 9, 10, 11}
+    sleeps = lambda a: 0.0 if a.kind is K.BACKWARD_INPUT and a.stage_idx in sources else priced(HALF)(a)  # noqa: E731
+    bounds = {r: rank_in_flight(graph, fold, r) for r in range(8)}
+    zbv = FOLDED_SCHEDULES["zbv"][1](graph, 16, fold, duration=sleeps)
+    own = rank_orders(graph, 16, fold, split_backward=True, duration=sleeps)   # each rank at its own bound
+    assert len(set(bounds.values())) > 1
+    assert max(_peak_layers(zbv[r], 1) for r in zbv) <= max(bounds.values())
+    assert rank_makespan(zbv, graph, sleeps) < rank_makespan(own, graph, sleeps)
+    # A V over a chain gives every rank ZB-V's 2p already: the same order either way.
+    chain, v = StageGraph.chain(8), Fold.v_shape(num_stages=8)
+    assert FOLDED_SCHEDULES["zbv"][1](chain, 16, v) == rank_orders(chain, 16, v, split_backward=True)
+    # ... and a cap given by hand is the cap: fewer micro-batches held, a longer step.
+    capped = FOLDED_SCHEDULES["zbv"][1](graph, 16, fold, duration=sleeps, max_in_flight=4)
+    assert max(_peak_layers(capped[r], 1) for r in capped) <= 4
+    assert rank_makespan(capped, graph, sleeps) > rank_makespan(zbv, graph, sleeps)
+
+
+@pytest.mark.parametrize("schedule,fold,cap,message", [
+    ("dualpipev", "v", 4, 'schedule "dualpipev" runs an order that max_in_flight does not shape'),
+    ("interleaved", None, [4, 4], 'schedule "interleaved" runs an order that max_in_flight does not shape'),
+    ("1f1b", None, 4, 'schedule "1f1b" runs an order that max_in_flight does not shape'),
+    ("zbv", "v", [4, 4, 4], "one for each of the 4 pipeline ranks; got \\[4, 4, 4\\]"),
+    ("zbv", "v", 0, "a positive int"),
+    ("zbv", "v", 1, "rank 0 may hold 1 micro-batch\\(es\\) in flight, but a micro-batch passes 2 of its stages "
+                    "\\[0, 7\\]"),
+])
+def test_a_cap_of_micro_batches_in_flight_is_refused_by_name_where_it_cannot_hold(schedule, fold, cap, message):
+    from gpp_deepspeed.errors import GPPConfigError
+    from gpp_deepspeed.schedule import ProgramFactory, build_program
+
+    chain = StageGraph.chain(8)
+    fold = Fold.v_shape(num_stages=8) if fold == "v" else None
+    with pytest.raises(GPPConfigError, match=message):
+        build_program(chain, 8, schedule=schedule, fold=fold, max_in_flight=cap)
+    if cap != 1:   # what needs the order to show is found when the order is made
+        with pytest.raises(GPPConfigError, match=message):   # the engine's factory: at construction, on every rank
+            ProgramFactory(chain, schedule=schedule, fold=fold, max_in_flight=cap)
+
+
+def test_the_config_takes_one_cap_for_every_rank_or_one_per_rank_and_a_plan_only_with_a_fold():
+    from gpp_deepspeed.config import parse_graph_pipeline_config
+    from gpp_deepspeed.errors import GPPConfigError
+    from gpp_deepspeed.planner import Plan, PlanStage
+
+    config = lambda cap: parse_graph_pipeline_config({"graph_pipeline": {"schedule": "zbv", "max_in_flight": cap}})  # noqa: E731
+    assert config(6).max_in_flight == 6 and config([6, 5]).max_in_flight == [6, 5]
+    with pytest.raises(GPPConfigError, match="max_in_flight"):
+        config(0)
+    stages = tuple(PlanStage(layers=(n, )) for n in "abcd")
+    plan = dict(model="m", method="fold", source="hand", micro_batch=1, mini_batch=8, stages=stages, schedule="zbv")
+    folded = Plan(**plan, fold=(0, 1, 1, 0), max_in_flight=(3, 2))
+    assert Plan.from_json(folded.to_json()) == folded
+    with pytest.raises(GPPConfigError, match="the plan has no fold"):
+        Plan(**plan, max_in_flight=(3, 2))
+    with pytest.raises(GPPConfigError, match="one for each of the 2 pipeline ranks"):
+        Plan(**plan, fold=(0, 1, 1, 0), max_in_flight=(3, 2, 1))
+
+
 @pytest.mark.parametrize("p", [2, 4])
 def test_interleaved_1f1b_on_a_looped_chain_has_megatrons_bubble(p):
     # Narayanan et al., SC'21, Sec. 2.2: v chunks per rank cut 1F1B's bubble (p - 1)(t_f + t_b) by v.
@@ -194,7 +272,11 @@ def test_the_fold_search_finds_what_a_brute_force_over_every_map_of_stages_to_ra
         if set(rank_of) != set(range(num_ranks)) or max(rank_of.count(r) for r in range(num_ranks)) > 2:
             continue
         fold = Fold(rank_of)
-        candidates = [interleaved_1f1b(graph, 6, fold), rank_orders(graph, 6, fold, split_backward=True, duration=unit)]
+        # zbv at its own caps (every rank the fold's largest bound) and at each rank's own bound.
+        own = {r: rank_in_flight(graph, fold, r) for r in range(num_ranks)}
+        candidates = [interleaved_1f1b(graph, 6, fold), rank_orders(graph, 6, fold, split_backward=True, duration=unit),
+                      rank_orders(graph, 6, fold, split_backward=True, duration=unit,
+                                  max_in_flight={r: max(own.values()) for r in own})]
         if all(rank_of.count(r) == 2 for r in range(num_ranks)) and 6 >= 2 * num_ranks - 1:
             candidates.append(dualpipev_orders(graph, 6, fold))
         for orders in candidates:

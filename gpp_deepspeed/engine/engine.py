@@ -118,7 +118,9 @@ class GraphPipelineEngine(PipelineEngine):
         self._programs = ProgramFactory(self.stage_graph, schedule=self.schedule_spec.name,
                                         validate=self.gpp_config.validate_schedule,
                                         fold=Fold(self.placement.fold) if self.placement.fold else None,
-                                        early=self.gpp_config.early_receives, duration=self._stage_duration())
+                                        early=self.gpp_config.early_receives, duration=self._stage_duration(),
+                                        max_in_flight=self.gpp_config.max_in_flight or list(self.module.plan_max_in_flight)
+                                        or None)
         self.last_timeline: list[tuple[Action, float, float]] = []   # this stage's last batch, timed
         self._trace_events: list[dict] = []
         self._trace_t0 = time.perf_counter()

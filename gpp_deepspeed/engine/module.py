@@ -149,6 +149,7 @@ class GraphPipelineModule(PipelineModule):
         self.plan_schedule: str | None = resolved.schedule
         # The compute times it was ordered with (a folded plan's; () without a plan or times).
         self.plan_stage_times = resolved.stage_times
+        self.plan_max_in_flight = resolved.max_in_flight   # and the caps of in-flight micro-batches (): its own
         # The first communication: every rank has passed init_distributed, so each can unlink its
         # DeepSpeed shm file now (the memory stays mapped) and nothing is left in /dev/shm.
         release_own_shm()

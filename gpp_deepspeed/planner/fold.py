@@ -58,9 +58,10 @@ def fold_plan(plan: Plan, db: CostDB, *, num_ranks: int, schedules: Sequence[str
                          static={s: c.memory(0) for s, c in enumerate(priced.costs)},
                          memory=db.hardware.memory_bytes, max_stages_per_rank=max_stages_per_rank,
                          schedules=tuple(schedules))
-    # The times the fold's orders were made with travel in the plan: the engine builds the same order.
+    # The times and caps the fold's orders were made with travel in the plan: the engine builds the same order.
     folded = dataclasses.replace(start, fold=choice.fold.rank_of, schedule=choice.schedule,
-                                 stage_times=tuple(c.times for c in priced.costs))
+                                 stage_times=tuple(c.times for c in priced.costs),
+                                 max_in_flight=choice.max_in_flight or ())
     sim = simulate_folded(folded, db)
     edges = tuple(sorted({(e.src, e.dst) for e in priced.stage_graph.edges}))
     return folded.with_prediction(sim.prediction, edges)

@@ -19,7 +19,7 @@ from typing import Callable
 from ..errors import ScheduleError
 from ..graph.stages import StageGraph
 from ..schedule.ir import Action
-from ..schedule.virtual import FOLDED_SCHEDULES, Fold, rank_makespan, rank_peak
+from ..schedule.virtual import FOLDED_SCHEDULES, IN_FLIGHT_CAPPED, Fold, rank_in_flight, rank_makespan, rank_peak
 
 __all__ = ["FoldChoice", "search_fold"]
 
@@ -29,12 +29,14 @@ class FoldChoice:
     """A fold, the schedule its ranks run (a name of :data:`FOLDED_SCHEDULES`), its compute
     makespan and each rank's peak memory (its stages' ``static`` memory plus the most activation
     memory it holds at once: the sum of its stages' in-flight micro-batches, each weighted by the
-    stage's activation size)."""
+    stage's activation size), and the caps of micro-batches in flight per rank its order was made
+    under (``max_in_flight``; None: the schedule's own)."""
 
     fold: Fold
     schedule: str
     makespan: float
     peak: tuple[float, ...]
+    max_in_flight: tuple[int, ...] | None = None
 
 
 _BRUTE_FORCE_LIMIT = 400   # groupings priced one by one; above it, structured folds and local moves
@@ -51,16 +53,20 @@ def search_fold(stage_graph: StageGraph, num_microbatches: int, *, num_ranks: in
     under every one of ``schedules`` that runs on it, priced by :func:`rank_makespan` with
     ``duration`` (the stages' compute), keeping each rank's peak memory (``static[s]`` for each of
     its stages, default 0, plus ``activation[s]`` per micro-batch in flight on stage ``s``, default
-    1) within ``memory``. Where there are more than a few hundred groupings, the looped and V folds
-    and the fold pairing stages by depth (the deepest with the shallowest) are priced, and the best
-    is improved by moving and swapping stages between ranks while that helps (a local search, not
-    exhaustive). Raises :class:`ScheduleError` when no fold fits.
+    1) within ``memory``. A schedule whose order is made under a cap of micro-batches in flight
+    (``zbv``) is priced under its own caps (every rank the fold's largest bound) and under each
+    rank's own bound (:func:`~gpp_deepspeed.schedule.greedy.rank_in_flight`: less memory on the
+    ranks of shallow stages); a choice under the latter carries those caps. Where there are more
+    than a few hundred groupings, the looped and V folds and the fold pairing stages by depth (the
+    deepest with the shallowest) are priced, and the best is improved by moving and swapping stages
+    between ranks while that helps (a local search, not exhaustive). Raises :class:`ScheduleError`
+    when no fold fits. Of equally fast choices the first in ``schedules`` order wins.
 
     >>> chain = StageGraph.chain(4)
     >>> unit = lambda a: {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}.get(a.kind.value, 0.0)
     >>> best = search_fold(chain, 8, num_ranks=2, duration=unit)
-    >>> best.schedule, best.fold.stages_of(0), best.makespan
-    ('dualpipev', (0, 3), 49.0)
+    >>> best.schedule, best.fold.stages_of(0), best.makespan     # DualPipeV's V is as fast
+    ('zbv', (0, 2), 49.0)
     """
     price = _FoldPricer(stage_graph, num_microbatches, duration, activation, memory, static, schedules)
     groupings = []
@@ -94,17 +100,22 @@ class _FoldPricer:
         stage_graph, num_mb, duration = self.args
         best = None
         for name in self.schedules:
-            try:
-                orders = FOLDED_SCHEDULES[name][1](stage_graph, num_mb, fold, duration=duration)
-            except ScheduleError:           # dualpipev: not two stages a rank, or too few micro-batches
-                continue
-            peak = tuple(sum(self.static.get(s, 0.0) for s in fold.stages_of(r)) + rank_peak(orders[r], self.activation)
-                         for r in sorted(orders))
-            if self.memory is not None and max(peak) > self.memory:
-                continue
-            makespan = rank_makespan(orders, stage_graph, duration)
-            if best is None or makespan < best.makespan:
-                best = FoldChoice(fold=fold, schedule=name, makespan=makespan, peak=peak)
+            caps = [None]
+            own = tuple(rank_in_flight(stage_graph, fold, r) for r in range(fold.num_ranks))
+            if name in IN_FLIGHT_CAPPED and len(set(own)) > 1:   # equal bounds: the schedule's own caps
+                caps.append(own)
+            for cap in caps:
+                try:
+                    orders = FOLDED_SCHEDULES[name][1](stage_graph, num_mb, fold, duration=duration, max_in_flight=cap)
+                except ScheduleError:           # dualpipev: not two stages a rank, or too few micro-batches
+                    continue
+                peak = tuple(sum(self.static.get(s, 0.0) for s in fold.stages_of(r))
+                             + rank_peak(orders[r], self.activation) for r in sorted(orders))
+                if self.memory is not None and max(peak) > self.memory:
+                    continue
+                makespan = rank_makespan(orders, stage_graph, duration)
+                if best is None or makespan < best.makespan:
+                    best = FoldChoice(fold=fold, schedule=name, makespan=makespan, peak=peak, max_in_flight=cap)
         return best
 
 

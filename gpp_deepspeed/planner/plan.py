@@ -86,7 +86,9 @@ class Plan:
     A stage's ``tp`` (its tensor-parallel degree) loads as 1 from a file written before it existed.
     ``stage_times`` is each stage's ``(F, B, I, W)`` seconds the plan's schedule was ordered and
     priced with (a folded plan's: ``zbv`` orders its actions on a simulated clock of them, so the
-    engine builds the very order the planner priced; ``()``: none, unit times).
+    engine builds the very order the planner priced; ``()``: none, unit times). ``max_in_flight``
+    is each rank's cap of micro-batches in flight the folded schedule's order was made under
+    (``zbv``'s, when the fold search chose caps other than the schedule's own; ``()``: its own).
 
     >>> p = Plan(model="m", method="manual", source="hand", micro_batch=2, mini_batch=8,
     ...          stages=(PlanStage(layers=("a",)), PlanStage(layers=("b", "c"))))
@@ -112,6 +114,7 @@ class Plan:
     placement: tuple[tuple[int, ...], ...] = ()
     fold: tuple[int, ...] = ()
     stage_times: tuple[tuple[float, float, float, float], ...] = ()
+    max_in_flight: tuple[int, ...] = ()
 
     @property
     def stages_per_rank(self) -> int:
@@ -151,6 +154,12 @@ class Plan:
         if self.stage_times:
             from ..schedule.greedy import check_stage_times
             check_stage_times(self.stage_times, self.num_stages)
+        if self.max_in_flight:
+            from ..schedule.virtual import schedule_in_flight
+            if not self.fold:
+                raise GPPConfigError(f"plan max_in_flight {list(self.max_in_flight)} caps a folded schedule's order; "
+                                     "the plan has no fold")
+            schedule_in_flight(self.schedule, list(self.max_in_flight), self.num_devices)
 
     def _check_fold(self) -> None:
         from ..schedule.virtual import FOLDED_SCHEDULES, Fold
@@ -186,6 +195,7 @@ class Plan:
             d["placement"] = tuple(tuple(p) for p in d.get("placement", ()))
             d["fold"] = tuple(d.get("fold", ()))
             d["stage_times"] = tuple(tuple(t) for t in d.get("stage_times", ()))
+            d["max_in_flight"] = tuple(d.get("max_in_flight", ()))
             if pred is not None:
                 pred = Prediction(**{k: tuple(v) if isinstance(v, list) else v for k, v in pred.items()})
             return cls(**d, stages=stages, predicted=pred)

@@ -40,6 +40,7 @@ from .ir import Action, ActionKind as K, Schedule, Segment
 from .lowering import BufferSlots, assign_buffers, lower, num_slots
 from .greedy import Fold
 from .registry import SCHEDULES, ScheduleSpec, get_schedule
+from .virtual import schedule_in_flight
 from .validate import Timeline, check_lists, check_weight_versions, simulate
 
 __all__ = ["Program", "build_program", "default_fold", "check_fold", "build_schedule", "validate_program", "AsyncProgram", "AsyncReport",
@@ -112,7 +113,7 @@ class Program:
 
 def build_program(stage_graph: StageGraph, num_microbatches: int, *, schedule: str = "1f1b", train: bool = True,
                   duration: Callable[[Action], float] | None = None, layouts: bool = False,
-                  fold: Fold | None = None, early: bool = True) -> Program:
+                  fold: Fold | None = None, early: bool = True, max_in_flight=None) -> Program:
     """The program of one batch of a synchronous schedule (or of any schedule in evaluation,
     which runs forwards only). ``duration``: the compute times the program is made for (default
     unit ones): the order of a folded schedule made on a simulated clock (``zbv``:
@@ -122,13 +123,17 @@ def build_program(stage_graph: StageGraph, num_microbatches: int, *, schedule: s
     ``layouts``: every activation's layout is sent before it (``dynamic_shape``, a first batch).
     ``fold``: the ranks of the stages of a schedule of several stages per rank (default
     :func:`default_fold`); refused for the others. ``early``: receives are posted as soon as their
-    message is sent and waited for at their use (:func:`~gpp_deepspeed.schedule.lowering.post_early`)."""
+    message is sent and waited for at their use (:func:`~gpp_deepspeed.schedule.lowering.post_early`).
+    ``max_in_flight``: the micro-batches each rank may hold in ``zbv``'s order (an int, or one per
+    rank; default :func:`~gpp_deepspeed.schedule.greedy.fold_in_flight`); refused for the schedules
+    whose order it cannot cap."""
     if num_microbatches < 1:
         raise GPPConfigError(f"need at least one micro-batch, got {num_microbatches}")
     spec = get_schedule(schedule)
     if spec.folded is not None or fold is not None:
         return _folded_program(stage_graph, num_microbatches, spec, fold, train=train, duration=duration,
-                               layouts=layouts, early=early)
+                               layouts=layouts, early=early, max_in_flight=max_in_flight)
+    schedule_in_flight(spec.name, max_in_flight, stage_graph.num_stages)   # refuses a cap: no order here takes one
     if train and spec.asynchronous:
         raise GPPConfigError(f'schedule "{spec.name}" is asynchronous: its batches are AsyncProgram(...).batch(k)')
     compute = spec.generator(stage_graph, num_microbatches) if train else forward_only(stage_graph, num_microbatches)
@@ -174,7 +179,7 @@ def check_fold(fold: Fold, stage_graph: StageGraph, schedule: str) -> None:
 
 
 def _folded_program(stage_graph: StageGraph, num_microbatches: int, spec: ScheduleSpec, fold: Fold | None, *,
-                    train: bool, duration, layouts: bool, early: bool = True) -> Program:
+                    train: bool, duration, layouts: bool, early: bool = True, max_in_flight=None) -> Program:
     """The program of a schedule of several stages per rank: each rank's one list across its
     stages (:func:`~gpp_deepspeed.schedule.virtual.fold_program`), keyed by rank."""
     from .virtual import fold_program, rank_orders
@@ -183,8 +188,11 @@ def _folded_program(stage_graph: StageGraph, num_microbatches: int, spec: Schedu
     check_fold(fold, stage_graph, spec.name)
     if spec.folded is None:                  # a one-stage-per-rank schedule on a permuted fold
         raise GPPConfigError(f'schedule "{spec.name}" runs one stage per rank without a fold')
-    orders = (spec.folded.orders(stage_graph, num_microbatches, fold, duration=duration) if train
-              else rank_orders(stage_graph, num_microbatches, fold, split_backward=False))
+    if train:
+        orders = spec.folded.orders(stage_graph, num_microbatches, fold, duration=duration, max_in_flight=max_in_flight)
+    else:   # evaluation runs forwards only, in no capped order; a cap is checked all the same
+        schedule_in_flight(spec.name, max_in_flight, fold.num_ranks)
+        orders = rank_orders(stage_graph, num_microbatches, fold, split_backward=False)
     actions = fold_program(stage_graph, num_microbatches, fold, orders, duration=duration, train=train,
                            layouts=layouts, early=early)
     per_stage: dict[int, list[Action]] = {s: [] for s in range(stage_graph.num_stages)}
@@ -423,7 +431,8 @@ class ProgramFactory:
 
     ``duration``: the compute times the synchronous programs are made for (:func:`build_program`;
     the engine's come from ``graph_pipeline.stage_times`` or the plan's ``stage_times``, the same
-    on every rank, so every rank builds the same order).
+    on every rank, so every rank builds the same order); ``max_in_flight`` likewise caps ``zbv``'s
+    order (``graph_pipeline.max_in_flight``, or the plan's).
 
     Layouts: a synchronous batch sends them when asked (a first batch, ``dynamic_shape``); an
     asynchronous schedule sends them in every batch and flush, because its batches share buffer
@@ -439,14 +448,17 @@ class ProgramFactory:
     """
 
     def __init__(self, stage_graph: StageGraph, *, schedule: str, validate: bool = False, fold: Fold | None = None,
-                 early: bool = True, duration: Callable[[Action], float] | None = None):
+                 early: bool = True, duration: Callable[[Action], float] | None = None, max_in_flight=None):
         self.spec = get_schedule(schedule)
         self.stage_graph, self.validate, self.early, self.duration = stage_graph, validate, early, duration
+        self.max_in_flight = max_in_flight
         if fold is not None:
             check_fold(fold, stage_graph, self.spec.name)
         elif self.spec.folded is not None:
             fold = default_fold(stage_graph, self.spec.name)
         self.fold = fold   # several stages per rank: every program is keyed by rank (Program.fold)
+        # A cap the schedule cannot take is refused now, on every rank alike, not at the first batch.
+        schedule_in_flight(self.spec.name, max_in_flight, fold.num_ranks if fold else stage_graph.num_stages)
         self._batches: dict[tuple[int, bool, bool], Program] = {}
         self._pipelines: dict[int, AsyncProgram] = {}
         self._reports: dict[int, AsyncReport] = {}
@@ -463,7 +475,8 @@ class ProgramFactory:
             key = (num_microbatches, train, layouts)
             if key not in self._batches:
                 program = build_program(self.stage_graph, num_microbatches, schedule=self.spec.name, train=train,
-                                        layouts=layouts, fold=self.fold, early=self.early, duration=self.duration)
+                                        layouts=layouts, fold=self.fold, early=self.early, duration=self.duration,
+                                        max_in_flight=self.max_in_flight)
                 if self.validate:
                     validate_program(program, self.stage_graph)
                 self._batches[key] = program

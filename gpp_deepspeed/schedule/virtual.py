@@ -33,7 +33,9 @@ Where it stands (``tests/test_virtual_stages.py``; unit ``F = I = W``, 16 micro-
 8 half-stages on 4 ranks, whose ideal is 48): 1F1B on the same layers as 4 whole stages takes 57.0;
 interleaved 1F1B 52.5 (Megatron's closed form); ZB-V 51.5 at 1F1B's peak memory (4 whole-layer
 micro-batches a rank); DualPipeV 49.5 (a bubble of ``R - 1`` half-stage forwards) at 4.5. A rank's
-cap in the greedy order is :func:`rank_in_flight`; a micro-batch reserves its units on a rank when it
+cap in ``zbv``'s greedy order is the fold's largest :func:`rank_in_flight`
+(:func:`~gpp_deepspeed.schedule.greedy.fold_in_flight`, ZB-V's ``2p`` on a V over a chain), or
+``max_in_flight``; a micro-batch reserves its units on a rank when it
 first reaches it, and where that could deadlock (a micro-batch entering one rank at two stages of a
 DAG) the cap is relaxed for micro-batches already begun there.
 
@@ -47,12 +49,12 @@ from __future__ import annotations
 
 from typing import Callable
 
-from ..errors import ScheduleError
+from ..errors import GPPConfigError, ScheduleError
 from ..graph.stages import StageGraph
 from .ir import Action, ActionKind as K
-from .greedy import Fold, rank_in_flight, rank_orders, unit_split_duration
+from .greedy import Fold, check_in_flight, fold_in_flight, rank_in_flight, rank_orders, unit_split_duration
 
-__all__ = ["Fold", "FOLDED_SCHEDULES", "rank_orders", "interleaved_1f1b", "dualpipev_orders", "fold_program",
+__all__ = ["Fold", "FOLDED_SCHEDULES", "IN_FLIGHT_CAPPED", "schedule_in_flight", "rank_orders", "interleaved_1f1b", "dualpipev_orders", "fold_program",
            "validate_folded", "rank_peak", "rank_in_flight", "rank_makespan"]
 
 
@@ -326,19 +328,49 @@ def _check_hand_over(actions: list[Action], edge, num_microbatches: int, *, trai
                                 f"micro-batch {j} and before stage {src}'s")
 
 
-def _zbv(stage_graph, num_mb, fold, duration=None):
-    return rank_orders(stage_graph, num_mb, fold, split_backward=True, duration=duration)
+def schedule_in_flight(name: str, max_in_flight, num_ranks: int) -> tuple[int, ...] | None:
+    """``max_in_flight`` (``graph_pipeline.max_in_flight``, a plan's) for schedule ``name`` on
+    ``num_ranks`` ranks: None stays None (the schedule's own caps), else every rank's cap
+    (:func:`~gpp_deepspeed.schedule.greedy.check_in_flight`); refused, naming both, for a schedule
+    whose order no cap shapes (all but :data:`IN_FLIGHT_CAPPED`)."""
+    if max_in_flight is None:
+        return None
+    if name not in IN_FLIGHT_CAPPED:
+        raise GPPConfigError(f'schedule "{name}" runs an order that max_in_flight does not shape; it caps the '
+                             f"micro-batches in flight of {sorted(IN_FLIGHT_CAPPED)} (got max_in_flight={max_in_flight})")
+    return check_in_flight(max_in_flight, num_ranks)
+
+
+def _zbv(stage_graph, num_mb, fold, duration=None, max_in_flight=None):
+    caps = schedule_in_flight("zbv", max_in_flight, fold.num_ranks)
+    return rank_orders(stage_graph, num_mb, fold, split_backward=True, duration=duration,
+                       max_in_flight=fold_in_flight(stage_graph, fold) if caps is None else dict(enumerate(caps)))
+
+
+def _fixed(name: str, orders: Callable) -> Callable:
+    """The orders function of a folded schedule whose order is fixed: no simulated clock, no cap."""
+    def fixed(stage_graph, num_mb, fold, duration=None, max_in_flight=None):
+        schedule_in_flight(name, max_in_flight, fold.num_ranks)
+        return orders(stage_graph, num_mb, fold)
+    return fixed
 
 
 FOLDED_SCHEDULES: dict[str, tuple[str, Callable, bool]] = {
-    "interleaved": ("looped", lambda g, m, f, duration=None: interleaved_1f1b(g, m, f), False),
+    "interleaved": ("looped", _fixed("interleaved", interleaved_1f1b), False),
     "zbv": ("v", _zbv, True),
-    "dualpipev": ("v", lambda g, m, f, duration=None: dualpipev_orders(g, m, f), True),
+    "dualpipev": ("v", _fixed("dualpipev", lambda g, m, f: dualpipev_orders(g, m, f)), True),   # defined below
 }
 """Every folded schedule by name: (the fold it is made for, its orders function ``(stage_graph,
-num_microbatches, fold, duration=None) -> {rank: [Action, ...]}``, whether it splits the
-backward). The planner's ``search_fold`` tries each on every fold it can run on (``dualpipev``: two stages a
-rank); the fold kind is only the default placement (``Fold.looped`` / ``Fold.v_shape``)."""
+num_microbatches, fold, duration=None, max_in_flight=None) -> {rank: [Action, ...]}``, whether it
+splits the backward). The planner's ``search_fold`` tries each on every fold it can run on (``dualpipev``: two stages a
+rank); the fold kind is only the default placement (``Fold.looped`` / ``Fold.v_shape``).
+``max_in_flight`` (an int, or one per rank) caps the micro-batches each rank holds in the schedules
+of :data:`IN_FLIGHT_CAPPED` (default :func:`~gpp_deepspeed.schedule.greedy.fold_in_flight`); the
+others refuse it."""
+
+IN_FLIGHT_CAPPED = frozenset({"zbv"})
+"""The folded schedules whose order is made under a cap of micro-batches in flight per rank."""
+
 
 def rank_peak(actions: list[Action], activation: dict[int, float] | None) -> float:
     """The most activation memory a rank's compute order holds at once: ``activation[s]`` (default

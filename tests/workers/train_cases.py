@@ -33,7 +33,8 @@ def ds_config(case, dp):
         "steps_per_print": case.get("steps_per_print", 10**6),
         # No "schedule" in the case: the engine's default, or the schedule of the case's plan file.
         "graph_pipeline": {"print_stage_graph": False, **({"schedule": case["schedule"]} if "schedule" in case else {}),
-                           **{k: case[k] for k in ("stages_per_rank", "fold", "early_receives", "stage_times") if k in case}},
+                           **{k: case[k] for k in ("stages_per_rank", "fold", "early_receives", "stage_times",
+                                                    "max_in_flight") if k in case}},
     }
     if case.get("wall_clock"):
         cfg["wall_clock_breakdown"] = True
