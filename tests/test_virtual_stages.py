@@ -116,7 +116,8 @@ def test_zbv_lets_every_rank_hold_what_the_folds_fullest_rank_may_and_so_fills_a
     graph = _four_branches_in_halves()
     fold = Fold((0, 1, 2, 3, 4, 0, 5, 6, 7, 4, 2, 3, 1, 7, 5, 6))
     sources = {0, 1, 6, 7, 8, 9, 10, 11}
-    sleeps = lambda a: 0.0 if a.kind is K.BACKWARD_INPUT and a.stage_idx in sources else priced(HALF)(a)  # noqa: E731
+    source_table = {**HALF, "I": 0.0, "B": HALF["W"]}   # a branch's first layer takes no input gradient
+    sleeps = lambda a: priced(source_table if a.stage_idx in sources else HALF)(a)  # noqa: E731
     bounds = {r: rank_in_flight(graph, fold, r) for r in range(8)}
     zbv = FOLDED_SCHEDULES["zbv"][1](graph, 16, fold, duration=sleeps)
     own = rank_orders(graph, 16, fold, split_backward=True, duration=sleeps)   # each rank at its own bound
