@@ -137,6 +137,13 @@ class GraphPipelineEngine(PipelineEngine):
             self._async = _async.AsyncPipeline(self)
         if self.training_data:
             data.place_data_iter(self)
+        if not self.schedule_spec.asynchronous:
+            # The training programs of the configured micro-batches are made now, as torch makes its
+            # schedules at construction: the first batch's (it sends every edge's layout) and the
+            # steady one. No step pays for lowering (a folded schedule's takes seconds on a loaded
+            # host) and what a program refuses is refused here, on every rank alike.
+            for layouts in {True, bool(self.dynamic_shape)}:
+                self._programs.program(self.micro_batches, train=True, layouts=layouts)
         if self.gpp_config.print_stage_graph and self.global_rank == 0:
             print(self.module.partition.describe(), flush=True)
         self._print_memory("at initialize (gradients: to be allocated by the first backward)")

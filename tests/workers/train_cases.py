@@ -138,6 +138,18 @@ def _recording(batches, seen):
 
 
 def train(engine, mc, case, steps):
+    if case.get("no_program_after_init"):   # initialize made the training programs: the steps build none
+        from gpp_deepspeed.schedule import program as programs
+
+        build = programs.build_program
+
+        def refused(*args, **kwargs):
+            raise AssertionError("a training step built a program, which initialize should have made")
+        programs.build_program = refused
+        try:
+            return train(engine, mc, {k: v for k, v in case.items() if k != "no_program_after_init"}, steps)
+        finally:
+            programs.build_program = build
     dp_rank = replica(engine)
     losses = []
     for step in steps:
