@@ -63,7 +63,7 @@ OURS_FOLDED = ("interleaved", "zbv", "dualpipev")   # 16 half-layer stages, two 
 # Also run with every receive completed in place ("early_receives": false), to show in the same
 # launch what posting receives early (lowering.post_early) buys.
 IN_PLACE = ("1f1b", "dualpipev")
-WARM_UP = 2   # rounds left out of the medians: our engines build their first and their steady program
+WARM_UP = 2   # rounds left out of the medians: every engine's first steps (ours send every edge's layout)
 IN_PLACE_SUFFIX = ", receives in place"
 TORCH_V = ("ZBVZeroBubble", "DualPipeV")  # the schedules that place their stages in a V
 DEEPSPEED = ("PipelineEngine", "DualPipeVEngine")
@@ -588,8 +588,8 @@ def write_table(results: dict, rounds: int, loads: dict) -> None:
             f"{RANKS} gloo ranks, {M} micro-batches, sleeping layers (forward, input gradient and weight gradient "
             f"{T_F * 1e3:.0f} ms each; a branch's first layer has no input gradient). One launch per model trains "
             "every configuration in turn, one step each, round after round; each figure is the median step of "
-            f"rounds {WARM_UP + 1}..{rounds} (our engines build their programs in the first two: the first "
-            "batch's, which sends every edge's layout, and the steady one). Ours runs the stage DAG (one layer per stage and rank); torch "
+            f"rounds {WARM_UP + 1}..{rounds} (the first two warm every engine up: ours send every edge's layout "
+            "in their first batch). Ours runs the stage DAG (one layer per stage and rank); torch "
             "(`torch.distributed.pipelining`, 2.13) and DeepSpeed (0.19.8) run the same layers as a chain: one "
             "layer per rank for single-stage schedules, two half-layer stages per rank for the multi-stage ones "
             "(looped placement, a V for `ZBVZeroBubble` and both DualPipeVs). \"Peak in flight\" is the most "
