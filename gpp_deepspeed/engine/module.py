@@ -39,7 +39,7 @@ from .compat import broadcast_tied_weights, pipeline_grid
 from .tensor_parallel import check_tp_layers, sharding_specs
 from .flat import flatten, unflatten
 from .memory import ActivationMeter, check_fits_memory, node_memory_bytes
-from .rooms import resolve_fold
+from .rooms import resolve_fold, set_plain
 from .shm import release_own_shm
 from .topology import StageGrid, StageTopology
 
@@ -178,8 +178,6 @@ class GraphPipelineModule(PipelineModule):
             # run as one checkpointed chunk here, and every other stage keeps its activations.
             self.activation_checkpoint_interval = len(self._local_entries)
             compat.precompute_checkpointable_values(self)
-        # Set by the engine: the stage has nothing to differentiate and runs no backward.
-        self.frozen = False
         # What autograd holds for this stage's backward passes (the memory report's activation peak).
         self.activations = ActivationMeter(self.parameters)
         self.glue_placeholder: nn.Parameter | None = None
@@ -271,10 +269,10 @@ class GraphPipelineModule(PipelineModule):
     def is_output_stage(self) -> bool:
         return self.stage == self.partition.stage_graph.output_stage
 
-    def select(self, stage: int) -> None:
-        """Make ``stage``, one of this rank's :attr:`stages`, the one :meth:`forward` runs."""
-        self.stage = stage
-        self.stage_spec: StageSpec = self.partition.stages[stage]
+    def select(self, stage: int, *, frozen: bool = False) -> None:
+        """Make ``stage``, one of this rank's :attr:`stages`, the one :meth:`forward` runs
+        (``frozen``: it has nothing to differentiate and runs no backward; the engine says)."""
+        set_plain(self, stage=stage, stage_spec=self.partition.stages[stage], frozen=frozen)
 
     def stage_parameters(self, stage: int) -> list[nn.Parameter]:
         """The parameters ``stage``'s layers use (tied ones included), once each: all of this

@@ -45,7 +45,15 @@ from . import compat
 from .buffers import StageBuffers
 from .transfers import StageTransfers
 
-__all__ = ["StageRoom", "RankStages", "check_folding", "resolve_fold"]
+__all__ = ["StageRoom", "RankStages", "check_folding", "resolve_fold", "set_plain"]
+
+
+def set_plain(module, **values) -> None:
+    """Set plain attributes (no parameter, module or tensor) of an ``nn.Module`` past
+    ``nn.Module.__setattr__``'s registry checks, which cost microseconds a name: a folded rank
+    switches its engine and module to another stage around every action."""
+    for name, value in values.items():
+        object.__setattr__(module, name, value)
 
 
 @dataclass
@@ -93,9 +101,8 @@ class RankStages:
 
     def _point(self, stage: int) -> None:
         room, engine = self.rooms[stage], self.engine
-        engine.stage, engine.spec, engine.pipe_buffers = stage, room.spec, room.buffers
-        engine.module.select(stage)
-        engine.module.frozen = room.frozen
+        set_plain(engine, stage=stage, spec=room.spec, pipe_buffers=room.buffers)
+        engine.module.select(stage, frozen=room.frozen)
 
     def is_first(self) -> bool:
         """Reads graph inputs from the batch: the entered stage, or between schedules any of the rank's."""
