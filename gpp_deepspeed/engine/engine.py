@@ -66,7 +66,7 @@ from .memory import MemoryReport, memory_report
 from .module import GraphPipelineModule
 from .p2p import EdgeTransport
 from .reshard import warm_up_pairs
-from .rooms import RankStages, check_folding
+from .rooms import RankStages, check_folding, set_plain
 from .zero import StageZero, check_zero_supported
 
 __all__ = ["GraphPipelineEngine"]
@@ -434,7 +434,8 @@ class GraphPipelineEngine(PipelineEngine):
         received = buffers[Buffer.RECEIVED, buffer_id] or {}
         values = [loaded[ref.node] if not ref.path and ref.node in loaded else received[ref]
                   for ref in self.spec.in_ports]
-        flat, self.module.in_arity = flatten(values)
+        flat, arity = flatten(values)
+        set_plain(self.module, in_arity=arity)   # every forward: past nn.Module.__setattr__'s checks
         buffers[Buffer.INPUTS, buffer_id] = tuple(flat)
         versions = (self._async.versions.on_current(buffer_id) if self._async is not None and torch.is_grad_enabled()
                     else contextlib.nullcontext())
