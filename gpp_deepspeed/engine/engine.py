@@ -119,7 +119,7 @@ class GraphPipelineEngine(PipelineEngine):
                                         validate=self.gpp_config.validate_schedule,
                                         fold=Fold(self.placement.fold) if self.placement.fold else None,
                                         early=self.gpp_config.early_receives, duration=self._stage_duration(),
-                                        max_in_flight=self.gpp_config.max_in_flight or list(self.module.plan_max_in_flight)
+                                        max_in_flight=self.gpp_config.max_in_flight or self.module.plan_max_in_flight
                                         or None)
         self.last_timeline: list[tuple[Action, float, float]] = []   # this stage's last batch, timed
         self._trace_events: list[dict] = []

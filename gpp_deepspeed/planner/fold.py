@@ -57,27 +57,25 @@ def fold_plan(plan: Plan, db: CostDB, *, num_ranks: int, schedules: Sequence[str
     priced = priced_stages(start, db)
     duration = action_duration(priced.costs, priced.step_s)
     edges = tuple(sorted({(e.src, e.dst) for e in priced.stage_graph.edges}))
-    best = None
+    activation = {s: c.stash_bytes for s, c in enumerate(priced.costs)}
+    static = {s: c.memory(0) for s, c in enumerate(priced.costs)}
+    times = tuple(c.times for c in priced.costs)
+    found = []
     # One search per schedule: the compute order alone ranks folds well within a schedule, but
     # not across schedules whose transfers differ (on MMT the zbv that computes fastest runs 3%
     # slower than the DualPipeV just behind it, once its messages are priced).
     for name in schedules:
         try:
             choice = search_fold(priced.stage_graph, plan.num_microbatches, num_ranks=num_ranks, duration=duration,
-                                 activation={s: c.stash_bytes for s, c in enumerate(priced.costs)},
-                                 static={s: c.memory(0) for s, c in enumerate(priced.costs)},
-                                 memory=db.hardware.memory_bytes, max_stages_per_rank=max_stages_per_rank,
-                                 schedules=(name, ))
+                                 activation=activation, static=static, memory=db.hardware.memory_bytes,
+                                 max_stages_per_rank=max_stages_per_rank, schedules=(name, ))
         except ScheduleError:
             continue
         # The times and caps the fold's orders were made with travel in the plan: the engine builds the same order.
-        folded = dataclasses.replace(start, fold=choice.fold.rank_of, schedule=choice.schedule,
-                                     stage_times=tuple(c.times for c in priced.costs),
+        folded = dataclasses.replace(start, fold=choice.fold.rank_of, schedule=choice.schedule, stage_times=times,
                                      max_in_flight=choice.max_in_flight or ())
-        folded = folded.with_prediction(simulate_folded(folded, db).prediction, edges)
-        rank = lambda p: (not p.predicted.fits_memory, p.predicted.iteration_time_s)  # noqa: E731
-        if best is None or rank(folded) < rank(best):
-            best = folded
+        found.append(folded.with_prediction(simulate_folded(folded, db).prediction, edges))
+    best = min(found, key=lambda p: (not p.predicted.fits_memory, p.predicted.iteration_time_s), default=None)
     if best is None:
         raise ScheduleError(f"no fold of {plan.num_stages} stages onto {num_ranks} ranks, at most "
                             f"{max_stages_per_rank} a rank, under {', '.join(schedules)} keeps every rank's memory "

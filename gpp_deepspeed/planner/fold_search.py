@@ -99,11 +99,10 @@ class _FoldPricer:
     def _price(self, fold: Fold) -> FoldChoice | None:
         stage_graph, num_mb, duration = self.args
         best = None
+        own = tuple(rank_in_flight(stage_graph, fold, r) for r in range(fold.num_ranks))
         for name in self.schedules:
-            caps = [None]
-            own = tuple(rank_in_flight(stage_graph, fold, r) for r in range(fold.num_ranks))
-            if name in IN_FLIGHT_CAPPED and len(set(own)) > 1:   # equal bounds: the schedule's own caps
-                caps.append(own)
+            # Equal bounds are the schedule's own caps: nothing more to price.
+            caps = [None, own] if name in IN_FLIGHT_CAPPED and len(set(own)) > 1 else [None]
             for cap in caps:
                 try:
                     orders = FOLDED_SCHEDULES[name][1](stage_graph, num_mb, fold, duration=duration, max_in_flight=cap)

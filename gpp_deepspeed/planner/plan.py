@@ -159,7 +159,7 @@ class Plan:
             if not self.fold:
                 raise GPPConfigError(f"plan max_in_flight {list(self.max_in_flight)} caps a folded schedule's order; "
                                      "the plan has no fold")
-            schedule_in_flight(self.schedule, list(self.max_in_flight), self.num_devices)
+            schedule_in_flight(self.schedule, self.max_in_flight, self.num_devices)
 
     def _check_fold(self) -> None:
         from ..schedule.virtual import FOLDED_SCHEDULES, Fold

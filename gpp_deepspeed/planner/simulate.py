@@ -119,8 +119,7 @@ def simulate_folded(plan: Plan, db: CostDB, *, schedule: str | None = None, stag
     priced = priced_stages(plan, db, stage_costs=stage_costs, link=link)
     graph, costs, num_mb, fold = priced.stage_graph, priced.costs, plan.num_microbatches, Fold(plan.fold)
     duration = action_duration(costs, priced.step_s)
-    orders = FOLDED_SCHEDULES[schedule][1](graph, num_mb, fold, duration=duration,
-                                           max_in_flight=list(plan.max_in_flight) or None)
+    orders = FOLDED_SCHEDULES[schedule][1](graph, num_mb, fold, duration=duration, max_in_flight=plan.max_in_flight or None)
     program = fold_program(graph, num_mb, fold, orders, duration=duration)
     timeline = simulate(program, duration=duration, latency=priced.link.latency_s,
                         late_receive=priced.link.late_receive_s)

@@ -188,11 +188,9 @@ def _folded_program(stage_graph: StageGraph, num_microbatches: int, spec: Schedu
     check_fold(fold, stage_graph, spec.name)
     if spec.folded is None:                  # a one-stage-per-rank schedule on a permuted fold
         raise GPPConfigError(f'schedule "{spec.name}" runs one stage per rank without a fold')
-    if train:
-        orders = spec.folded.orders(stage_graph, num_microbatches, fold, duration=duration, max_in_flight=max_in_flight)
-    else:   # evaluation runs forwards only, in no capped order; a cap is checked all the same
-        schedule_in_flight(spec.name, max_in_flight, fold.num_ranks)
-        orders = rank_orders(stage_graph, num_microbatches, fold, split_backward=False)
+    caps = schedule_in_flight(spec.name, max_in_flight, fold.num_ranks)   # checked in evaluation too
+    orders = (spec.folded.orders(stage_graph, num_microbatches, fold, duration=duration, max_in_flight=caps) if train
+              else rank_orders(stage_graph, num_microbatches, fold, split_backward=False))
     actions = fold_program(stage_graph, num_microbatches, fold, orders, duration=duration, train=train,
                            layouts=layouts, early=early)
     per_stage: dict[int, list[Action]] = {s: [] for s in range(stage_graph.num_stages)}
