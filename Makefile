@@ -43,6 +43,8 @@ bench: setup
 	$(PY) benchmarks/search_speed.py
 	$(PY) benchmarks/schedules.py
 	$(PY) benchmarks/peers.py
+	$(PY) benchmarks/zbv_in_flight.py
+	$(PY) benchmarks/stage_switch.py
 	$(PY) benchmarks/async_convergence.py
 	$(PY) benchmarks/transport_costs.py
 	$(PY) benchmarks/planned_runs.py

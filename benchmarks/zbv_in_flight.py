@@ -117,6 +117,15 @@ def table(result: dict) -> str:
     return "\n".join(lines)
 
 
+def write_section() -> None:
+    """``results/zbv_in_flight.md`` (the docs' section) from the last launch's JSON."""
+    text = table(json.loads(OUT.read_text()))
+    doc = " ".join(__doc__.split("\n\n")[0].split()).replace("``", "`")
+    OUT.with_suffix(".md").write_text(f"## zbv's in-flight cap (zbv_in_flight.py)\n\n`python benchmarks/zbv_in_flight.py`: "
+                                      f"{doc}\n\n{text}\n")
+    print(text)
+
+
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--worker":
         worker(sys.argv[2])
@@ -127,4 +136,4 @@ if __name__ == "__main__":
         launch(8, Path(__file__), "--worker", str(OUT), timeout=1200,
                log_dir=ROOT / "benchmarks" / "results" / "tmp" / "logs" / "zbv_in_flight")
         print("load", os.getloadavg()[0])
-        print(table(json.loads(OUT.read_text())))
+        write_section()
