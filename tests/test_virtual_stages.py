@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from gpp_deepspeed.errors import ScheduleError
+from gpp_deepspeed.errors import GPPConfigError, ScheduleError
 from gpp_deepspeed.schedule.virtual import Fold, interleaved_1f1b, rank_in_flight, rank_makespan, rank_orders
 from gpp_deepspeed.graph import StageGraph
 from gpp_deepspeed.graph.stages import StageEdge
@@ -54,19 +54,21 @@ def test_rank_orders_of_random_folds_of_random_dags_run_every_action_once_withou
     rank_of = [rng.randrange(num_ranks) for _ in range(num_stages)]
     rank_of[:num_ranks] = range(num_ranks)   # every rank holds a stage
     fold, split, num_mb = Fold(tuple(rank_of)), bool(seed % 2), rng.randint(1, 6)
-    orders = rank_orders(graph, num_mb, fold, split_backward=split)
     kinds = ("F", "I", "W") if split else ("F", "B")
-    for s in range(num_stages):
-        ran = [str(a) for a in orders[fold.rank_of[s]] if a.stage_idx == s]
-        assert sorted(ran) == sorted(f"{s}{k}{j}" for k in kinds for j in range(num_mb))
-    assert rank_makespan(orders, graph) > 0   # the replay raises on a deadlock
+    for by_microbatch in (False, True):   # Megatron's rule and ZB-V's
+        orders = rank_orders(graph, num_mb, fold, split_backward=split, by_microbatch=by_microbatch)
+        for s in range(num_stages):
+            ran = [str(a) for a in orders[fold.rank_of[s]] if a.stage_idx == s]
+            assert sorted(ran) == sorted(f"{s}{k}{j}" for k in kinds for j in range(num_mb))
+        assert rank_makespan(orders, graph) > 0   # the replay raises on a deadlock
 
 
 def test_v_placement_with_a_split_backward_beats_1f1b_on_the_same_layers():
     # ZB-V (arXiv 2405.15362): 4 ranks, each an early and a late half of a chain of 8 half-stages,
     # against 1F1B on 4 whole stages; 16 micro-batches, T_F = T_I = T_W.
     halves, whole = StageGraph.chain(8), StageGraph.chain(4)
-    zbv = rank_orders(halves, 16, Fold.v_shape(num_stages=8), split_backward=True, duration=priced(HALF))
+    zbv = rank_orders(halves, 16, Fold.v_shape(num_stages=8), split_backward=True, duration=priced(HALF),
+                      by_microbatch=True)
     ideal = 16 * 3.0
     v_time = rank_makespan(zbv, halves, priced(HALF))
     f1b = one_f_one_b(whole, 16)
@@ -74,6 +76,33 @@ def test_v_placement_with_a_split_backward_beats_1f1b_on_the_same_layers():
     assert ideal <= v_time < 0.95 * f1b_time and f1b_time == ideal + 3 * 3.0
     # ... at 1F1B's activation memory: no rank holds more whole-layer micro-batches than 1F1B's first.
     assert max(_peak_layers(zbv[r], 2) for r in zbv) <= _peak_layers(f1b[0], 1) == 4
+
+
+@pytest.mark.parametrize("num_ranks, num_mb", [(4, 8), (4, 16), (8, 16), (8, 32)])
+def test_zbv_on_a_v_over_a_chain_is_as_short_as_torchs_zbv_order_at_the_same_memory(num_ranks, num_mb):
+    # torch's own ZB-V generator (ScheduleZBVZeroBubble, Qi et al.'s schedule) is the reference:
+    # its order, priced by the same simulator with unit F = I = W, against zbv's greedy order.
+    import types
+
+    from torch.distributed.pipelining import schedules as torch_schedules
+
+    from gpp_deepspeed.schedule.virtual import FOLDED_SCHEDULES
+
+    p, chain, fold = num_ranks, StageGraph.chain(2 * num_ranks), Fold.v_shape(num_stages=2 * num_ranks)
+    kind = {"FORWARD": K.FORWARD, "BACKWARD_INPUT": K.BACKWARD_INPUT, "BACKWARD_WEIGHT": K.BACKWARD_WEIGHT}
+    this = types.SimpleNamespace(pp_group_size=p, _n_microbatches=num_mb, num_stages=2 * p, n_local_stages=2,
+                                 stage_index_to_group_rank=dict(enumerate(fold.rank_of)))
+    torch_orders = {r: [Action(a.stage_index, kind[a.computation_type.name], a.microbatch_index) for a in
+                        torch_schedules.ScheduleZBVZeroBubble._calculate_single_rank_operations(this, r) if a]
+                    for r in range(p)}
+    ours = FOLDED_SCHEDULES["zbv"][1](chain, num_mb, fold)
+    theirs_time, ours_time = rank_makespan(torch_orders, chain), rank_makespan(ours, chain)
+    # As short up to 4 ranks; at 8 two forwards longer (zbv defers its weight gradients greedily).
+    assert ours_time == theirs_time + (2 if p == 8 else 0)
+    assert max(_peak_layers(ours[r], 1) for r in ours) == max(_peak_layers(torch_orders[r], 1) for r in ours) == 2 * p
+    # Megatron's rule (groups of p micro-batches, each reserving its stages on a rank) does worse.
+    megatron = rank_orders(chain, num_mb, fold, split_backward=True, max_in_flight={r: 2 * p for r in range(p)})
+    assert rank_makespan(megatron, chain) > ours_time
 
 
 def _peak_layers(actions, stages_per_layer):
@@ -120,13 +149,13 @@ def test_zbv_lets_every_rank_hold_what_the_folds_fullest_rank_may_and_so_fills_a
     sleeps = lambda a: priced(source_table if a.stage_idx in sources else HALF)(a)  # noqa: E731
     bounds = {r: rank_in_flight(graph, fold, r) for r in range(8)}
     zbv = FOLDED_SCHEDULES["zbv"][1](graph, 16, fold, duration=sleeps)
-    own = rank_orders(graph, 16, fold, split_backward=True, duration=sleeps)   # each rank at its own bound
+    own = rank_orders(graph, 16, fold, split_backward=True, duration=sleeps, by_microbatch=True)   # own bounds
     assert len(set(bounds.values())) > 1
     assert max(_peak_layers(zbv[r], 1) for r in zbv) <= max(bounds.values())
     assert rank_makespan(zbv, graph, sleeps) < rank_makespan(own, graph, sleeps)
     # A V over a chain gives every rank ZB-V's 2p already: the same order either way.
     chain, v = StageGraph.chain(8), Fold.v_shape(num_stages=8)
-    assert FOLDED_SCHEDULES["zbv"][1](chain, 16, v) == rank_orders(chain, 16, v, split_backward=True)
+    assert FOLDED_SCHEDULES["zbv"][1](chain, 16, v) == rank_orders(chain, 16, v, split_backward=True, by_microbatch=True)
     # ... and a cap given by hand is the cap: fewer micro-batches held, a longer step.
     capped = FOLDED_SCHEDULES["zbv"][1](graph, 16, fold, duration=sleeps, max_in_flight=4)
     assert max(_peak_layers(capped[r], 1) for r in capped) <= 4
@@ -275,9 +304,17 @@ def test_the_fold_search_finds_what_a_brute_force_over_every_map_of_stages_to_ra
         fold = Fold(rank_of)
         # zbv at its own caps (every rank the fold's largest bound) and at each rank's own bound.
         own = {r: rank_in_flight(graph, fold, r) for r in range(num_ranks)}
-        candidates = [interleaved_1f1b(graph, 6, fold), rank_orders(graph, 6, fold, split_backward=True, duration=unit),
-                      rank_orders(graph, 6, fold, split_backward=True, duration=unit,
+        candidates = [interleaved_1f1b(graph, 6, fold),
+                      rank_orders(graph, 6, fold, split_backward=True, duration=unit, by_microbatch=True),
+                      rank_orders(graph, 6, fold, split_backward=True, duration=unit, by_microbatch=True,
                                   max_in_flight={r: max(own.values()) for r in own})]
+        # ... and at every smaller cap, the same on every rank (fewer in flight, less memory).
+        for cap in range(1, max(own.values())):
+            try:
+                candidates.append(rank_orders(graph, 6, fold, split_backward=True, duration=unit, by_microbatch=True,
+                                              max_in_flight={r: cap for r in own}))
+            except GPPConfigError:   # below what a micro-batch passing several of a rank's stages needs
+                pass
         if all(rank_of.count(r) == 2 for r in range(num_ranks)) and 6 >= 2 * num_ranks - 1:
             candidates.append(dualpipev_orders(graph, 6, fold))
         for orders in candidates:
@@ -335,7 +372,9 @@ def test_dualpipev_bubble_and_peak_on_a_chain_against_deepspeeds_and_zbv(num_ran
     # Half-stages of unit layers, T_F = T_I = T_W, 16 (or 2R) micro-batches: the bubble is
     # (R - 1) T_F of a half-stage, every rank holds 2R + 1 half-stage micro-batches (ZB-V's 2R plus
     # one, the "PP + 1" of DualPipe's table), and DeepSpeed's DualPipeV (the same order with the
-    # backward fused, arXiv 2412.19437's W not deferred) is no faster.
+    # backward fused, arXiv 2412.19437's W not deferred) is no faster. ZB-V's order holds one
+    # micro-batch less a rank (its 2R) and is as short up to 4 ranks (two half-stage
+    # forwards longer at 8: zbv's greedy defers its weight gradients, where ZB-V runs them in a pattern).
     from gpp_deepspeed.schedule.virtual import rank_peak, dualpipev_orders
 
     chain, fold, m = StageGraph.chain(2 * num_ranks), Fold.v_shape(num_stages=2 * num_ranks), max(16, 2 * num_ranks)
@@ -346,8 +385,9 @@ def test_dualpipev_bubble_and_peak_on_a_chain_against_deepspeeds_and_zbv(num_ran
     deepspeed = _deepspeed_dualpipev(num_ranks, m)
     assert time <= rank_makespan(deepspeed, chain, priced(HALF))
     assert max(rank_peak(deepspeed[r], None) for r in deepspeed) == 2 * num_ranks + 1
-    zbv = rank_orders(chain, m, fold, split_backward=True, duration=priced(HALF))
-    assert time < rank_makespan(zbv, chain, priced(HALF))
+    zbv = rank_orders(chain, m, fold, split_backward=True, duration=priced(HALF), by_microbatch=True)
+    assert rank_makespan(zbv, chain, priced(HALF)) == time + (2 * HALF["F"] if num_ranks == 8 else 0.0)
+    assert [rank_peak(zbv[r], None) for r in zbv] == [2 * num_ranks] * num_ranks
 
 
 @pytest.mark.parametrize("seed", range(16))
@@ -413,7 +453,7 @@ def test_the_fold_search_beyond_brute_force_is_no_worse_than_the_looped_and_v_fo
     found = search_fold(graph, 10, num_ranks=5, duration=unit)
     for fold in (Fold.looped(num_stages=10, num_ranks=5), Fold.v_shape(num_stages=10)):
         for orders in (interleaved_1f1b(graph, 10, fold), rank_orders(graph, 10, fold, split_backward=True,
-                                                                        duration=unit)):
+                                                                        duration=unit, by_microbatch=True)):
             assert found.makespan <= rank_makespan(orders, graph, unit)
 
 

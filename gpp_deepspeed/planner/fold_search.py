@@ -16,7 +16,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Callable
 
-from ..errors import ScheduleError
+from ..errors import GPPConfigError, ScheduleError
 from ..graph.stages import StageGraph
 from ..schedule.ir import Action
 from ..schedule.virtual import FOLDED_SCHEDULES, IN_FLIGHT_CAPPED, Fold, rank_in_flight, rank_makespan, rank_peak
@@ -42,6 +42,12 @@ class FoldChoice:
 _BRUTE_FORCE_LIMIT = 400   # groupings priced one by one; above it, structured folds and local moves
 
 
+def _better(c: FoldChoice) -> tuple[float, float]:
+    """How choices compare: the shorter makespan, then (equally fast to 9 digits, as sums of the
+    same durations in another order are) the lower peak memory of a rank."""
+    return float(f"{c.makespan:.9g}"), max(c.peak)
+
+
 def search_fold(stage_graph: StageGraph, num_microbatches: int, *, num_ranks: int,
                 duration: Callable[[Action], float], activation: dict[int, float] | None = None,
                 memory: float | None = None, max_stages_per_rank: int = 2, static: dict[int, float] | None = None,
@@ -56,17 +62,19 @@ def search_fold(stage_graph: StageGraph, num_microbatches: int, *, num_ranks: in
     1) within ``memory``. A schedule whose order is made under a cap of micro-batches in flight
     (``zbv``) is priced under its own caps (every rank the fold's largest bound) and under each
     rank's own bound (:func:`~gpp_deepspeed.schedule.greedy.rank_in_flight`: less memory on the
-    ranks of shallow stages); a choice under the latter carries those caps. Where there are more
+    ranks of shallow stages) and, where ``memory`` rules both out, under the largest cap on every
+    rank that fits; a choice under caps other than its own carries them. Where there are more
     than a few hundred groupings, the looped and V folds and the fold pairing stages by depth (the
     deepest with the shallowest) are priced, and the best is improved by moving and swapping stages
     between ranks while that helps (a local search, not exhaustive). Raises :class:`ScheduleError`
-    when no fold fits. Of equally fast choices the first in ``schedules`` order wins.
+    when no fold fits. Of equally fast choices the one whose fullest rank holds least wins, then
+    the first in ``schedules`` order.
 
     >>> chain = StageGraph.chain(4)
     >>> unit = lambda a: {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}.get(a.kind.value, 0.0)
     >>> best = search_fold(chain, 8, num_ranks=2, duration=unit)
-    >>> best.schedule, best.fold.stages_of(0), best.makespan     # DualPipeV's V is as fast
-    ('zbv', (0, 2), 49.0)
+    >>> best.schedule, best.fold.stages_of(0), best.makespan     # the V: as fast as looped, holds less
+    ('zbv', (0, 3), 49.0)
     """
     price = _FoldPricer(stage_graph, num_microbatches, duration, activation, memory, static, schedules)
     groupings = []
@@ -76,7 +84,7 @@ def search_fold(stage_graph: StageGraph, num_microbatches: int, *, num_ranks: in
             best = _local_search(price, stage_graph.num_stages, num_ranks, max_stages_per_rank)
             break
     else:
-        best = min((c for c in map(price, groupings) if c is not None), key=lambda c: c.makespan, default=None)
+        best = min((c for c in map(price, groupings) if c is not None), key=_better, default=None)
     if best is None:
         raise ScheduleError(f"no fold of {stage_graph.num_stages} stages onto {num_ranks} ranks, at most "
                             f"{max_stages_per_rank} a rank, keeps every rank's memory within {memory}")
@@ -97,25 +105,44 @@ class _FoldPricer:
         return self.cache[rank_of]
 
     def _price(self, fold: Fold) -> FoldChoice | None:
-        stage_graph, num_mb, duration = self.args
         best = None
-        own = tuple(rank_in_flight(stage_graph, fold, r) for r in range(fold.num_ranks))
+        own = tuple(rank_in_flight(self.args[0], fold, r) for r in range(fold.num_ranks))
         for name in self.schedules:
             # Equal bounds are the schedule's own caps: nothing more to price.
             caps = [None, own] if name in IN_FLIGHT_CAPPED and len(set(own)) > 1 else [None]
+            fitted = False
             for cap in caps:
-                try:
-                    orders = FOLDED_SCHEDULES[name][1](stage_graph, num_mb, fold, duration=duration, max_in_flight=cap)
-                except ScheduleError:           # dualpipev: not two stages a rank, or too few micro-batches
-                    continue
-                peak = tuple(sum(self.static.get(s, 0.0) for s in fold.stages_of(r))
-                             + rank_peak(orders[r], self.activation) for r in sorted(orders))
-                if self.memory is not None and max(peak) > self.memory:
-                    continue
-                makespan = rank_makespan(orders, stage_graph, duration)
-                if best is None or makespan < best.makespan:
-                    best = FoldChoice(fold=fold, schedule=name, makespan=makespan, peak=peak, max_in_flight=cap)
+                choice = self._choice(fold, name, cap)
+                fitted |= choice is not None
+                if choice is not None and (best is None or _better(choice) < _better(best)):
+                    best = choice
+            if name in IN_FLIGHT_CAPPED and self.memory is not None and not fitted:
+                # Neither fits: the largest cap below every rank's own that does (fewer in flight,
+                # less memory, a longer step), down to what a micro-batch passing a rank's stages needs.
+                for c in range(max(own) - 1, 0, -1):
+                    try:
+                        choice = self._choice(fold, name, (c, ) * fold.num_ranks)
+                    except GPPConfigError:
+                        break
+                    if choice is not None:
+                        best = choice if best is None or _better(choice) < _better(best) else best
+                        break
         return best
+
+    def _choice(self, fold: Fold, name: str, cap: tuple[int, ...] | None) -> FoldChoice | None:
+        """Schedule ``name`` on ``fold`` under ``cap``, priced; None where it does not run there or
+        does not fit the memory."""
+        stage_graph, num_mb, duration = self.args
+        try:
+            orders = FOLDED_SCHEDULES[name][1](stage_graph, num_mb, fold, duration=duration, max_in_flight=cap)
+        except ScheduleError:           # dualpipev: not two stages a rank, or too few micro-batches
+            return None
+        peak = tuple(sum(self.static.get(s, 0.0) for s in fold.stages_of(r))
+                     + rank_peak(orders[r], self.activation) for r in sorted(orders))
+        if self.memory is not None and max(peak) > self.memory:
+            return None
+        return FoldChoice(fold=fold, schedule=name, makespan=rank_makespan(orders, stage_graph, duration),
+                          peak=peak, max_in_flight=cap)
 
 
 def _local_search(price: _FoldPricer, num_stages: int, num_ranks: int, cap: int) -> FoldChoice | None:
@@ -131,14 +158,14 @@ def _local_search(price: _FoldPricer, num_stages: int, num_ranks: int, cap: int)
             paired[by_depth[r]], paired[by_depth[num_stages - 1 - r]] = r, r
         starts.append(tuple(paired))
     found = [c for c in (price(_renumbered(s)) for s in starts if max(Counter(s).values()) <= cap) if c is not None]
-    best = min(found, key=lambda c: c.makespan, default=None)
+    best = min(found, key=_better, default=None)
     improved = best is not None
     while improved:
         improved = False
         current = list(best.fold.rank_of)
         for neighbour in _neighbours(current, num_ranks, cap):
             c = price(_renumbered(neighbour))
-            if c is not None and c.makespan < best.makespan:
+            if c is not None and _better(c) < _better(best):
                 best, improved = c, True
                 break
     return best

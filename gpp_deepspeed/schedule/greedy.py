@@ -3,19 +3,31 @@
 A rank runs one stage (``zb2``) or several (a *fold*, Megatron's virtual stages: see
 :mod:`gpp_deepspeed.schedule.virtual`). At every moment a free rank runs, of its stages'
 actions whose inputs have arrived, a backward first (``B``, or ``I`` when the backward is split:
-it frees memory and unblocks the ranks before it), the oldest group of micro-batches first (``R``
-at a time, ``R`` the number of ranks, as Megatron's interleaving goes) and the later stage first;
-else a forward of its stages, earlier stage first, if the rank's cap of micro-batches in flight
-allows; else (split backward) its oldest deferred ``W``. Ranks deepest in the DAG act first at
-equal clocks. Every order it returns is one the simulation ran, so it cannot deadlock with
-asynchronous sends.
+it frees memory and unblocks the ranks before it), the oldest group of micro-batches first and the
+later stage first; else a forward of its stages, oldest group first and earlier stage first, if the
+rank's cap of micro-batches in flight allows; else (split backward) its oldest deferred ``W``.
+Ranks deepest in the DAG act first at equal clocks. Every order it returns is one the simulation
+ran, so it cannot deadlock with asynchronous sends.
 
-Memory: a micro-batch reserves, when it first reaches a stage of a rank, one unit for every stage
-of the rank it will pass through from there (each freed by that stage's backward), so its later
-forwards on the rank always go ahead and the rank never holds more than its cap
-(:func:`rank_in_flight` by default; ``zb2`` passes ZB-H2's ``2D - 1`` per stage). Where that could
-deadlock (a micro-batch entering one rank at two stages of a DAG), the cap is relaxed for
-micro-batches already begun on the rank.
+Two rules, as the schedule asks (``by_microbatch``):
+
+- *Megatron's* (interleaved 1F1B, Narayanan et al., SC'21, Sec. 2.2): micro-batches go in groups of
+  ``R``, the number of ranks, and a micro-batch reserves, when it first reaches a stage of a rank,
+  one unit for every stage of the rank it will pass through from there (each freed by that stage's
+  backward), so its later forwards on the rank always go ahead.
+- *ZB-V's* (Qi et al., arXiv 2405.15362, Sec. 3): micro-batch by micro-batch (a rank of a V runs
+  ``F0`` of its early stage, then ``F0`` of its late one as soon as it can, then ``F1`` ...), and a
+  micro-batch begins on a rank while the rank keeps room for one begun micro-batch to reach its
+  later stages there (the *headroom*: its most stages on the rank, less one); a begun micro-batch
+  may fill the cap. On a V over a chain that is ZB-V's warm-up, ``2p - 1`` forwards on the first
+  rank under its cap of ``2p``, and its step (peers.py's chain: 1,030 ms simulated, as torch's
+  ``ZBVZeroBubble`` order; Megatron's rule: 1,100). Where the simulated run stalls under it (it can
+  when a micro-batch passes three or more of a rank's stages), the order falls back to Megatron's
+  reservations.
+
+Either way the rank never holds more than its cap (:func:`rank_in_flight` by default; ``zb2``
+passes ZB-H2's ``2D - 1`` per stage). Where that could deadlock (a micro-batch entering one rank at
+two stages of a DAG), the cap is relaxed for micro-batches already begun on the rank.
 
 Glossary
 --------
@@ -112,12 +124,12 @@ class Fold:
 
 def rank_orders(stage_graph: StageGraph, num_microbatches: int, fold: Fold, *, split_backward: bool,
                 duration: Callable[[Action], float] | None = None,
-                max_in_flight: dict[int, int] | None = None) -> dict[int, list[Action]]:
+                max_in_flight: dict[int, int] | None = None, by_microbatch: bool = False) -> dict[int, list[Action]]:
     """The compute order of every rank of ``fold`` (see the module docstring).
 
     ``duration`` prices compute actions (default: unit ``F``, ``I``, ``W``, ``B = I + W``);
     ``max_in_flight`` caps each rank's micro-batches in flight, counted once per stage that holds
-    one (default :func:`rank_in_flight`).
+    one (default :func:`rank_in_flight`); ``by_microbatch`` takes ZB-V's rule, else Megatron's.
 
     >>> orders = rank_orders(StageGraph.chain(4), 4, Fold.looped(num_stages=4, num_ranks=2), split_backward=False)
     >>> [str(a) for a in orders[0][:6]]
@@ -128,7 +140,8 @@ def rank_orders(stage_graph: StageGraph, num_microbatches: int, fold: Fold, *, s
                             f"{stage_graph.num_stages}")
     dur = duration or (lambda a: unit_split_duration(a.kind))
     caps = {r: (max_in_flight or {}).get(r, rank_in_flight(stage_graph, fold, r)) for r in range(fold.num_ranks)}
-    state = _RankState(stage_graph, num_microbatches, fold, split_backward, strict=True)
+    group = 1 if by_microbatch else fold.num_ranks
+    state = _RankState(stage_graph, num_microbatches, fold, split_backward, group=group, strict=True)
     for r, cap in caps.items():
         # A micro-batch reserves, on reaching a stage of the rank, every stage of the rank it will pass.
         need = max(len(state.rank_reach[s]) for s in fold.stages_of(r))
@@ -136,10 +149,17 @@ def rank_orders(stage_graph: StageGraph, num_microbatches: int, fold: Fold, *, s
             raise GPPConfigError(f"rank {r} may hold {cap} micro-batch(es) in flight, but a micro-batch passes {need} "
                                  f"of its stages {list(fold.stages_of(r))}, each holding it: give it at least {need} "
                                  "(max_in_flight)")
+    if by_microbatch:
+        try:
+            return _greedy(_RankState(stage_graph, num_microbatches, fold, split_backward, group=group, strict=True,
+                                      headroom=True), caps, dur)
+        except ScheduleError:
+            pass
     try:
         return _greedy(state, caps, dur)
     except ScheduleError:
-        return _greedy(_RankState(stage_graph, num_microbatches, fold, split_backward, strict=False), caps, dur)
+        return _greedy(_RankState(stage_graph, num_microbatches, fold, split_backward, group=group, strict=False),
+                       caps, dur)
 
 
 def _greedy(state: "_RankState", caps: dict[int, int], dur: Callable[[Action], float]) -> dict[int, list[Action]]:
@@ -221,8 +241,10 @@ def _descendants(stage_graph: StageGraph, s: int) -> set[int]:
 class _RankState:
     """Book-keeping of :func:`rank_orders`'s simulated run: what each rank and stage has done."""
 
-    def __init__(self, stage_graph: StageGraph, num_mb: int, fold: Fold, split: bool, strict: bool):
+    def __init__(self, stage_graph: StageGraph, num_mb: int, fold: Fold, split: bool, *, group: int, strict: bool,
+                 headroom: bool = False):
         self.graph, self.num_mb, self.fold, self.split, self.strict = stage_graph, num_mb, fold, split, strict
+        self.group = group
         stages = range(stage_graph.num_stages)
         self.clock = {r: 0.0 for r in range(fold.num_ranks)}
         self.next_f = {s: 0 for s in stages}
@@ -235,7 +257,11 @@ class _RankState:
         # The stages of its own rank a micro-batch passes through from each stage on (itself included).
         reach = {s: {s} | _descendants(stage_graph, s) for s in stages}
         self.rank_reach = {s: frozenset(t for t in reach[s] if fold.rank_of[t] == fold.rank_of[s]) for s in stages}
+        # Units of each rank's cap taken: every stage a begun micro-batch will pass on the rank
+        # (Megatron's rule), or only those it holds (ZB-V's: ``headroom`` keeps room to go on).
         self.reserved = {r: 0 for r in range(fold.num_ranks)}
+        self.headroom = {r: max(len(self.rank_reach[s]) for s in fold.stages_of(r)) - 1 if headroom else None
+                         for r in range(fold.num_ranks)}
         self.covered: dict[tuple[int, int], set[int]] = {}    # (rank, micro-batch) -> stages reserved
         self.rank_depth = lambda r: -max(stage_graph.depth(s) for s in fold.stages_of(r))
         # Later stages first: a rank that can feed the output does so before starting new work.
@@ -264,19 +290,17 @@ class _RankState:
     def choose(self, r: int, caps: dict[int, int]) -> Action | None:
         now = self.clock[r]
         back = K.BACKWARD_INPUT if self.split else K.BACKWARD
-        group = self.fold.num_ranks
+        group = self.group
         ready = [(self.next_b[s] // group, i, self.next_b[s], s) for i, s in enumerate(self.preference[r])
                  if (t := self.backward_ready(s)) is not None and t <= now]
         if ready:
             *_, s = min(ready)
             return Action(s, back, self.next_b[s])
-        # A micro-batch reserves, when it first reaches a stage of the rank, one unit for every stage
-        # of the rank it will pass through from there (each freed by that stage's backward): its
-        # later forwards on the rank then always go ahead, and the rank never holds more than its cap.
-        # Where that deadlocks (two stages of one rank that a micro-batch enters apart, on a DAG),
-        # ``strict`` is off: a micro-batch begun on the rank goes ahead on any of its stages.
+        # What a forward takes of the rank's cap: see _unreserved. Where that deadlocks (two stages
+        # of one rank that a micro-batch enters apart, on a DAG), ``strict`` is off: a micro-batch
+        # begun on the rank goes ahead on any of its stages.
         ready = [(self.next_f[s] // group, -i, self.next_f[s], s) for i, s in enumerate(self.preference[r])
-                 if (self.reserved[r] + len(self._unreserved(r, s)) <= caps[r]
+                 if (self.reserved[r] + self._needs(r, s) <= caps[r]
                      or not self.strict and (r, self.next_f[s]) in self.covered)
                  and (t := self.forward_ready(s)) is not None and t <= now]
         if ready:
@@ -288,15 +312,25 @@ class _RankState:
             return Action(s, K.BACKWARD_WEIGHT, j)
         return None
 
-    def _unreserved(self, r: int, s: int) -> frozenset[int]:
-        """The stages of rank ``r`` that stage ``s``'s next forward would newly reserve."""
-        return self.rank_reach[s] - self.covered.get((r, self.next_f[s]), set())
+    def _needs(self, r: int, s: int) -> int:
+        """Units of rank ``r``'s cap that stage ``s``'s next forward needs free. Megatron's rule: the
+        stages of the rank it newly reserves (those its micro-batch will pass from here, the first
+        time it reaches the rank). ZB-V's: the one it holds, plus the headroom when its micro-batch
+        begins on the rank here."""
+        begun = (r, self.next_f[s]) in self.covered
+        if self.headroom[r] is not None:
+            return 1 if begun else 1 + self.headroom[r]
+        return len(self.rank_reach[s] - self.covered.get((r, self.next_f[s]), set()))
+
+    def _takes(self, r: int, s: int) -> int:
+        """Units of rank ``r``'s cap that stage ``s``'s next forward takes (and its stages' backwards free)."""
+        return 1 if self.headroom[r] is not None else self._needs(r, s)
 
     def run(self, r: int, action: Action, dur: Callable[[Action], float]) -> None:
         end = self.clock[r] + dur(action)
         s, j = action.stage_idx, action.mb_idx
         if action.kind is K.FORWARD:
-            self.reserved[r] += len(self._unreserved(r, s))
+            self.reserved[r] += self._takes(r, s)
             self.covered.setdefault((r, j), set()).update(self.rank_reach[s])
             self.f_end[(s, j)] = end
             self.next_f[s] += 1

@@ -31,13 +31,14 @@ schedule registry; :mod:`gpp_deepspeed.engine.rooms`).
 
 Where it stands (``tests/test_virtual_stages.py``; unit ``F = I = W``, 16 micro-batches, a chain of
 8 half-stages on 4 ranks, whose ideal is 48): 1F1B on the same layers as 4 whole stages takes 57.0;
-interleaved 1F1B 52.5 (Megatron's closed form); ZB-V 51.5 at 1F1B's peak memory (4 whole-layer
-micro-batches a rank); DualPipeV 49.5 (a bubble of ``R - 1`` half-stage forwards) at 4.5. A rank's
-cap in ``zbv``'s greedy order is the fold's largest :func:`rank_in_flight`
-(:func:`~gpp_deepspeed.schedule.greedy.fold_in_flight`, ZB-V's ``2p`` on a V over a chain), or
-``max_in_flight``; a micro-batch reserves its units on a rank when it
-first reaches it, and where that could deadlock (a micro-batch entering one rank at two stages of a
-DAG) the cap is relaxed for micro-batches already begun there.
+interleaved 1F1B 52.5 (Megatron's closed form); ZB-V 49.5 at 1F1B's peak memory (4 whole-layer
+micro-batches a rank; 51.5 under Megatron's rule, below); DualPipeV 49.5 (a bubble of ``R - 1``
+half-stage forwards) at 4.5. A rank's cap in ``zbv``'s greedy order is the fold's largest
+:func:`rank_in_flight` (:func:`~gpp_deepspeed.schedule.greedy.fold_in_flight`, ZB-V's ``2p`` on a
+V over a chain), or ``max_in_flight``; ``zbv`` takes ZB-V's rule for the order (micro-batch by
+micro-batch, a micro-batch beginning on a rank while it keeps room for one begun there: see
+:mod:`~gpp_deepspeed.schedule.greedy`), which on a V over a chain is as short as torch's
+``ZBVZeroBubble`` order up to 4 ranks.
 
 Representative use::
 
@@ -343,7 +344,7 @@ def schedule_in_flight(name: str, max_in_flight, num_ranks: int) -> tuple[int, .
 
 def _zbv(stage_graph, num_mb, fold, duration=None, max_in_flight=None):
     caps = schedule_in_flight("zbv", max_in_flight, fold.num_ranks)
-    return rank_orders(stage_graph, num_mb, fold, split_backward=True, duration=duration,
+    return rank_orders(stage_graph, num_mb, fold, split_backward=True, duration=duration, by_microbatch=True,
                        max_in_flight=fold_in_flight(stage_graph, fold) if caps is None else dict(enumerate(caps)))
 
 
