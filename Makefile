@@ -44,6 +44,7 @@ bench: setup
 	$(PY) benchmarks/schedules.py
 	$(PY) benchmarks/peers.py
 	$(PY) benchmarks/zbv_in_flight.py
+	$(PY) benchmarks/zbv_order.py
 	$(PY) benchmarks/stage_switch.py
 	$(PY) benchmarks/async_convergence.py
 	$(PY) benchmarks/transport_costs.py
