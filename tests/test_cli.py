@@ -283,11 +283,11 @@ def test_gpp_plan_fold_prints_the_folding_and_the_graph_pipeline_config_that_run
                "--schedules", "1f1b,zb1,zb2", "-o", path, "--quiet") == 0
     out = capsys.readouterr().out
     plan = Plan.load(path)
-    # Two ranks, four stages in a V under DualPipeV, of the folded schedules the shortest once each
-    # is simulated whole: the folded plan beats every unfolded schedule here.
-    assert plan.fold == (0, 1, 1, 0) and plan.schedule == "dualpipev" and plan.num_devices == 2
+    # Two ranks, four stages in ZB-V's V under its own order: the folded plan beats every unfolded
+    # schedule here.
+    assert plan.fold == (0, 1, 1, 0) and plan.schedule == "zbv" and plan.num_devices == 2
     assert "folded: 2 ranks, up to 2 stages each: rank 0 [0, 3], rank 1 [1, 2]" in out
-    assert '"graph_pipeline": {"schedule": "dualpipev", "stages_per_rank": 2, "fold": [0, 1, 1, 0]}' in out
+    assert '"graph_pipeline": {"schedule": "zbv", "stages_per_rank": 2, "fold": [0, 1, 1, 0]}' in out
     assert simulate_folded(plan, CostDB.load(chain_costs)).prediction == plan.predicted
     assert gpp("simulate", path, "--costs", chain_costs, "--json") == 0   # per stage, folded
     sim = json.loads(capsys.readouterr().out)
@@ -305,7 +305,7 @@ def test_gpp_compare_fold_shows_the_folded_and_unfolded_plans_side_by_side(chain
     assert gpp("compare", chain_costs, "--devices", "2", "--mini-batch", "8", "--micro-batches", "1", "--fold", "2",
                "--methods", "graphpipe", "--quiet") == 0
     text = capsys.readouterr().out
-    assert "GraphPipe folded and unfolded, side by side" in text and re.search(r"^folded\s.*\bdualpipev\b", text, re.M)
+    assert "GraphPipe folded and unfolded, side by side" in text and re.search(r"^folded\s.*\bzbv\b", text, re.M)
 
 
 def test_gpp_fold_refuses_other_planners_by_name(chain_costs, capsys):

@@ -37,8 +37,9 @@ half-stage forwards) at 4.5. A rank's cap in ``zbv``'s greedy order is the fold'
 :func:`rank_in_flight` (:func:`~gpp_deepspeed.schedule.greedy.fold_in_flight`, ZB-V's ``2p`` on a
 V over a chain), or ``max_in_flight``; ``zbv`` takes ZB-V's rule for the order (micro-batch by
 micro-batch, a micro-batch beginning on a rank while it keeps room for one begun there: see
-:mod:`~gpp_deepspeed.schedule.greedy`), which on a V over a chain is as short as torch's
-``ZBVZeroBubble`` order up to 4 ranks.
+:mod:`~gpp_deepspeed.schedule.greedy`); on a V over a chain it runs ZB-V's own order
+(:func:`zbv_v_order`, torch's ``ZBVZeroBubble`` action for action) unless the greedy one computes
+faster.
 
 Representative use::
 
@@ -55,7 +56,8 @@ from ..graph.stages import StageGraph
 from .ir import Action, ActionKind as K
 from .greedy import Fold, check_in_flight, fold_in_flight, rank_in_flight, rank_orders, unit_split_duration
 
-__all__ = ["Fold", "FOLDED_SCHEDULES", "IN_FLIGHT_CAPPED", "schedule_in_flight", "rank_orders", "interleaved_1f1b", "dualpipev_orders", "fold_program",
+__all__ = ["Fold", "FOLDED_SCHEDULES", "IN_FLIGHT_CAPPED", "schedule_in_flight", "rank_orders", "interleaved_1f1b", "zbv_v_order",
+           "dualpipev_orders", "fold_program",
            "validate_folded", "rank_peak", "rank_in_flight", "rank_makespan"]
 
 
@@ -342,10 +344,80 @@ def schedule_in_flight(name: str, max_in_flight, num_ranks: int) -> tuple[int, .
     return check_in_flight(max_in_flight, num_ranks)
 
 
+def zbv_v_order(num_ranks: int, num_microbatches: int) -> dict[int, list[Action]]:
+    """ZB-V's order on every rank of a V over a chain of ``2p`` stages (Qi et al., "Pipeline
+    Parallelism with Controllable Memory", arXiv 2405.15362: the V building block repeated; torch's
+    ``ScheduleZBVZeroBubble``). Rank ``r`` holds stage ``r`` (its early stage) and ``2p - 1 - r``
+    (its late one) and runs, with ``m`` micro-batches (at least ``2p - 1``: fewer are the first
+    ``m`` of that order):
+
+    - warm-up: ``2(p - r) - 1`` early forwards (the first micro-batch's way down and back up to
+      the late stage), ``r`` pairs of a late and an early forward, then ``p - r`` triples of the
+      late stage's ``F I W``;
+    - steady: an early forward (while any are left), the early stage's ``I W``, then the late
+      stage's ``F I W``, until every late forward has run;
+    - cool-down: ``r`` pairs of an early and a late ``I``, ``p - r`` pairs of an early ``I`` and
+      the oldest early ``W``, then the late stage's ``W``s left, then the early stage's.
+
+    Each rank holds at most ``2p`` micro-batches of a stage (ZB-V's bound, 1F1B's first stage's
+    activations), and each input gradient runs with its weight gradient right after it in the
+    steady state: a fixed rhythm, which leaves every message between ranks the slack of a ``W``
+    where :func:`rank_orders`' greedy order runs the input gradients back to back.
+
+    >>> " ".join(str(a) for a in zbv_v_order(2, 4)[0])
+    '0F0 0F1 0F2 3F0 3I0 3W0 3F1 3I1 3W1 0F3 0I0 0W0 3F2 3I2 3W2 0I1 0W1 3F3 3I3 3W3 0I2 0W2 0I3 0W3'
+    """
+    p, m = num_ranks, max(num_microbatches, 2 * num_ranks - 1)
+    orders: dict[int, list[Action]] = {}
+    for r in range(p):
+        early, late = r, 2 * p - 1 - r
+        order: list[Action] = []
+        count = {(s, k): 0 for s in (early, late) for k in (K.FORWARD, K.BACKWARD_INPUT, K.BACKWARD_WEIGHT)}
+
+        def run(*steps):
+            for s, k in steps:
+                order.append(Action(s, k, count[(s, k)]))
+                count[(s, k)] += 1
+
+        F, I, W = K.FORWARD, K.BACKWARD_INPUT, K.BACKWARD_WEIGHT
+        run(*[(early, F)] * (2 * (p - r) - 1))
+        for _ in range(r):
+            run((late, F), (early, F))
+        for _ in range(p - r):
+            run((late, F), (late, I), (late, W))
+        while count[(late, F)] < count[(early, F)] or count[(early, F)] < m:
+            if count[(early, F)] < m:
+                run((early, F))
+            run((early, I), (early, W), (late, F), (late, I), (late, W))
+        for _ in range(r):
+            run((early, I), (late, I))
+        for _ in range(p - r):
+            run((early, I), (early, W))
+        run(*[(late, W)] * (count[(late, I)] - count[(late, W)]))
+        run(*[(early, W)] * (count[(early, I)] - count[(early, W)]))
+        orders[r] = [a for a in order if a.mb_idx < num_microbatches]
+    return orders
+
+
+def _v_over_chain(stage_graph: StageGraph, fold: Fold) -> bool:
+    """Whether ``fold`` is the V over ``stage_graph``, a chain every gradient flows through."""
+    n = stage_graph.num_stages
+    return (n % 2 == 0 and fold.rank_of == Fold.v_shape(num_stages=n).rank_of and not stage_graph.frozen
+            and sorted((e.src, e.dst) for e in stage_graph.edges) == [(s, s + 1) for s in range(n - 1)]
+            and all(e.grad for e in stage_graph.edges) and stage_graph.output_stage == n - 1)
+
+
 def _zbv(stage_graph, num_mb, fold, duration=None, max_in_flight=None):
     caps = schedule_in_flight("zbv", max_in_flight, fold.num_ranks)
-    return rank_orders(stage_graph, num_mb, fold, split_backward=True, duration=duration, by_microbatch=True,
-                       max_in_flight=fold_in_flight(stage_graph, fold) if caps is None else dict(enumerate(caps)))
+    orders = rank_orders(stage_graph, num_mb, fold, split_backward=True, duration=duration, by_microbatch=True,
+                         max_in_flight=fold_in_flight(stage_graph, fold) if caps is None else dict(enumerate(caps)))
+    if caps is None and _v_over_chain(stage_graph, fold):
+        # ZB-V's own order where it applies, unless the greedy order computes faster (uneven stage
+        # times): as short on even ones, and less exposed to message latency (its fixed rhythm).
+        fixed = zbv_v_order(fold.num_ranks, num_mb)
+        if rank_makespan(fixed, stage_graph, duration) <= rank_makespan(orders, stage_graph, duration):
+            return fixed
+    return orders
 
 
 def _fixed(name: str, orders: Callable) -> Callable:
