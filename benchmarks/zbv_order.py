@@ -170,7 +170,9 @@ if __name__ == "__main__":
         parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
         parser.add_argument("--topologies", default=",".join(peers.TOPOLOGIES))
         args = parser.parse_args()
-        results, loads = {}, {}
+        # Topologies not run this time keep their last launch's results.
+        results = json.loads(OUT.read_text()) if OUT.exists() else {}
+        loads = results.pop("load_average", {})
         for topology in args.topologies.split(","):
             part = OUT.with_name(f"zbv_order_{topology}.json")
             start = os.getloadavg()[0]
