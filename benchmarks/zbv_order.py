@@ -3,8 +3,11 @@ topologies, torch's ZBV beside, one launch of 8 gloo ranks per topology, medians
 
 * ``ZB-V's rule (now)``: micro-batch by micro-batch, a micro-batch beginning on a rank while the
   rank keeps room for one begun there; the fold the search picks;
+* ``ZB-V's rule, greedy order on the V (7beaf17)``: on the chain only, where zbv now runs ZB-V's
+  own order on the V (5353652): the greedy order there;
 * ``Megatron's rule (before)``: groups of 8 micro-batches, each reserving on a rank every stage it
-  will pass there; the fold the search picks under that rule (with today's tie-break and caps);
+  will pass there, no ZB-V's own order; the fold the search picks so (with today's tie-break and
+  caps);
 * ``torch ZBVZeroBubble``: the same layers as a chain, a V of 16 half-layer stages.
 
 Each of our rows gives its simulated step too (our simulator, the layers' sleeps, messages free
@@ -30,21 +33,25 @@ sys.path.insert(0, str(ROOT / "tests"))
 import peers  # noqa: E402
 
 OUT = ROOT / "benchmarks" / "results" / "zbv_order.json"
-NOW, BEFORE, TORCH = "zbv, ZB-V's rule (now)", "zbv, Megatron's rule (before)", "torch ZBVZeroBubble"
+NOW, GREEDY, BEFORE, TORCH = ("zbv, ZB-V's rule (now)", "zbv, ZB-V's rule, greedy order on the V (7beaf17)",
+                              "zbv, Megatron's rule (before)", "torch ZBVZeroBubble")
 ROUNDS = 8
 
 
 @contextlib.contextmanager
-def megatrons_rule():
-    """zbv's orders as before 7beaf17: Megatron's rule in the greedy order."""
+def greedy_only(megatron: bool):
+    """zbv's orders without ZB-V's own order on a chain's V (as at 7beaf17), and with Megatron's
+    rule in the greedy order too if ``megatron`` (as before 7beaf17)."""
     from gpp_deepspeed.schedule import virtual
 
-    rank_orders = virtual.rank_orders
-    virtual.rank_orders = lambda *a, **k: rank_orders(*a, **{**k, "by_microbatch": False})
+    rank_orders, v_over_chain = virtual.rank_orders, virtual._v_over_chain
+    virtual._v_over_chain = lambda *a: False
+    if megatron:
+        virtual.rank_orders = lambda *a, **k: rank_orders(*a, **{**k, "by_microbatch": False})
     try:
         yield
     finally:
-        virtual.rank_orders = rank_orders
+        virtual.rank_orders, virtual._v_over_chain = rank_orders, v_over_chain
 
 
 def simulated(topology: str, fold, caps) -> list[float]:
@@ -69,7 +76,7 @@ def build(topology: str, unit, dag, label: str):
 
     num_branches = len(peers.TOPOLOGIES[topology][0])
     rows = peers.half_layer_rows(topology)
-    rule = megatrons_rule() if label == BEFORE else contextlib.nullcontext()
+    rule = greedy_only(label == BEFORE) if label in (GREEDY, BEFORE) else contextlib.nullcontext()
     with rule:
         choice = peers.searched_fold(topology, "zbv")
         fold, caps = list(choice.fold.rank_of), list(choice.max_in_flight) if choice.max_in_flight else None
@@ -99,7 +106,8 @@ def worker(topology: str, out: str) -> None:
     chain = [(torch.cat(x, dim=1), y) for x, y in dag]
     batch = (torch.cat([x for x, _ in chain]), torch.cat([y for _, y in chain]))
     steps, meta, engines = {}, {}, {}
-    for label in (NOW, BEFORE):
+    # The greedy order on the V differs from today's only where ZB-V's own order runs: the chain.
+    for label in (NOW, GREEDY, BEFORE) if topology == "chain" else (NOW, BEFORE):
         engines[label], meta[label] = build(topology, unit, dag, label)
         steps[label] = lambda engine=engines[label]: engine.train_batch(data_iter=iter(dag))
     steps[TORCH] = peers.build_torch(topology, "ZBVZeroBubble", unit, batch)[0]
@@ -133,19 +141,19 @@ def table(results: dict) -> str:
     return "\n".join(lines)
 
 
-READING = """**Reading it** (the launch at 7beaf17). ZB-V's rule makes `zbv`'s order shorter on both DAGs
-(simulated 810 against 840 ms on four branches, 990 against 1,020 on two) and it runs 2.9% faster
-on both (1,054 against 1,085 ms; 1,259 against 1,296), at 7.5 and 7 layers' micro-batches a rank
-against torch's 8. On four branches that is 1.10x faster than torch's `ZBVZeroBubble` in this
-launch (1,054 against 1,160 ms). On the chain the order is as short as torch's on the same V
-(1,030 ms simulated, both), and the fold search now takes the V (peak 8) over the looped fold
-(peak 11, as fast simulated) for its memory; but the V ran 8% slower than the looped fold did
-before (1,372 against 1,266 ms) and 1.16x torch's V. Our simulator with a latency on every
-message between ranks says why: our order on the V goes from 1,030 to 1,118 and 1,250 ms at 1 and
-2.5 ms a message, the looped fold to 1,111 and 1,232, torch's ZB-V order to 1,061 and 1,108.
-ZB-V's fixed rhythm (each rank `F I W` of one stage, then of the other) leaves slack on every
-message where zbv's greedy order (input gradients first, weight gradients deferred) runs the
-input-gradient chain back to back. `zbv_in_flight.py`'s table above predates this change."""
+READING = """**Reading it.** The DAG launches ran at 7beaf17, the chain's at 5353652 (ZB-V's own order on
+the V). ZB-V's rule makes `zbv`'s order shorter on both DAGs (simulated 810 against 840 ms on four
+branches, 990 against 1,020 on two) and it runs 2.9% faster on both (1,054 against 1,085 ms;
+1,259 against 1,296), at 7.5 and 7 layers' micro-batches a rank against torch's 8. On four
+branches that is 1.10x faster than torch's `ZBVZeroBubble` in that launch (1,054 against 1,160
+ms). On the chain every order computes in 1,030 ms, but the greedy one on the V is the most exposed
+to message latency (our simulator at 1 ms a message: 1,122 ms, the looped fold's 1,109, ZB-V's own
+order 1,077; torch's ZB-V order, priced the same way without its transfers, 1,061): ZB-V's fixed
+rhythm runs each `I` with its `W` right after, which leaves a `W` of slack on each message where
+the greedy order runs the input gradients back to back. So `zbv` now runs ZB-V's own order there:
+1,302 ms against 1,358 (the greedy order on the V) and 1,357 (before: the looped fold, 11 layers'
+micro-batches a rank against 8), torch's 1,230 (1.058x). `zbv_in_flight.py`'s table above
+predates these changes."""
 
 
 def write_section() -> None:
