@@ -444,23 +444,33 @@ def build_all(topology: str):
     return configs
 
 
+def timed_rounds(steps: dict, rounds: int, *, report: bool = False) -> dict[str, list[float]]:
+    """Each of ``steps`` (label -> a step on every rank) once per round, in turn, for ``rounds``
+    rounds: label -> each round's step in seconds, fenced by barriers so every rank starts
+    together and the slowest one's finish ends it. ``report``: rank 0 prints each round."""
+    import torch
+
+    times = {label: [] for label in steps}
+    for r in range(rounds):
+        for label, step in steps.items():
+            torch.distributed.barrier()
+            start = time.perf_counter()
+            step()
+            torch.distributed.barrier()
+            times[label].append(time.perf_counter() - start)
+        if report and torch.distributed.get_rank() == 0:
+            print(f"round {r}: " + " ".join(f"{k}={v[-1] * 1e3:.0f}" for k, v in times.items()), flush=True)
+    return times
+
+
 def worker(topology: str, rounds: int, out: str) -> None:
     import torch
     import deepspeed
 
     deepspeed.init_distributed(dist_backend="gloo")
     configs = build_all(topology)
-    times = {label: [] for label, (step, _) in configs.items() if step is not None}
-    for r in range(rounds):
-        for label in times:
-            step, meta = configs[label]
-            torch.distributed.barrier()
-            start = time.perf_counter()
-            step()
-            torch.distributed.barrier()
-            times[label].append(time.perf_counter() - start)
-        if torch.distributed.get_rank() == 0:
-            print(f"round {r}: " + " ".join(f"{k}={v[-1] * 1e3:.0f}" for k, v in times.items()), flush=True)
+    times = timed_rounds({label: step for label, (step, _) in configs.items() if step is not None}, rounds,
+                         report=True)
     results = {}
     for label, (step, meta) in configs.items():
         engine = meta.pop("engine", None)

@@ -20,7 +20,6 @@ import json
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -93,14 +92,7 @@ def worker(out):
         steps[label] = lambda engine=engine: engine.train_batch(data_iter=iter(dag))
         meta[label] = {"fold": fold, "max_in_flight": caps, "simulated": simulated(fold, caps)}
     steps["torch ZBVZeroBubble"] = peers.build_torch(TOPO, "ZBVZeroBubble", unit, batch)[0]
-    times = {k: [] for k in steps}
-    for _ in range(8):
-        for label, step in steps.items():
-            torch.distributed.barrier()
-            t0 = time.perf_counter()
-            step()
-            torch.distributed.barrier()
-            times[label].append(time.perf_counter() - t0)
+    times = peers.timed_rounds(steps, 8)
     if torch.distributed.get_rank() == 0:
         Path(out).write_text(json.dumps({"times": times, "meta": meta}, indent=1))
 

@@ -24,7 +24,6 @@ import json
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -111,14 +110,7 @@ def worker(topology: str, out: str) -> None:
         engines[label], meta[label] = build(topology, unit, dag, label)
         steps[label] = lambda engine=engines[label]: engine.train_batch(data_iter=iter(dag))
     steps[TORCH] = peers.build_torch(topology, "ZBVZeroBubble", unit, batch)[0]
-    times = {k: [] for k in steps}
-    for _ in range(ROUNDS):
-        for label, step in steps.items():
-            torch.distributed.barrier()
-            t0 = time.perf_counter()
-            step()
-            torch.distributed.barrier()
-            times[label].append(time.perf_counter() - t0)
+    times = peers.timed_rounds(steps, ROUNDS)
     for label, engine in engines.items():   # from the instructions its last batch ran
         meta[label]["peak"] = max(peers.ours_in_flight(engine))
     if torch.distributed.get_rank() == 0:

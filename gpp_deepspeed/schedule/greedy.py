@@ -296,7 +296,7 @@ class _RankState:
         if ready:
             *_, s = min(ready)
             return Action(s, back, self.next_b[s])
-        # What a forward takes of the rank's cap: see _unreserved. Where that deadlocks (two stages
+        # What a forward takes of the rank's cap: see _needs. Where that deadlocks (two stages
         # of one rank that a micro-batch enters apart, on a DAG), ``strict`` is off: a micro-batch
         # begun on the rank goes ahead on any of its stages.
         ready = [(self.next_f[s] // group, -i, self.next_f[s], s) for i, s in enumerate(self.preference[r])
