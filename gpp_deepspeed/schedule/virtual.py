@@ -37,9 +37,9 @@ half-stage forwards) at 4.5. A rank's cap in ``zbv``'s greedy order is the fold'
 :func:`rank_in_flight` (:func:`~gpp_deepspeed.schedule.greedy.fold_in_flight`, ZB-V's ``2p`` on a
 V over a chain), or ``max_in_flight``; ``zbv`` takes ZB-V's rule for the order (micro-batch by
 micro-batch, a micro-batch beginning on a rank while it keeps room for one begun there: see
-:mod:`~gpp_deepspeed.schedule.greedy`); on a V over a chain it runs ZB-V's own order
-(:func:`zbv_v_order`, torch's ``ZBVZeroBubble`` action for action) unless the greedy one computes
-faster.
+:mod:`~gpp_deepspeed.schedule.greedy`); where every rank holds two stages of different depths
+it runs ZB-V's own order (:func:`zbv_rhythm`; on a V over a chain :func:`zbv_v_order`, torch's
+``ZBVZeroBubble`` action for action) unless the greedy one computes faster.
 
 Representative use::
 
@@ -56,7 +56,7 @@ from ..graph.stages import StageGraph
 from .ir import Action, ActionKind as K
 from .greedy import Fold, check_in_flight, fold_in_flight, rank_in_flight, rank_orders, unit_split_duration
 
-__all__ = ["Fold", "FOLDED_SCHEDULES", "IN_FLIGHT_CAPPED", "schedule_in_flight", "rank_orders", "interleaved_1f1b", "zbv_v_order",
+__all__ = ["Fold", "FOLDED_SCHEDULES", "IN_FLIGHT_CAPPED", "schedule_in_flight", "rank_orders", "interleaved_1f1b", "zbv_v_order", "zbv_rhythm",
            "dualpipev_orders", "fold_program",
            "validate_folded", "rank_peak", "rank_in_flight", "rank_makespan"]
 
@@ -347,76 +347,89 @@ def schedule_in_flight(name: str, max_in_flight, num_ranks: int) -> tuple[int, .
 def zbv_v_order(num_ranks: int, num_microbatches: int) -> dict[int, list[Action]]:
     """ZB-V's order on every rank of a V over a chain of ``2p`` stages (Qi et al., "Pipeline
     Parallelism with Controllable Memory", arXiv 2405.15362: the V building block repeated; torch's
-    ``ScheduleZBVZeroBubble``). Rank ``r`` holds stage ``r`` (its early stage) and ``2p - 1 - r``
-    (its late one) and runs, with ``m`` micro-batches (at least ``2p - 1``: fewer are the first
-    ``m`` of that order):
-
-    - warm-up: ``2(p - r) - 1`` early forwards (the first micro-batch's way down and back up to
-      the late stage), ``r`` pairs of a late and an early forward, then ``p - r`` triples of the
-      late stage's ``F I W``;
-    - steady: an early forward (while any are left), the early stage's ``I W``, then the late
-      stage's ``F I W``, until every late forward has run;
-    - cool-down: ``r`` pairs of an early and a late ``I``, ``p - r`` pairs of an early ``I`` and
-      the oldest early ``W``, then the late stage's ``W``s left, then the early stage's.
-
-    Each rank holds at most ``2p`` micro-batches of a stage (ZB-V's bound, 1F1B's first stage's
-    activations), and each input gradient runs with its weight gradient right after it in the
-    steady state: a fixed rhythm, which leaves every message between ranks the slack of a ``W``
-    where :func:`rank_orders`' greedy order runs the input gradients back to back.
+    ``ScheduleZBVZeroBubble``): :func:`zbv_rhythm` on that chain and fold. Rank ``r`` holds stage
+    ``r`` (its early stage) and ``2p - 1 - r`` (its late one).
 
     >>> " ".join(str(a) for a in zbv_v_order(2, 4)[0])
     '0F0 0F1 0F2 3F0 3I0 3W0 3F1 3I1 3W1 0F3 0I0 0W0 3F2 3I2 3W2 0I1 0W1 3F3 3I3 3W3 0I2 0W2 0I3 0W3'
     """
-    p, m = num_ranks, max(num_microbatches, 2 * num_ranks - 1)
+    return zbv_rhythm(StageGraph.chain(2 * num_ranks), num_microbatches, Fold.v_shape(num_stages=2 * num_ranks))
+
+
+def zbv_rhythm(stage_graph: StageGraph, num_microbatches: int, fold: Fold) -> dict[int, list[Action]]:
+    """ZB-V's order on a fold whose every rank holds two stages: an early one ``e`` and a late one
+    ``l`` (the deeper is ``e``), with ZB-V's counts read off their depths as :func:`dualpipev_orders`
+    reads DualPipeV's: ``a = depth(e) - depth(l)``, ``b = depth(l) - 1`` (on a V over a chain
+    ``2(p - r) - 1`` and ``r``, ZB-V's), and ``m`` micro-batches, at least ``max depth(e) - 1``
+    (``2p - 1``; fewer are the first ``m`` of that order). Each rank runs:
+
+    - warm-up: ``a`` forwards of ``e`` (a micro-batch's way from ``e`` to ``l``), ``b`` pairs
+      ``F_l F_e``, then ``(a + 1) // 2`` times ``l``'s ``F I W``;
+    - steady: a forward of ``e`` (while any are left), ``e``'s ``I W``, then ``l``'s ``F I W``,
+      until every forward of ``l`` has run;
+    - cool-down: ``b`` pairs ``I_e I_l``, ``(a + 1) // 2`` pairs of ``I_e`` and the oldest ``W_e``,
+      then ``l``'s ``W``s left, then ``e``'s.
+
+    On a V over a chain each rank holds at most ``2p`` micro-batches of a stage (ZB-V's bound,
+    1F1B's first stage's activations). Its fixed rhythm runs each input gradient with its weight
+    gradient right after it in the steady state, which leaves every message between ranks the
+    slack of a ``W`` where :func:`rank_orders`' greedy order runs the input gradients back to back.
+    Raises :class:`ScheduleError` where a rank does not hold two stages of different depths; on a
+    DAG the order can deadlock, which :func:`rank_makespan` finds.
+    """
+    depth = stage_graph.depth
+    pairs = {}
+    for r in range(fold.num_ranks):
+        stages = fold.stages_of(r)
+        if len(stages) != 2 or depth(stages[0]) == depth(stages[1]):
+            raise ScheduleError(f"ZB-V's order needs two stages of different depths on every rank; rank {r} holds "
+                                f"{list(stages)}")
+        pairs[r] = sorted(stages, key=lambda s: -depth(s))
+    m = max(num_microbatches, max(depth(e) for e, _ in pairs.values()) - 1)
+    F, I, W = K.FORWARD, K.BACKWARD_INPUT, K.BACKWARD_WEIGHT
     orders: dict[int, list[Action]] = {}
-    for r in range(p):
-        early, late = r, 2 * p - 1 - r
+    for r, (early, late) in pairs.items():
+        a, b = depth(early) - depth(late), depth(late) - 1
         order: list[Action] = []
-        count = {(s, k): 0 for s in (early, late) for k in (K.FORWARD, K.BACKWARD_INPUT, K.BACKWARD_WEIGHT)}
+        count = {(s, k): 0 for s in (early, late) for k in (F, I, W)}
 
         def run(*steps):
             for s, k in steps:
                 order.append(Action(s, k, count[(s, k)]))
                 count[(s, k)] += 1
 
-        F, I, W = K.FORWARD, K.BACKWARD_INPUT, K.BACKWARD_WEIGHT
-        run(*[(early, F)] * (2 * (p - r) - 1))
-        for _ in range(r):
+        run(*[(early, F)] * a)
+        for _ in range(b):
             run((late, F), (early, F))
-        for _ in range(p - r):
+        for _ in range((a + 1) // 2):
             run((late, F), (late, I), (late, W))
         while count[(late, F)] < count[(early, F)] or count[(early, F)] < m:
             if count[(early, F)] < m:
                 run((early, F))
             run((early, I), (early, W), (late, F), (late, I), (late, W))
-        for _ in range(r):
+        for _ in range(b):
             run((early, I), (late, I))
-        for _ in range(p - r):
+        for _ in range((a + 1) // 2):
             run((early, I), (early, W))
         run(*[(late, W)] * (count[(late, I)] - count[(late, W)]))
         run(*[(early, W)] * (count[(early, I)] - count[(early, W)]))
-        orders[r] = [a for a in order if a.mb_idx < num_microbatches]
+        orders[r] = [x for x in order if x.mb_idx < num_microbatches]
     return orders
-
-
-def _v_over_chain(stage_graph: StageGraph, fold: Fold) -> bool:
-    """Whether ``fold`` is the V over ``stage_graph``, a chain every gradient flows through."""
-    n = stage_graph.num_stages
-    return (n % 2 == 0 and fold.rank_of == Fold.v_shape(num_stages=n).rank_of and not stage_graph.frozen
-            and sorted((e.src, e.dst) for e in stage_graph.edges) == [(s, s + 1) for s in range(n - 1)]
-            and all(e.grad for e in stage_graph.edges) and stage_graph.output_stage == n - 1)
 
 
 def _zbv(stage_graph, num_mb, fold, duration=None, max_in_flight=None):
     caps = schedule_in_flight("zbv", max_in_flight, fold.num_ranks)
     orders = rank_orders(stage_graph, num_mb, fold, split_backward=True, duration=duration, by_microbatch=True,
                          max_in_flight=fold_in_flight(stage_graph, fold) if caps is None else dict(enumerate(caps)))
-    if caps is None and _v_over_chain(stage_graph, fold):
-        # ZB-V's own order where it applies, unless the greedy order computes faster (uneven stage
-        # times): as short on even ones, and less exposed to message latency (its fixed rhythm).
-        fixed = zbv_v_order(fold.num_ranks, num_mb)
-        if rank_makespan(fixed, stage_graph, duration) <= rank_makespan(orders, stage_graph, duration):
-            return fixed
+    if caps is None:
+        # ZB-V's own order where it runs, unless the greedy order computes faster (uneven stage
+        # times, a DAG's uneven ranks): where as short, it is less exposed to message latency.
+        try:
+            fixed = zbv_rhythm(stage_graph, num_mb, fold)
+            if rank_makespan(fixed, stage_graph, duration) <= rank_makespan(orders, stage_graph, duration):
+                return fixed
+        except ScheduleError:    # not two stages of different depths a rank, or a deadlock on this DAG
+            pass
     return orders
 
 
