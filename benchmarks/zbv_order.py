@@ -3,8 +3,9 @@ topologies, torch's ZBV beside, one launch of 8 gloo ranks per topology, medians
 
 * ``ZB-V's rule (now)``: micro-batch by micro-batch, a micro-batch beginning on a rank while the
   rank keeps room for one begun there; the fold the search picks;
-* ``ZB-V's rule, greedy order on the V (7beaf17)``: on the chain only, where zbv now runs ZB-V's
-  own order on the V (5353652): the greedy order there;
+* ``zbv in a V, ZB-V's rhythm (now)``: on the DAGs, the V of the stages in order, where zbv runs
+  ZB-V's rhythm (7789478; on the chain the search's fold is that V);
+* ``zbv in a V, the greedy order (7beaf17)``: the same V under the greedy order (ZB-V's rule);
 * ``Megatron's rule (before)``: groups of 8 micro-batches, each reserving on a rank every stage it
   will pass there, no ZB-V's own order; the fold the search picks so (with today's tie-break and
   caps);
@@ -32,25 +33,30 @@ sys.path.insert(0, str(ROOT / "tests"))
 import peers  # noqa: E402
 
 OUT = ROOT / "benchmarks" / "results" / "zbv_order.json"
-NOW, GREEDY, BEFORE, TORCH = ("zbv, ZB-V's rule (now)", "zbv, ZB-V's rule, greedy order on the V (7beaf17)",
-                              "zbv, Megatron's rule (before)", "torch ZBVZeroBubble")
+NOW, V_RHYTHM, GREEDY, BEFORE, TORCH = (
+    "zbv, ZB-V's rule (now)", "zbv in a V, ZB-V's rhythm (now)", "zbv in a V, the greedy order (7beaf17)",
+    "zbv, Megatron's rule (before)", "torch ZBVZeroBubble")
 ROUNDS = 8
 
 
 @contextlib.contextmanager
 def greedy_only(megatron: bool):
-    """zbv's orders without ZB-V's own order on a chain's V (as at 7beaf17), and with Megatron's
-    rule in the greedy order too if ``megatron`` (as before 7beaf17)."""
+    """zbv's orders without ZB-V's rhythm (as at 7beaf17), and with Megatron's rule in the greedy
+    order too if ``megatron`` (as before 7beaf17)."""
+    from gpp_deepspeed.errors import ScheduleError
     from gpp_deepspeed.schedule import virtual
 
-    rank_orders, v_over_chain = virtual.rank_orders, virtual._v_over_chain
-    virtual._v_over_chain = lambda *a: False
+    def no_rhythm(*args):
+        raise ScheduleError("the greedy order only")
+
+    rank_orders, rhythm = virtual.rank_orders, virtual.zbv_rhythm
+    virtual.zbv_rhythm = no_rhythm
     if megatron:
         virtual.rank_orders = lambda *a, **k: rank_orders(*a, **{**k, "by_microbatch": False})
     try:
         yield
     finally:
-        virtual.rank_orders, virtual._v_over_chain = rank_orders, v_over_chain
+        virtual.rank_orders, virtual.zbv_rhythm = rank_orders, rhythm
 
 
 def simulated(topology: str, fold, caps) -> list[float]:
@@ -72,13 +78,17 @@ def build(topology: str, unit, dag, label: str):
 
     import gpp_deepspeed
     from gpp_deepspeed import GraphLayerSpec, GraphPipelineModule
+    from gpp_deepspeed.schedule.greedy import Fold
 
     num_branches = len(peers.TOPOLOGIES[topology][0])
     rows = peers.half_layer_rows(topology)
     rule = greedy_only(label == BEFORE) if label in (GREEDY, BEFORE) else contextlib.nullcontext()
     with rule:
-        choice = peers.searched_fold(topology, "zbv")
-        fold, caps = list(choice.fold.rank_of), list(choice.max_in_flight) if choice.max_in_flight else None
+        if label in (V_RHYTHM, GREEDY):
+            fold, caps = list(Fold.v_shape(num_stages=len(rows)).rank_of), None
+        else:
+            choice = peers.searched_fold(topology, "zbv")
+            fold, caps = list(choice.fold.rank_of), list(choice.max_in_flight) if choice.max_in_flight else None
         layers = [GraphLayerSpec(r["name"], unit, peers.DIM, num_branches, r["branch"], r["merge"], 0.5, r["source"],
                                  False, inputs=r["inputs"]) for r in rows]
         module = GraphPipelineModule(layers, input_names=[f"x{b}" for b in range(num_branches)],
@@ -105,8 +115,8 @@ def worker(topology: str, out: str) -> None:
     chain = [(torch.cat(x, dim=1), y) for x, y in dag]
     batch = (torch.cat([x for x, _ in chain]), torch.cat([y for _, y in chain]))
     steps, meta, engines = {}, {}, {}
-    # The greedy order on the V differs from today's only where ZB-V's own order runs: the chain.
-    for label in (NOW, GREEDY, BEFORE) if topology == "chain" else (NOW, BEFORE):
+    # On the chain the search's fold is the V, where zbv runs ZB-V's rhythm.
+    for label in (NOW, GREEDY, BEFORE) if topology == "chain" else (NOW, V_RHYTHM, GREEDY, BEFORE):
         engines[label], meta[label] = build(topology, unit, dag, label)
         steps[label] = lambda engine=engines[label]: engine.train_batch(data_iter=iter(dag))
     steps[TORCH] = peers.build_torch(topology, "ZBVZeroBubble", unit, batch)[0]
