@@ -143,19 +143,19 @@ def table(results: dict) -> str:
     return "\n".join(lines)
 
 
-READING = """**Reading it.** The DAG launches ran at 7beaf17, the chain's at 5353652 (ZB-V's own order on
-the V). ZB-V's rule makes `zbv`'s order shorter on both DAGs (simulated 810 against 840 ms on four
-branches, 990 against 1,020 on two) and it runs 2.9% faster on both (1,054 against 1,085 ms;
-1,259 against 1,296), at 7.5 and 7 layers' micro-batches a rank against torch's 8. On four
-branches that is 1.10x faster than torch's `ZBVZeroBubble` in that launch (1,054 against 1,160
-ms). On the chain every order computes in 1,030 ms, but the greedy one on the V is the most exposed
-to message latency (our simulator at 1 ms a message: 1,122 ms, the looped fold's 1,109, ZB-V's own
-order 1,077; torch's ZB-V order, priced the same way without its transfers, 1,061): ZB-V's fixed
-rhythm runs each `I` with its `W` right after, which leaves a `W` of slack on each message where
-the greedy order runs the input gradients back to back. So `zbv` now runs ZB-V's own order there:
-1,302 ms against 1,358 (the greedy order on the V) and 1,357 (before: the looped fold, 11 layers'
-micro-batches a rank against 8), torch's 1,230 (1.058x). `zbv_in_flight.py`'s table above
-predates these changes."""
+READING = """**Reading it** (every launch at 765a007). ZB-V's rule makes `zbv`'s greedy order shorter on
+both DAGs (simulated 810 against 840 ms on four branches, 990 against 1,020 on two): on four
+branches the search's fold runs 3.6% faster than before (1,068 against 1,108 ms), 1.10x faster
+than torch's `ZBVZeroBubble` (1,173) at 7.5 layers' micro-batches a rank against 8; on two branches
+1.5% (1,282 against 1,301). In a V, ZB-V's rhythm (each `I` with its `W` right after it, counts
+from the stage depths) computes as fast as the greedy order and is less exposed to message
+latency (simulated at 1 ms a message: 1,059 against 1,110 ms on two branches, 1,050 against 1,090
+on four, 1,077 against 1,122 on the chain), and runs 2-4% faster: 1,255 against 1,303 ms on two
+branches, 1,259 against 1,285 on four, 1,306 against 1,346 on the chain (1.045x torch's V, where
+the looped fold before ran 1.088x). On two branches the V under the rhythm (1,010 ms simulated)
+beats the fold the search picks (990 simulated, 1,282 measured): the search prices messages as
+free, which favours the greedy order's tighter fold. `zbv_in_flight.py`'s table above predates
+these changes."""
 
 
 def write_section() -> None:
