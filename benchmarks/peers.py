@@ -418,17 +418,23 @@ def _attempt(build):
     return (None, reason) if reason is not None else (result, None)
 
 
-def build_all(topology: str):
-    """Every configuration of the launch: label -> (step or None, metadata with in-flight or the refusal)."""
+def batches(num_branches: int):
+    """The launch's data, seeded alike on every rank: ``M`` DAG micro-batches (one input per branch,
+    a target), the same as chain micro-batches (the inputs side by side) and as one chain batch
+    (torch's schedules split it)."""
     import torch
 
-    unit = sleep_unit_class()
-    num_branches = len(TOPOLOGIES[topology][0])
     gen = torch.Generator().manual_seed(0)
     sample = lambda: torch.randn(MBS, DIM, generator=gen)  # noqa: E731
-    dag_data = [(tuple(sample() for _ in range(num_branches)), sample()) for _ in range(M)]
-    chain_data = [(torch.cat(x, dim=1), y) for x, y in dag_data]
-    batch = (torch.cat([x for x, _ in chain_data]), torch.cat([y for _, y in chain_data]))
+    dag = [(tuple(sample() for _ in range(num_branches)), sample()) for _ in range(M)]
+    chain = [(torch.cat(x, dim=1), y) for x, y in dag]
+    return dag, chain, (torch.cat([x for x, _ in chain]), torch.cat([y for _, y in chain]))
+
+
+def build_all(topology: str):
+    """Every configuration of the launch: label -> (step or None, metadata with in-flight or the refusal)."""
+    unit = sleep_unit_class()
+    dag_data, chain_data, batch = batches(len(TOPOLOGIES[topology][0]))
     configs = {}
     for name, (step, engine) in build_ours(topology, unit, dag_data).items():
         configs[f"ours/{name}"] = (step, {"engine": engine})

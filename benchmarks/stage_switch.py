@@ -52,11 +52,7 @@ def worker(out: str, rounds: int) -> None:
     deepspeed.init_distributed(dist_backend="gloo")
     peers.OURS, peers.OURS_FOLDED, peers.IN_PLACE = (), ("zbv", ), ()
     unit = peers.sleep_unit_class()
-    gen = torch.Generator().manual_seed(0)
-    sample = lambda: torch.randn(peers.MBS, peers.DIM, generator=gen)  # noqa: E731
-    dag = [(tuple(sample() for _ in range(4)), sample()) for _ in range(peers.M)]
-    chain = [(torch.cat(x, dim=1), y) for x, y in dag]
-    batch = (torch.cat([x for x, _ in chain]), torch.cat([y for _, y in chain]))
+    dag, _, batch = peers.batches(4)
     steps = {}
     for label in ("zbv, switch as before", "zbv, switch past nn.Module.__setattr__ (now)"):
         step, engine = peers.build_ours(TOPO, unit, dag)["zbv"]

@@ -72,11 +72,7 @@ def worker(out):
 
     deepspeed.init_distributed(dist_backend="gloo")
     unit = peers.sleep_unit_class()
-    gen = torch.Generator().manual_seed(0)
-    sample = lambda: torch.randn(peers.MBS, peers.DIM, generator=gen)  # noqa: E731
-    dag = [(tuple(sample() for _ in range(4)), sample()) for _ in range(peers.M)]
-    chain = [(torch.cat(x, dim=1), y) for x, y in dag]
-    batch = (torch.cat([x for x, _ in chain]), torch.cat([y for _, y in chain]))
+    dag, _, batch = peers.batches(4)
     rows = peers.half_layer_rows(TOPO)
     steps, meta = {}, {}
     for label, (fold, caps) in variants().items():

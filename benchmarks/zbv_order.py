@@ -108,12 +108,7 @@ def worker(topology: str, out: str) -> None:
 
     deepspeed.init_distributed(dist_backend="gloo")
     unit = peers.sleep_unit_class()
-    gen = torch.Generator().manual_seed(0)
-    num_branches = len(peers.TOPOLOGIES[topology][0])
-    sample = lambda: torch.randn(peers.MBS, peers.DIM, generator=gen)  # noqa: E731
-    dag = [(tuple(sample() for _ in range(num_branches)), sample()) for _ in range(peers.M)]
-    chain = [(torch.cat(x, dim=1), y) for x, y in dag]
-    batch = (torch.cat([x for x, _ in chain]), torch.cat([y for _, y in chain]))
+    dag, _, batch = peers.batches(len(peers.TOPOLOGIES[topology][0]))
     steps, meta, engines = {}, {}, {}
     # On the chain the search's fold is the V, where zbv runs ZB-V's rhythm.
     for label in (NOW, GREEDY, BEFORE) if topology == "chain" else (NOW, V_RHYTHM, GREEDY, BEFORE):

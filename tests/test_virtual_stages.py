@@ -393,13 +393,9 @@ def test_dualpipev_bubble_and_peak_on_a_chain_against_deepspeeds_and_zbv(num_ran
     assert [rank_peak(zbv[r], None) for r in zbv] == [2 * num_ranks] * num_ranks
 
 
-@pytest.mark.parametrize("seed", range(16))
-def test_dualpipev_folded_programs_of_random_dags_run_under_nccl_semantics(seed):
-    # Random DAGs of 2R stages, each rank two stages (a V in topological order, or any pairing):
-    # fold_program raises unless the rendezvous simulation completes and validate_folded passes.
-    from gpp_deepspeed.schedule.validate import simulate
-    from gpp_deepspeed.schedule.virtual import dualpipev_orders, fold_program
-
+def _random_two_stage_fold(seed):
+    """A random DAG of 2R stages, each rank two (a V in topological order for odd seeds, any pairing
+    for even ones), and a micro-batch count of 2R to 2R + 4."""
     rng = random.Random(seed)
     num_ranks = rng.randint(1, 4)
     graph = _random_dag(rng, 2 * num_ranks)
@@ -410,7 +406,17 @@ def test_dualpipev_folded_programs_of_random_dags_run_under_nccl_semantics(seed)
         rng.shuffle(pairs)
         first: dict[int, int] = {}
         fold = Fold(tuple(first.setdefault(x, len(first)) for x in pairs))
-    num_mb = rng.randint(2 * num_ranks, 2 * num_ranks + 4)
+    return graph, fold, rng.randint(2 * num_ranks, 2 * num_ranks + 4)
+
+
+@pytest.mark.parametrize("seed", range(16))
+def test_dualpipev_folded_programs_of_random_dags_run_under_nccl_semantics(seed):
+    # Random DAGs of 2R stages, each rank two stages (a V in topological order, or any pairing):
+    # fold_program raises unless the rendezvous simulation completes and validate_folded passes.
+    from gpp_deepspeed.schedule.validate import simulate
+    from gpp_deepspeed.schedule.virtual import dualpipev_orders, fold_program
+
+    graph, fold, num_mb = _random_two_stage_fold(seed)
     orders = dualpipev_orders(graph, num_mb, fold)
     program = fold_program(graph, num_mb, fold, orders)
     timeline = simulate(program, duration=priced(FULL))
@@ -426,17 +432,7 @@ def test_zbv_runs_zb_vs_rhythm_on_random_dag_folds_where_no_slower_and_its_progr
     from gpp_deepspeed.schedule.greedy import fold_in_flight
     from gpp_deepspeed.schedule.virtual import FOLDED_SCHEDULES, fold_program, zbv_rhythm
 
-    rng = random.Random(seed)
-    num_ranks = rng.randint(1, 4)
-    graph = _random_dag(rng, 2 * num_ranks)
-    if seed % 2:
-        fold = Fold.v_shape(num_stages=2 * num_ranks)
-    else:
-        pairs = list(range(num_ranks)) * 2
-        rng.shuffle(pairs)
-        first: dict[int, int] = {}
-        fold = Fold(tuple(first.setdefault(x, len(first)) for x in pairs))
-    num_mb = rng.randint(2 * num_ranks, 2 * num_ranks + 4)
+    graph, fold, num_mb = _random_two_stage_fold(seed)
     orders = FOLDED_SCHEDULES["zbv"][1](graph, num_mb, fold)
     greedy = rank_orders(graph, num_mb, fold, split_backward=True, by_microbatch=True,
                          max_in_flight=fold_in_flight(graph, fold))
