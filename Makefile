@@ -43,6 +43,7 @@ bench: setup
 	$(PY) benchmarks/search_speed.py
 	$(PY) benchmarks/schedules.py
 	$(PY) benchmarks/peers.py
+	$(PY) benchmarks/gc_pauses.py
 	$(PY) benchmarks/zbv_in_flight.py
 	$(PY) benchmarks/zbv_order.py
 	$(PY) benchmarks/stage_switch.py

@@ -28,7 +28,9 @@ activation is one tensor holding every branch side by side: a branch's layer wor
 and passes the others on, the merge layer sums the slices.
 
 The engines train in turn, one step each, round after round, so the load of a shared machine falls
-on all alike; each row is the median step over the rounds after the first. "Peak in flight" is the
+on all alike; each row is the median step over the rounds after the first two. Every engine runs
+under one garbage-collection regime (:func:`timed_rounds`: the heap frozen, the automatic
+collector off, a collection before each step outside its timing). "Peak in flight" is the
 most micro-batch activations a rank holds at once (forward run, its ``B`` or ``W`` not yet run), in
 units of one layer's activation (a half-layer stage counts a half): ours from the instructions the
 engine executed (``engine.last_timeline``), torch's from its schedule's ``pipeline_order``,
@@ -188,9 +190,10 @@ def searched_fold(topology: str, name: str):
                        activation={s: 0.5 for s in range(graph.num_stages)})
 
 
-def build_ours(topology: str, unit, data):
+def build_ours(topology: str, unit, data, *, config: dict | None = None):
     """Our engine on the stage DAG, one engine per schedule: name -> (step, engine). The folded
-    schedules run the DAG of half-layer stages on the fold the search picks."""
+    schedules run the DAG of half-layer stages on the fold the search picks. ``config`` adds to
+    each engine's DeepSpeed config (its ``graph_pipeline`` keys to that section)."""
     from torch import nn
     import gpp_deepspeed
     from gpp_deepspeed import GraphLayerSpec, GraphPipelineModule
@@ -213,8 +216,10 @@ def build_ours(topology: str, unit, data):
         module = GraphPipelineModule(layers, input_names=[f"x{b}" for b in range(num_branches)], num_stages=len(rows),
                                      loss_fn=nn.MSELoss(), partition_method={r["name"]: i for i, r in enumerate(rows)},
                                      **extra)
-        cfg = _ds_config() | {"graph_pipeline": {"schedule": schedule, "print_stage_graph": False,
-                                                  "print_idle_fractions": False, "early_receives": early, **times}}
+        added = dict(config or {})
+        cfg = _ds_config() | added | {"graph_pipeline": {"schedule": schedule, "print_stage_graph": False,
+                                                          "print_idle_fractions": False, "early_receives": early,
+                                                          **times, **added.get("graph_pipeline", {})}}
         engine, *_ = gpp_deepspeed.initialize(model=module, model_parameters=list(module.parameters()), config=cfg)
         built[name] = (lambda engine=engine: engine.train_batch(data_iter=iter(data)), engine)
     return built
@@ -453,19 +458,34 @@ def build_all(topology: str):
 def timed_rounds(steps: dict, rounds: int, *, report: bool = False) -> dict[str, list[float]]:
     """Each of ``steps`` (label -> a step on every rank) once per round, in turn, for ``rounds``
     rounds: label -> each round's step in seconds, fenced by barriers so every rank starts
-    together and the slowest one's finish ends it. ``report``: rank 0 prints each round."""
+    together and the slowest one's finish ends it. ``report``: rank 0 prints each round.
+
+    Every engine runs under one garbage-collection regime, as a torchtitan or Megatron-LM user
+    runs theirs: the heap built so far frozen (``gc.freeze()``), the automatic collector off, and a
+    collection on every rank before each step, outside the timed span. Left to Python, a full
+    collection (0.2-0.3 s here) falls inside some engine's step on one rank, where all its ranks
+    wait for it, in whichever rounds the allocations cross its threshold
+    (``gpp_deepspeed.engine.collector``): a timing of where the collector ran, not of the runtime."""
+    import gc
     import torch
 
     times = {label: [] for label in steps}
-    for r in range(rounds):
-        for label, step in steps.items():
-            torch.distributed.barrier()
-            start = time.perf_counter()
-            step()
-            torch.distributed.barrier()
-            times[label].append(time.perf_counter() - start)
-        if report and torch.distributed.get_rank() == 0:
-            print(f"round {r}: " + " ".join(f"{k}={v[-1] * 1e3:.0f}" for k, v in times.items()), flush=True)
+    gc.collect()
+    gc.freeze()
+    gc.disable()
+    try:
+        for r in range(rounds):
+            for label, step in steps.items():
+                gc.collect()
+                torch.distributed.barrier()
+                start = time.perf_counter()
+                step()
+                torch.distributed.barrier()
+                times[label].append(time.perf_counter() - start)
+            if report and torch.distributed.get_rank() == 0:
+                print(f"round {r}: " + " ".join(f"{k}={v[-1] * 1e3:.0f}" for k, v in times.items()), flush=True)
+    finally:
+        gc.enable()
     return times
 
 
@@ -605,7 +625,10 @@ def write_table(results: dict, rounds: int, loads: dict) -> None:
             f"{T_F * 1e3:.0f} ms each; a branch's first layer has no input gradient). One launch per model trains "
             "every configuration in turn, one step each, round after round; each figure is the median step of "
             f"rounds {WARM_UP + 1}..{rounds} (the first two warm every engine up: ours send every edge's layout "
-            "in their first batch). Ours runs the stage DAG (one layer per stage and rank); torch "
+            "in their first batch). Every engine runs under one garbage-collection regime, as torchtitan's and "
+            "Megatron-LM's users run theirs: the start-up heap frozen, Python's automatic collector off, a "
+            "collection on every rank before each step, outside its timing (a full collection inside a "
+            "step costs 0.2-0.3 s on one rank, which all its ranks wait for). Ours runs the stage DAG (one layer per stage and rank); torch "
             "(`torch.distributed.pipelining`, 2.13) and DeepSpeed (0.19.8) run the same layers as a chain: one "
             "layer per rank for single-stage schedules, two half-layer stages per rank for the multi-stage ones "
             "(looped placement, a V for `ZBVZeroBubble` and both DualPipeVs). \"Peak in flight\" is the most "

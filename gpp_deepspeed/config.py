@@ -130,6 +130,20 @@ class GraphPipelineConfig(BaseModel):
     heartbeat_s: float = Field(default=1.0, gt=0)
     """Seconds between heartbeats (and between checks of the peers' heartbeats)."""
 
+    gc_freeze: bool = True
+    """At the end of ``initialize``, collect once and ``gc.freeze()`` every object made so far (the
+    framework, the model, the engine), so that later cyclic collections never scan them: a full
+    collection then costs what the steps allocated, not the whole heap (0.2-1 s on a CPU host,
+    during which every rank that waits for this one waits too). Only cyclic garbage made before
+    ``initialize`` and dropped after it is never collected. Process-wide
+    (:mod:`gpp_deepspeed.engine.collector`)."""
+
+    gc_interval: int = Field(default=0, ge=0)
+    """With DeepSpeed's ``"disable_python_gc": true`` (the automatic collector off), every rank
+    collects after every ``gc_interval``-th optimizer step, between batches, where no rank waits for
+    another (Megatron-LM's ``--manual-gc-interval``); 0: only when the application calls
+    ``engine.collect_python_gc()``. Refused without ``disable_python_gc``."""
+
     checkpoint_in_background: bool = False
     """``save_checkpoint`` returns once the state is copied to CPU memory; the files are written,
     and the checkpoint committed (``latest``), on a thread while training goes on

@@ -52,6 +52,7 @@ def test_parse_graph_pipeline_config_names_every_unknown_key():
     ({"schedule": 1}, "schedule"),
     ({"validate_schedule": "maybe"}, "validate_schedule"),
     ({"print_stage_graph": [True]}, "print_stage_graph"),
+    ({"gc_interval": -1}, "gc_interval"),
 ])
 def test_parse_graph_pipeline_config_rejects_a_wrong_value_naming_the_field(section, field):
     with pytest.raises(GPPConfigError) as info:
@@ -110,3 +111,12 @@ def test_load_config_before_initialize_leaves_gpp_deepspeed_initialize_the_funct
             "assert callable(gpp_deepspeed.initialize), gpp_deepspeed.initialize")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_a_gc_interval_is_refused_while_pythons_automatic_collector_stays_on():
+    from gpp_deepspeed.engine.collector import check_gc_config
+
+    with pytest.raises(GPPConfigError, match='gc_interval = 5 .*"disable_python_gc": true'):
+        check_gc_config({}, 5)
+    check_gc_config({"disable_python_gc": True}, 5)   # DeepSpeed's switch: the interval says when
+    check_gc_config({}, 0)

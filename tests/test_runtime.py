@@ -25,7 +25,10 @@ ZB_BF16 = case("four_branch", 4, 1, bf16=True, schedule="zb1")
 ZB_TIMED = case("skip", 4, 0, wall_clock=True, schedule="zb2")
 # A float64 model (its layers cast before initialize), without clipping (its norm is summed in float32).
 FLOAT64 = case("four_branch", 4, 0, float64=True, clip=0.0)
-CASES = CKPT + DROP_IN + BF16 + [TRACED, ZB_BF16, ZB_TIMED, FLOAT64]
+# DeepSpeed's automatic-collector switch with the engine's collections between batches; last in the
+# launch, since the collector is the process's (the worker turns it on again after the case).
+GC_BETWEEN_BATCHES = case("four_branch", 4, 1, disable_python_gc=True, gc_interval=2, steps=4)
+CASES = CKPT + DROP_IN + BF16 + [TRACED, ZB_BF16, ZB_TIMED, FLOAT64, GC_BETWEEN_BATCHES]
 
 
 @pytest.fixture(scope="module")
@@ -126,3 +129,17 @@ def test_a_float64_model_trains_in_float64_and_its_losses_come_back_in_float64(o
         # float32 anywhere on the way would leave ~1e-7 of relative error
         assert res["losses"] == pytest.approx(ref.losses, rel=1e-12)
         assert res["eval"] == pytest.approx(ref.eval_loss, rel=1e-12)
+
+
+def test_with_disable_python_gc_every_rank_collects_only_between_batches_every_gc_interval_steps(out):
+    # A cyclic collection inside a batch stalls every rank that waits for the collecting one; with
+    # DeepSpeed's "disable_python_gc" and gc_interval 2 none starts inside a batch, and each rank
+    # collects after steps 2 and 4. The start-up heap is frozen (gc_freeze, the default), and the
+    # model trains as on one device.
+    ref = train_reference(GC_BETWEEN_BATCHES, dp=1)
+    for res in ranks(out, GC_BETWEEN_BATCHES):
+        watched = res["gc"]
+        assert watched["enabled"] is False and watched["frozen"] > 0
+        assert [s["automatic"] for s in watched["steps"]] == [0, 0, 0, 0]
+        assert [s["asked"] for s in watched["steps"]] == [0, 1, 0, 1]
+        assert res["losses"] == pytest.approx(ref.losses, rel=1e-5)

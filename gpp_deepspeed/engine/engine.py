@@ -23,6 +23,9 @@ The engine owns one object per job (``docs/architecture.md``, "The engine's room
     :class:`~.backward.StageBackward`, ``B``, ``I``, ``W`` and the parameter-gradient bracket;
 ``zero``
     :class:`~.zero.StageZero`, what ZeRO-2/3 add to a stage;
+``collector``
+    :class:`~.collector.StepCollector`, the cyclic collections between batches that
+    ``gc_interval`` asks for (``gc_freeze`` is applied by ``initialize``);
 ``_async``
     :class:`~.asynchronous.AsyncPipeline`, an asynchronous schedule's batch count and weight
     versions (:mod:`.weights`); :meth:`flush` drains it.
@@ -57,6 +60,7 @@ from . import asynchronous as _async
 from . import compat
 from .compat import count_each_stage_once
 from . import data, elastic, portable
+from .collector import StepCollector
 from .backward import (StageBackward, check_split_backward_supported, reentrant_checkpointing,
                        use_split_backward_recompute)
 from .instructions import (BackwardInputPass, BackwardWeightPass, GraphPipeSchedule, HandOver, Release, Transfers,
@@ -113,6 +117,7 @@ class GraphPipelineEngine(PipelineEngine):
                                                     timeout_s=self.gpp_config.p2p_timeout_s))
         self.stage_backward = StageBackward(self)
         self.zero = StageZero(self)
+        self.collector = StepCollector(self, self.gpp_config.gc_interval)
         count_each_stage_once(self.optimizer, is_stage_leader=self.grid.is_shard_leader(),
                               group=self.grid.get_model_parallel_group(), tp_rank=self.grid.tp_idx)
         self._programs = ProgramFactory(self.stage_graph, schedule=self.schedule_spec.name,
@@ -329,6 +334,7 @@ class GraphPipelineEngine(PipelineEngine):
         if self._async is not None:
             self._async.in_batch = False
             self._async.batches += 1
+        self.collector.after_step()
         if self.gpp_config.trace_dir is not None:
             self._trace(self.gpp_config.trace_dir)
         if self.global_steps == 1:

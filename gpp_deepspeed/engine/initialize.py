@@ -19,6 +19,7 @@ from deepspeed.runtime import zero
 from deepspeed.constants import TORCH_DISTRIBUTED_DEFAULT_PORT
 
 from ..config import CONFIG_KEY, load_config, parse_graph_pipeline_config, with_plan_schedule
+from .collector import check_gc_config, freeze_startup_heap
 from .compat import configure_python_gc
 from .dualpipev import convert_dualpipev, is_dualpipev_module
 from .engine import GraphPipelineEngine
@@ -112,6 +113,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
                       stages_per_rank=model.placement.num_stages // model.placement.pipeline().num_stages,
                       config_tp=gpp_config.stage_tp)
     ds_config = {k: v for k, v in config.items() if k != CONFIG_KEY}
+    check_gc_config(ds_config, gpp_config.gc_interval)
     # Per-stage degrees: the user's batch values describe the pipeline; DeepSpeed gets this rank's.
     ds_config = stage_batch_config(ds_config, model.placement.pipeline(), model.stage_id)
     rows = _rows_per_stage(config, model.placement)
@@ -131,6 +133,8 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
                                  dist_init_required=dist_init_required, collate_fn=collate_fn, config=ds_config,
                                  config_class=config_class, gpp_config=gpp_config)
     zero.partition_parameters.restore_init_context()
+    if gpp_config.gc_freeze:   # before DeepSpeed's own collection (disable_python_gc), which it makes cheap
+        freeze_startup_heap()
     configure_python_gc(engine)
     release_own_shm()   # every rank has mapped every peer's shm workspace: nothing need stay in /dev/shm
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler

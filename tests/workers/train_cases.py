@@ -34,7 +34,8 @@ def ds_config(case, dp):
         # No "schedule" in the case: the engine's default, or the schedule of the case's plan file.
         "graph_pipeline": {"print_stage_graph": False, **({"schedule": case["schedule"]} if "schedule" in case else {}),
                            **{k: case[k] for k in ("stages_per_rank", "fold", "early_receives", "stage_times",
-                                                    "max_in_flight") if k in case}},
+                                                    "max_in_flight", "gc_interval", "gc_freeze") if k in case}},
+        **{k: case[k] for k in ("disable_python_gc", ) if k in case},
     }
     if case.get("wall_clock"):
         cfg["wall_clock_breakdown"] = True
@@ -138,6 +139,8 @@ def _recording(batches, seen):
 
 
 def train(engine, mc, case, steps):
+    if case.get("gc_interval") and not hasattr(engine, "case_gc"):
+        return _train_watching_gc(engine, mc, case, steps)
     if case.get("no_program_after_init"):   # initialize made the training programs: the steps build none
         from gpp_deepspeed.schedule import program as programs
 
@@ -160,6 +163,41 @@ def train(engine, mc, case, steps):
         loss = engine.train_batch(data_iter=iter(to_model_dtype(batches, case)))
         engine.case_loss_dtype = str(loss.dtype)
         losses.append(loss.item())
+    return losses
+
+
+def _train_watching_gc(engine, mc, case, steps):
+    """``train``, recording for every step the cyclic collections the interpreter started by itself
+    and those the engine asked for (DeepSpeed's ``collect_python_gc``), in ``engine.case_gc``;
+    afterwards the automatic collector is on again for the launch's next cases."""
+    import gc
+
+    engine.case_gc = {"enabled": gc.isenabled(), "frozen": gc.get_freeze_count(), "steps": []}
+    asked, counts = [False], {"automatic": 0, "asked": 0}
+    collect = engine.collect_python_gc
+
+    def asking():
+        asked[0] = True
+        try:
+            return collect()
+        finally:
+            asked[0] = False
+
+    def seen(phase, info):
+        if phase == "start":
+            counts["asked" if asked[0] else "automatic"] += 1
+
+    engine.collect_python_gc = asking
+    gc.callbacks.append(seen)
+    losses = []
+    try:
+        for step in steps:
+            counts.update(automatic=0, asked=0)
+            losses += train(engine, mc, case, [step])
+            engine.case_gc["steps"].append(dict(counts))
+    finally:
+        gc.callbacks.remove(seen)
+        gc.enable()
     return losses
 
 
@@ -212,6 +250,8 @@ def run_case(case, out, rank, world_size):
             with engine.gathered_parameters():   # ZeRO-3 partitions them
                 result["state"] = {k: v.detach().float().clone() for k, v in module.graph_state_dict().items()}
             result["ties"], result["rank_stages"] = tie_users(module), list(module.stages)
+    if hasattr(engine, "case_gc"):
+        result["gc"] = engine.case_gc
     if case.get("fp16"):
         result["loss_scale"] = float(engine.optimizer.loss_scale)
     if hasattr(engine, "weight_version_memory"):
