@@ -114,9 +114,11 @@ class _RecordingBuffers(StageBuffers):
         super().__setitem__(key, value)
 
 
-def _rooms(degrees):
-    """Stage 0 (``degrees[0]`` ranks) sends layer ``a``'s output to stage 1 (``degrees[1]`` ranks)."""
-    graph = StageGraph(num_stages=2, edges=(StageEdge(0, 1, (TensorRef("a"), )), ), output_stage=1)
+def _rooms(degrees, tensors=("a", )):
+    """Stage 0 (``degrees[0]`` ranks) sends ``tensors`` (layer ``a``'s output by default) to stage 1
+    (``degrees[1]`` ranks)."""
+    refs = tuple(TensorRef(t) for t in tensors)
+    graph = StageGraph(num_stages=2, edges=(StageEdge(0, 1, refs), ), output_stage=1)
     placement = Placement.build(degrees, world_size=sum(degrees))
     post = _PostOffice()
     rooms = []
@@ -124,7 +126,7 @@ def _rooms(degrees):
         for idx, rank in enumerate(placement.ranks(stage, 0)):
             transport = _InProcessTransport(post, rank=rank, stage=stage)
             rooms.append((stage, idx, StageTransfers(graph, placement, stage_idx=stage, replica=0, rank_idx=idx,
-                                                     out_ports=(TensorRef("a"), ), transport=transport)))
+                                                     out_ports=refs, transport=transport)))
     return rooms
 
 
@@ -158,6 +160,35 @@ def test_transfers_move_each_ranks_rows_forward_and_their_gradients_back_without
         # Each rank differentiates its stage degree times its share (reshard.py): n_src / n_dst.
         want = -rows(micro_batch, idx, degrees[0]) * degrees[0] / degrees[1]
         assert torch.equal(buffers[0, idx][Buffer.GRADS, 1][0], want)
+
+
+@pytest.mark.parametrize("receiver_path", ["direct", "general"])
+def test_an_edge_of_several_tensors_and_dtypes_arrives_whole_whichever_path_each_end_takes(receiver_path):
+    # A one-peer edge sends a one-tensor message as it is and a message of several tensors packed
+    # per dtype; the bytes are the same either way, so a receiver that takes the general path for
+    # everything (as a per-stage-degree edge does) reads what a direct sender sent.
+    (_, _, sender), (_, _, receiver) = _rooms((1, 1), tensors=("a", "b"))
+    if receiver_path == "general":
+        receiver._direct_in.clear()
+    out, rcv = _RecordingBuffers(1), _RecordingBuffers(1)
+    a = torch.arange(6.0).reshape(2, 3)
+    b = (torch.arange(4.0).reshape(2, 2).t(), torch.tensor([[7], [8]]))   # a tuple port: non-contiguous and int
+    out[Buffer.OUTPUTS, 0] = (a, b)
+    _run(sender, [(K.SEND_L, 0, 1), (K.SEND_F, 0, 1)], out)
+    _run(receiver, [(K.RECV_L, 0, 0)], rcv)   # a layout arrives in an action before its activations'
+    _run(receiver, [(K.RECV_F, 0, 0)], rcv)
+    got = rcv[Buffer.RECEIVED, 0]
+    assert torch.equal(got[TensorRef("a")], a) and all(torch.equal(x, y) for x, y in zip(got[TensorRef("b")], b))
+    assert got[TensorRef("a")].requires_grad and not got[TensorRef("b")][1].requires_grad
+    single = _rooms((1, 1))   # one tensor a message: the direct path at both ends
+    (_, _, sender), (_, _, receiver) = single
+    out[Buffer.OUTPUTS, 0] = (a.t(), )   # non-contiguous: sent flattened in its logical order
+    if receiver_path == "general":
+        receiver._direct_in.clear()
+    _run(sender, [(K.SEND_L, 0, 1), (K.SEND_F, 0, 1)], out)
+    _run(receiver, [(K.RECV_L, 0, 0)], rcv)
+    _run(receiver, [(K.RECV_F, 0, 0)], rcv)
+    assert torch.equal(rcv[Buffer.RECEIVED, 0][TensorRef("a")], a.t())
 
 
 def test_a_receive_without_a_layout_names_the_edge_and_the_fix():

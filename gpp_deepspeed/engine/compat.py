@@ -67,7 +67,7 @@ __all__ = ["DEEPSPEED_VERSION", "is_model_parallel_parameter", "pipeline_grid", 
            "hand_grads_to_master", "stage_local_norm", "OVERRIDDEN", "scale_loss_by_gas", "next_batch",
            "tied_weight_grad", "pipeline_backward_pass", "engine_backward", "stop_started_backward_timers",
            "start_stopped_backward_timers", "backward_epilogue", "backward_graph_tracker",
-           "hp_grads_deferred", "configure_python_gc", "set_layer_bounds", "local_layer_bounds", "layer_specs",
+           "hp_grads_deferred", "comms_logging_enabled", "configure_python_gc", "set_layer_bounds", "local_layer_bounds", "layer_specs",
            "precompute_checkpointable_values", "pipeline_assert_stage", "reduce_micro_batch_gradients",
            "finish_gradient_accumulation", "optimizer_gradient_tensors", "zero3_trace_checked_within",
            "zero3_stage_partitions"]
@@ -379,6 +379,12 @@ def hp_grads_deferred(engine) -> bool:
     """Whether DeepSpeed's bf16 optimizer waits for ``update_hp_grads`` to move a backward's
     gradients into its fp32 accumulation (``immediate_grad_update`` off)."""
     return engine.using_bf16_optimizer and not engine._config.bfloat16_config.immediate_grad_update
+
+
+def comms_logging_enabled() -> bool:
+    """Whether DeepSpeed's communication logger (``"comms_logger": {"enabled": true}``) times
+    ``deepspeed.comm`` calls."""
+    return dist.comms_logger.enabled
 
 
 def configure_python_gc(engine) -> None:

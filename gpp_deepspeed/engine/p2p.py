@@ -48,6 +48,12 @@ peers (it may split a large group into several launches); a group here holds one
 at one point of its program, to a few peers. ``tests/strict_p2p.py`` runs the engine under these
 rules on gloo.
 
+Posting: one ``torch.distributed.batch_isend_irecv`` of ``torch.distributed.P2POp`` s, what
+``deepspeed.comm.batch_isend_irecv`` calls after converting its own ``P2POp`` s and timing the
+call for DeepSpeed's communication logger; that wrapper's work (a third of the Python a message
+costs on a CPU host) is done only while the logger is on (``"comms_logger": {"enabled": true}``),
+so the logger still sees every transfer when asked to.
+
 Communicators: NCCL creates the communicator of a pair of ranks on its first transfer, a blocking
 collective of the two; :meth:`EdgeTransport.warm_up` makes one exchange over every stage edge, in
 one global order, when the engine is built, so that no communicator is created mid-schedule.
@@ -60,12 +66,14 @@ from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
+import torch.distributed
 from deepspeed import comm as dist
 
 from ..errors import GPPError
+from .compat import comms_logging_enabled
 
 __all__ = ["Layout", "EdgeTransport", "Outgoing", "Incoming", "encode_layout", "decode_layout", "encode_header",
-           "decode_header", "header_capacity", "HEADER_INTS_PER_PORT", "pack", "unpack", "receive_buffers"]
+           "decode_header", "header_capacity", "HEADER_INTS_PER_PORT", "pack", "unpack", "receive_buffers", "numel"]
 
 ID_TO_DTYPE = [
     torch.float32, torch.float64, torch.complex64, torch.complex128, torch.float16, torch.bfloat16, torch.uint8,
@@ -162,6 +170,8 @@ def pack(tensors) -> list[torch.Tensor]:
     >>> [b.tolist() for b in pack([torch.ones(2), torch.tensor([7]), torch.zeros(1, 1)])]
     [[1.0, 1.0, 0.0], [7]]
     """
+    if len(tensors) == 1:
+        return [tensors[0].detach().reshape(-1)]
     groups: dict[torch.dtype, list[torch.Tensor]] = {}
     for t in tensors:
         groups.setdefault(t.dtype, []).append(t.detach().reshape(-1))
@@ -174,11 +184,13 @@ def unpack(buffers, specs) -> list[torch.Tensor]:
     >>> [t.tolist() for t in unpack(pack([torch.ones(2), torch.tensor([7])]), [((2,), torch.float32), ((1,), torch.int64)])]
     [[1.0, 1.0], [7]]
     """
+    if len(specs) == 1:
+        return [buffers[0].view(specs[0][0]).detach()]
     offsets = {dtype: [buf, 0] for dtype, buf in zip(_dtypes(specs), buffers)}
     out = []
     for shape, dtype in specs:
         buf, pos = offsets[dtype]
-        n = _numel(shape)
+        n = numel(shape)
         out.append(buf[pos:pos + n].view(shape).detach())
         offsets[dtype][1] = pos + n
     return out
@@ -188,7 +200,12 @@ def _dtypes(specs) -> list[torch.dtype]:
     return list(dict.fromkeys(dtype for _, dtype in specs))
 
 
-def _numel(shape) -> int:
+def numel(shape) -> int:
+    """Elements of a tensor of ``shape``.
+
+    >>> numel((2, 3)), numel(())
+    (6, 1)
+    """
     n = 1
     for d in shape:
         n *= d
@@ -199,7 +216,7 @@ def receive_buffers(specs, device) -> list[torch.Tensor]:
     """Empty receive buffers for the message whose tensors are ``specs``."""
     sizes: dict[torch.dtype, int] = {}
     for shape, dtype in specs:
-        sizes[dtype] = sizes.get(dtype, 0) + _numel(shape)
+        sizes[dtype] = sizes.get(dtype, 0) + numel(shape)
     return [torch.empty(n, dtype=dtype, device=device) for dtype, n in sizes.items()]
 
 
@@ -266,8 +283,14 @@ class EdgeTransport:
                            "called on every rank)")
         return self._layouts[key]
 
-    def _op(self, op, tensor: torch.Tensor, rank: int):
-        return dist.P2POp(op, tensor, rank)
+    @staticmethod
+    def _post(ops: list[tuple[bool, torch.Tensor, int]]) -> list:
+        """Post ``(is_send, tensor, global rank)`` s as one batch (module docstring: through
+        DeepSpeed's communication wrapper only while its logger is on)."""
+        if comms_logging_enabled():
+            return dist.batch_isend_irecv([dist.P2POp(dist.isend if send else dist.irecv, t, r) for send, t, r in ops])
+        isend, irecv, op = torch.distributed.isend, torch.distributed.irecv, torch.distributed.P2POp
+        return torch.distributed.batch_isend_irecv([op(isend if send else irecv, t, r) for send, t, r in ops])
 
     def warm_up(self, pairs) -> None:
         """Exchange one element over every rank pair of every stage edge, in the order of
@@ -281,7 +304,7 @@ class EdgeTransport:
             peer, rank = (dst, dst_rank) if me == src_rank else (src, src_rank)
             out = torch.zeros(1, device=self.device)
             got = torch.empty(1, device=self.device)
-            works = dist.batch_isend_irecv([self._op(dist.isend, out, rank), self._op(dist.irecv, got, rank)])
+            works = self._post([(True, out, rank), (False, got, rank)])
             for w in works:
                 self._wait(w, peer, rank)
 
@@ -296,19 +319,21 @@ class EdgeTransport:
         (:meth:`finish`, now or at the program's wait for it); sends complete in the background
         until :meth:`wait_sends`."""
         self._reap()
-        ops = [self._op(dist.isend, b, m.rank) for m in sends for b in m.buffers]
+        ops = [(True, b, m.rank) for m in sends for b in m.buffers]
         num_sends = len(ops)
-        ops += [self._op(dist.irecv, b, m.rank) for m in recvs for b in m.buffers]
+        ops += [(False, b, m.rank) for m in recvs for b in m.buffers]
         if not ops:
             return []
-        works = dist.batch_isend_irecv(ops)
+        works = self._post(ops)
         if len(works) == len(ops):  # one request per operation (gloo)
-            self._pending += [(w, [op.tensor]) for w, op in zip(works[:num_sends], ops)]
+            self._pending += [(w, [t]) for w, (_, t, _) in zip(works[:num_sends], ops)]
+            if len(recvs) == 1 and len(recvs[0].buffers) == len(works) - num_sends:
+                return [works[num_sends:]]
             rest = iter(works[num_sends:])
             return [[next(rest) for _ in m.buffers] for m in recvs]
         # One request for the coalesced group (NCCL): it completes as a whole, receives included;
         # its sends' tensors stay alive until it has.
-        self._pending += [(w, [op.tensor for op in ops[:num_sends]]) for w in works]
+        self._pending += [(w, [t for _, t, _ in ops[:num_sends]]) for w in works]
         return [list(works) for _ in recvs]
 
     def finish(self, recvs: list[Incoming], requests: list[list], *, stage: int | None = None) -> None:
@@ -343,5 +368,13 @@ class EdgeTransport:
         self._pending.clear()
 
     def _reap(self) -> None:
-        """Drop completed sends so their tensors can be freed."""
-        self._pending = [(w, t) for w, t in self._pending if not w.is_completed()]
+        """Drop the sends completed at the front of the list (posted first, they complete first)
+        so their tensors can be freed: constant work per transfer, where scanning the whole list
+        grew with the batch (gloo reports a send complete only once waited for, so nothing is
+        freed before ``wait_sends`` there)."""
+        pending = self._pending
+        done = 0
+        while done < len(pending) and pending[done][0].is_completed():
+            done += 1
+        if done:
+            del pending[:done]

@@ -74,15 +74,16 @@ def edge_peers(placement: Placement, *, src: int, dst: int, replica: int, idx: i
     return tuple(out)
 
 
-def cut_rows(tensors, peer: EdgePeer, *, what: str) -> list[torch.Tensor]:
-    """The rows of ``tensors`` (this rank's shard, batch first) that go to ``peer``."""
+def cut_rows(tensors, peer: EdgePeer, *, edge: tuple[int, int]) -> list[torch.Tensor]:
+    """The rows of ``tensors`` (this rank's shard, batch first) that go to ``peer`` on stage edge
+    ``edge`` (``(src, dst)``, which an error names)."""
     if peer.rows is None:
         return list(tensors)
     out = []
     for t in tensors:
         rows = t.shape[0] if t.dim() else 0
         if rows == 0 or rows % peer.units:
-            raise GPPConfigError(f"{what}: a tensor of shape {tuple(t.shape)} crosses stages of different degrees, "
+            raise GPPConfigError(f"edge {edge[0]} -> {edge[1]}: a tensor of shape {tuple(t.shape)} crosses stages of different degrees, "
                                  f"so its first dimension must be the batch, split into {peer.units} equal parts; "
                                  "make the micro-batch a multiple of every stage degree")
         scale = rows // peer.units
