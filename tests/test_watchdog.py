@@ -56,6 +56,23 @@ def test_two_jobs_sharing_a_store_never_see_each_others_failures_or_heartbeats()
     assert not store.check(["failed"]) and not store.check(["beat/1"]), "nothing outside the job's prefix"
 
 
+def test_the_first_failure_reported_stands_and_a_later_reporter_is_told_it():
+    # A killed rank 2 closes rank 1's connections; rank 1 reports first, naming 2. Rank 0, whose
+    # only peer is 1, fails next of 1's closed connection: its report must not replace the cause.
+    store = served_store()
+    first, later, watcher = (watchdog(store, rank=r, job="j", peers=[2]) for r in (1, 0, 3))
+    cause = "global rank 1 (stage 1) failed: stage 1 waited for stage 2 (global rank 2)"
+    assert first.report_failure(cause, culprit=2) == cause
+    assert later.report_failure("global rank 0 (stage 0) failed: stage 0 waited for stage 1", culprit=1) == cause
+    with pytest.raises(Stopped):
+        watcher._beat_and_watch()
+    assert watcher.exits[0][:2] == (cause, True)
+    seen = []
+    watcher._exit = lambda message, *, relayed, culprit=None: seen.append(culprit)
+    watcher._beat_and_watch()
+    assert seen == [2], "the culprit travels with the first message"
+
+
 def test_a_frozen_store_server_stops_the_watchdog_within_its_timeout_naming_the_host():
     # The server runs in another process that is then frozen (SIGSTOP), as when global rank 0,
     # which serves the rendezvous store, freezes: every store call of the watchdog then blocks.

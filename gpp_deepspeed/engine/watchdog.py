@@ -38,7 +38,8 @@ watchdog by those 30 s. Every rank therefore shares, at start-up, who it is as a
 (:class:`ProcessId`: the machine, the pid and the pid's start time, gathered over the world), and
 a rank the watchdog stops first kills (``SIGKILL``) the failed rank if that rank runs on its own
 machine and is still the same process (a pid reused since is left alone). The failed rank's number
-travels with ``failed`` (``failed_rank``); when the store itself is lost, the culprit is the rank
+travels in ``failed`` with the message, set once per job (the first report stands: a neighbour
+that fails next, of the first rank's closed connections, says so and names it); when the store itself is lost, the culprit is the rank
 that serves it. The launcher then sees a child die and ends the rest at once. A node whose every
 rank froze has no survivor to do this: its launcher waits until the job's scheduler ends it.
 
@@ -220,8 +221,13 @@ class Watchdog:
         def hook(kind, value, tb):
             if not issubclass(kind, (KeyboardInterrupt, SystemExit)):
                 self._died = True
-                self.report_failure(f"global rank {self.rank} ({self.describe(self.rank)}) failed: "
-                                    f"{kind.__name__}: {value}"[:2000])
+                mine = f"global rank {self.rank} ({self.describe(self.rank)}) failed: {kind.__name__}: {value}"[:2000]
+                first = self.report_failure(mine)
+                if first is not None and first != mine:
+                    # This rank most likely failed because of the first one (a neighbour's closed
+                    # connection): say what that one reported, so the root cause leads its log too.
+                    sys.stderr.write(f"\n[gpp_deepspeed watchdog t={time.time():.1f}] global rank {self.rank} "
+                                     f"({self.describe(self.rank)}) failed after another rank reported: {first}\n")
             previous(kind, value, tb)
 
         sys.excepthook = hook
@@ -236,16 +242,21 @@ class Watchdog:
         finally:
             self._batch_started = 0.0
 
-    def report_failure(self, message: str, *, culprit: int | None = None) -> None:
+    def report_failure(self, message: str, *, culprit: int | None = None) -> str | None:
         """Tell every watching rank to stop, with ``message`` and the rank that failed (best effort,
-        bounded in time)."""
+        bounded in time). The first report of a job stands: a later one (a neighbour that failed
+        because the first rank's connections closed) would otherwise put its own name where the
+        cause was. Returns the report that stands, or None if the store did not answer."""
+        standing = []
+
         def tell():
-            store = self._connect()
-            if culprit is not None:
-                store.set("failed_rank", str(culprit))
-            store.set("failed", message)
+            # one key, set once: the culprit travels in the same value, so a watcher never reads
+            # the first message with a later reporter's culprit, or without one
+            ours = f"{'' if culprit is None else culprit}\n{message}"
+            standing.append(_failure(self._connect().compare_set("failed", "", ours))[1])
 
         _within(5 * self.heartbeat_s + 5.0, tell)
+        return standing[0] if standing else None
 
     def stop(self) -> None:
         """Stop beating; mark this rank done unless it died of an exception; on the store's host,
@@ -308,8 +319,8 @@ class Watchdog:
             return
         store.set(f"beat/{self.rank}", str(self._beats))
         if store.check(["failed"]):
-            culprit = int(store.get("failed_rank")) if store.check(["failed_rank"]) else None
-            self._exit(store.get("failed").decode(errors="replace"), relayed=True, culprit=culprit)
+            culprit, message = _failure(store.get("failed"))
+            self._exit(message, relayed=True, culprit=culprit)
         now = time.monotonic()
         host = self.info.host_rank
         watched = sorted(set(self.peers) | ({host} if host is not None and host != self.rank else set()))
@@ -375,6 +386,12 @@ class Watchdog:
         if victim is not None:
             victim.kill_if_local()
         os._exit(EXIT_CODE)
+
+
+def _failure(value: bytes) -> tuple[int | None, str]:
+    """The culprit and message of a job's ``failed`` key (``"<rank or nothing>\\n<message>"``)."""
+    culprit, _, message = value.decode(errors="replace").partition("\n")
+    return (int(culprit) if culprit else None), message
 
 
 def _write_elastic_error_file(message: str) -> None:
