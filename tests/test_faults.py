@@ -153,9 +153,10 @@ def run_group(cmds, log_dir, out_dir, timeout=300):
     start = time.monotonic()
     try:
         while time.monotonic() - start < timeout:
-            for p in procs:
-                p.poll()   # reap the launchers themselves
-            if not job_processes(tag):
+            # The launchers count until reaped: until one has exec'd, /proc shows it with this
+            # process's environment, without the tag (a launch then looked gone at once).
+            launchers_left = [p for p in procs if p.poll() is None]
+            if not launchers_left and not job_processes(tag):
                 gone_at = time.time()
                 break
             time.sleep(0.2)
