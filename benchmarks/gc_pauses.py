@@ -9,7 +9,10 @@ picks), one launch per setting, since the collector is one per process:
 * ``disable_python_gc + gc_interval 1``: DeepSpeed's switch turns the automatic collector off, and
   every rank collects after each optimizer step, between batches.
 
-Each round runs one step of each schedule; the harness touches no collector setting. For every
+Each round runs one step; the loop keeps every step's timeline (``engine.last_timeline``: its
+actions and their times, a few thousand objects a step), as a training loop keeps its logs,
+metrics or traces, so the heap grows as a real run's does and Python's thresholds for a full
+collection are crossed now and then. The harness touches no collector setting. For every
 step it records, on each rank, the collections the interpreter started by itself and how long
 they took (``gc.callbacks``), apart from the one the engine asks for between batches (DeepSpeed's
 ``engine.collect_python_gc()``, which ``gc_interval`` calls at the end of ``train_batch``). The
@@ -20,7 +23,7 @@ between batches (median over ranks and steps; part of the step time). After the 
 times one full collection (``gc.collect()``): what a collection that lands inside a step costs
 under that setting (the median over ranks).
 
-    python benchmarks/gc_pauses.py [--rounds 12]
+    python benchmarks/gc_pauses.py [--rounds 80]
 """
 
 from __future__ import annotations
@@ -48,7 +51,7 @@ SETTINGS = {
 OUT = ROOT / "benchmarks" / "results" / "gc_pauses.json"
 SECTION = """## Python's garbage collector on a pipeline (gc_pauses.py)
 
-`python benchmarks/gc_pauses.py`: {doc} One launch per setting, {rounds} rounds each; load average {load}.
+`python benchmarks/gc_pauses.py`: {doc} (the rows below), {rounds} rounds a launch; load average {load}.
 
 {table}
 
@@ -91,6 +94,7 @@ def worker(setting: str, out: str, rounds: int) -> None:
         engine.collect_python_gc = asked
     gc.callbacks.append(timed)
     record = {name: {"wall": [], "full": [], "longest": [], "asked": []} for name in built}
+    kept = []
     for _ in range(rounds):
         for name, (step, _) in built.items():
             torch.distributed.barrier()
@@ -99,6 +103,7 @@ def worker(setting: str, out: str, rounds: int) -> None:
             step()
             wall = time.perf_counter() - start
             torch.distributed.barrier()
+            kept.append([(str(a), a0, a1) for a, a0, a1 in built[name][1].last_timeline])   # the loop's log
             for key, value in (("wall", wall), ("full", now["full"]), ("longest", now["longest"]),
                                ("asked", now["asked_s"])):
                 record[name][key].append(value)
@@ -129,7 +134,7 @@ def rows(setting: str, ranks: list[dict]) -> list[str]:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=12)
+    parser.add_argument("--rounds", type=int, default=80)
     parser.add_argument("--worker", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -155,7 +160,7 @@ if __name__ == "__main__":
         table += rows(setting, ranks)
     text = "\n".join(table)
     notes = OUT.with_name("gc_pauses_notes.md")
-    doc = " ".join(__doc__.split("\n\n")[1].split()).replace("``", "`")
+    doc = " ".join(__doc__.split("\n\n")[1].split()).replace("``", "`").rstrip(":")
     OUT.with_suffix(".md").write_text(SECTION.format(
         doc=doc, rounds=args.rounds, load=" to ".join(f"{x:.1f}" for x in loads), table=text,
         notes=notes.read_text() if notes.exists() else ""))
