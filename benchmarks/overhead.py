@@ -16,6 +16,8 @@ runtime ran on rank 0 in a step (its instructions), and the step divided by them
 action on the tiny model, its overhead (including the two ranks' message latency).
 
     python benchmarks/overhead.py            # writes benchmarks/results/overhead.json + docs table
+    python benchmarks/overhead.py --ab DIR   # the before/after table of DIR/{before,after}_<i>.json
+                                             # (overhead.json of alternating launches of two commits)
 """
 
 from __future__ import annotations
@@ -149,9 +151,12 @@ def main():
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
+    parser.add_argument("--ab", help="print the before/after table of the launches in this folder")
     args = parser.parse_args()
     if args.worker:
         return worker(args.worker, args.rounds, args.out)
+    if args.ab:
+        return print(ab_table(Path(args.ab)))
     sys.path.insert(0, str(ROOT / "tests"))
     from dist import launch
 
@@ -178,6 +183,27 @@ def main():
             results[kind] = data
     (ROOT / "benchmarks" / "results" / "overhead.json").write_text(json.dumps(results, indent=1))
     write_section(results, args.rounds)
+
+
+def ab_table(folder: Path) -> str:
+    """Before against after: ``folder/{before,after}_<i>.json`` are the ``overhead.json`` of
+    alternating launches of two commits; every figure is a ratio to DeepSpeed's engine in the same
+    launch, the median over launches (a single launch of the tiny model moves by tens of percent)."""
+    lines = ["| model | engine | code | launches | step / DeepSpeed's (median of launches) | range | "
+             "per-round median / DeepSpeed's | CPU / DeepSpeed's | steps (ms): ours, DeepSpeed's per launch |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for kind in MODELS:
+        for name in ("gpp", "torch-runtime"):
+            for code in ("before", "after"):
+                runs = [json.loads(f.read_text())[kind] for f in sorted(folder.glob(f"{code}_*.json"))]
+                steps = [r[name]["median_ms"] / r["deepspeed"]["median_ms"] for r in runs]
+                per_round = [r[name]["per_round_ratio"] for r in runs]
+                cpu = [r[name]["cpu_ms"] / r["deepspeed"]["cpu_ms"] for r in runs]
+                each = ", ".join(f"{r[name]['median_ms']:.1f}/{r['deepspeed']['median_ms']:.1f}" for r in runs)
+                lines.append(f"| {kind} | {name} | {code} | {len(runs)} | {statistics.median(steps):.3f} | "
+                             f"{min(steps):.3f}-{max(steps):.3f} | {statistics.median(per_round):.3f} | "
+                             f"{statistics.median(cpu):.3f} | {each} |")
+    return "\n".join(lines)
 
 
 def write_section(results, rounds):
