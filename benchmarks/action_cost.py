@@ -37,7 +37,7 @@ PARTS = [
     ("dispatch (engine loop, engine attribute sets)", lambda f, n: n in ("_exec_schedule", "<lambda>") and "engine" in f
      or n == "__iter__" and "schedule" in f or n == "__setattr__" or "__instancecheck__" in n),
     ("layouts / pack / unpack", lambda f, n: "gpp_deepspeed/engine/p2p.py" in f and n in (
-        "pack", "unpack", "receive_buffers", "numel", "_dtypes", "layout", "header", "keep_layout",
+        "pack", "unpack", "receive_buffers", "_numel", "_dtypes", "layout", "header", "keep_layout",
         "encode_header", "decode_header", "encode_layout", "decode_layout")),
     ("p2p bookkeeping (ops, reap, waits)", lambda f, n: "gpp_deepspeed/engine/p2p.py" in f),
     ("transfer bookkeeping (transfers, reshard, flat)", lambda f, n: any(

@@ -73,7 +73,7 @@ from ..errors import GPPError
 from .compat import comms_logging_enabled
 
 __all__ = ["Layout", "EdgeTransport", "Outgoing", "Incoming", "encode_layout", "decode_layout", "encode_header",
-           "decode_header", "header_capacity", "HEADER_INTS_PER_PORT", "pack", "unpack", "receive_buffers", "numel"]
+           "decode_header", "header_capacity", "HEADER_INTS_PER_PORT", "pack", "unpack", "receive_buffers"]
 
 ID_TO_DTYPE = [
     torch.float32, torch.float64, torch.complex64, torch.complex128, torch.float16, torch.bfloat16, torch.uint8,
@@ -165,7 +165,9 @@ def decode_header(ints: list[int]) -> "Layout":
 
 
 def pack(tensors) -> list[torch.Tensor]:
-    """One flat buffer per dtype, in order of first appearance: what goes over the wire.
+    """One flat buffer per dtype, in order of first appearance: what goes over the wire. A message
+    of one tensor (the common case: one activation an edge) is that tensor flattened, a view of it
+    where it is contiguous, with nothing grouped or copied.
 
     >>> [b.tolist() for b in pack([torch.ones(2), torch.tensor([7]), torch.zeros(1, 1)])]
     [[1.0, 1.0, 0.0], [7]]
@@ -190,7 +192,7 @@ def unpack(buffers, specs) -> list[torch.Tensor]:
     out = []
     for shape, dtype in specs:
         buf, pos = offsets[dtype]
-        n = numel(shape)
+        n = _numel(shape)
         out.append(buf[pos:pos + n].view(shape).detach())
         offsets[dtype][1] = pos + n
     return out
@@ -200,10 +202,10 @@ def _dtypes(specs) -> list[torch.dtype]:
     return list(dict.fromkeys(dtype for _, dtype in specs))
 
 
-def numel(shape) -> int:
+def _numel(shape) -> int:
     """Elements of a tensor of ``shape``.
 
-    >>> numel((2, 3)), numel(())
+    >>> _numel((2, 3)), _numel(())
     (6, 1)
     """
     n = 1
@@ -216,7 +218,7 @@ def receive_buffers(specs, device) -> list[torch.Tensor]:
     """Empty receive buffers for the message whose tensors are ``specs``."""
     sizes: dict[torch.dtype, int] = {}
     for shape, dtype in specs:
-        sizes[dtype] = sizes.get(dtype, 0) + numel(shape)
+        sizes[dtype] = sizes.get(dtype, 0) + _numel(shape)
     return [torch.empty(n, dtype=dtype, device=device) for dtype, n in sizes.items()]
 
 

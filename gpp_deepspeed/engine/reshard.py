@@ -83,8 +83,8 @@ def cut_rows(tensors, peer: EdgePeer, *, edge: tuple[int, int]) -> list[torch.Te
     for t in tensors:
         rows = t.shape[0] if t.dim() else 0
         if rows == 0 or rows % peer.units:
-            raise GPPConfigError(f"edge {edge[0]} -> {edge[1]}: a tensor of shape {tuple(t.shape)} crosses stages of different degrees, "
-                                 f"so its first dimension must be the batch, split into {peer.units} equal parts; "
+            raise GPPConfigError(f"edge {edge[0]} -> {edge[1]}: a tensor of shape {tuple(t.shape)} crosses stages of "
+                                 f"different degrees, so its first dimension must be the batch, split into {peer.units} equal parts; "
                                  "make the micro-batch a multiple of every stage degree")
         scale = rows // peer.units
         out.append(t[peer.rows[0] * scale:peer.rows[1] * scale])

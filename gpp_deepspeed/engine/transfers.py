@@ -13,12 +13,6 @@ With per-stage degrees a stage edge is one message per peer rank: each consumer 
 its rows from the producer ranks holding them (:mod:`.reshard`); gradients go back the same way,
 scaled as :func:`~.reshard.grad_scale` says.
 
-Direct edges: where this rank's one peer rank on an edge holds the same rows (equal degrees, no
-TP) and a message is one tensor (the common case: one activation per edge), the message is that
-tensor flattened, received into one buffer stored as a view of its shape; no packing by dtype,
-offsets or row joins. The bytes on the wire are the general path's (one flat buffer per dtype,
-tensors in order), so the two ends need not agree on which path they take.
-
 With tensor parallelism (a stage's row shard held by a TP group, :mod:`gpp_deepspeed.graph.placement`)
 a stage's activations and input gradients are replicated over each TP group, so only the group's
 leader (TP rank 0) sends and receives them, and every message it receives is broadcast to its TP
@@ -48,7 +42,7 @@ from ..graph.stages import StageGraph
 from ..schedule.ir import ActionKind as K, Buffer
 from .buffers import StageBuffers
 from .flat import flatten, port_ranges, unflatten
-from .p2p import Incoming, Outgoing, header_capacity, numel as _numel, pack, receive_buffers, unpack
+from .p2p import Incoming, Outgoing, header_capacity, pack, receive_buffers, unpack
 from .reshard import cut_rows, edge_peers, grad_scale, join_rows
 
 __all__ = ["StageTransfers"]
@@ -77,14 +71,8 @@ class StageTransfers:
         self._in_peers = {s: edge_peers(placement, src=s, dst=stage_idx, side="dst", **place) for s in self.in_edges}
         self._out_peers = {t: edge_peers(placement, src=stage_idx, dst=t, side="src", **place)
                            for t in self.out_edges}
-        # Per edge, fixed for the run: the output index of each tensor it carries, the scale of the
-        # gradients that come back on it, and the one peer rank of a direct edge (module docstring).
-        self._out_idx = {t: tuple(self._out_index[ref] for ref in e.tensors) for t, e in self.out_edges.items()}
+        # fixed for the run: the scale of the gradients that come back on each out-edge
         self._grad_scale = {t: grad_scale(placement, src=stage_idx, dst=t) for t in self.out_edges}
-        direct = lambda peers: peers[0].rank if self.tp_group is None and len(peers) == 1 and peers[0].rows is None \
-            else None  # noqa: E731
-        self._direct_in = {s: r for s, r in ((s, direct(p)) for s, p in self._in_peers.items()) if r is not None}
-        self._direct_out = {t: r for t, r in ((t, direct(p)) for t, p in self._out_peers.items()) if r is not None}
 
     def run(self, ops, buffers: StageBuffers) -> None:
         """Run one transfer action: every send and receive of ``ops`` (``(kind, slot, peer)``
@@ -103,17 +91,9 @@ class StageTransfers:
         the leader sends and receives; its TP peers size the same buffers for :meth:`broadcast`."""
         if kind.spec.send:
             if self.is_tp_leader:
-                one = self._direct_outgoing(kind, buffers, slot, peer)
-                if one is not None:
-                    sends.append(one)
-                else:
-                    sends += self._outgoing(kind, buffers, slot, peer)
+                sends += self._outgoing(kind, buffers, slot, peer)
             return
-        if not self._direct_incoming(kind, buffers, slot, peer, recvs, stores):
-            self._receive(peer, *self._incoming(kind, buffers, slot, peer), recvs, stores)
-
-    def _receive(self, peer, ranks, specs, store, recvs: list, stores: list) -> None:
-        """Add one receive, sized by ``specs`` (per rank), to ``recvs`` and ``stores``."""
+        ranks, specs, store = self._incoming(kind, buffers, slot, peer)
         got = [Incoming(peer, rank, receive_buffers(spec, self.transport.device)) for rank, spec in zip(ranks, specs)]
         if self.is_tp_leader:
             recvs += got
@@ -128,13 +108,9 @@ class StageTransfers:
 
     @staticmethod
     def store(stores: list) -> None:
-        """Put what a batch's receives brought where it goes (after the exchange); a direct
-        receive (``specs`` None) stores the one tensor it received into."""
+        """Put what a batch's receives brought where it goes (after the exchange)."""
         for store, ranks, got, specs in stores:
-            if specs is None:
-                store(got[0].buffers[0])
-            else:
-                store(ranks, [unpack(m.buffers, spec) for m, spec in zip(got, specs)])
+            store(ranks, [unpack(m.buffers, spec) for m, spec in zip(got, specs)])
 
     # -- hand-overs (an edge between two stages of this rank: schedule/virtual.py) ---------------
 
@@ -159,66 +135,6 @@ class StageTransfers:
 
     def wait_sends(self) -> None:
         self.transport.wait_sends()
-
-    # -- direct edges (module docstring) ------------------------------------------------------------
-
-    def _direct_outgoing(self, kind, buffers, slot, peer) -> Outgoing | None:
-        """The one message of a send on a direct edge whose message is one tensor, else None."""
-        if kind is K.SEND_F:
-            rank, idx = self._direct_out.get(peer), self._out_idx[peer]
-            if rank is None or len(idx) != 1:
-                return None
-            value = buffers[Buffer.OUTPUTS, slot][idx[0]]
-            return Outgoing(peer, rank, [value.detach().reshape(-1)]) if torch.is_tensor(value) else None
-        if kind is K.SEND_B:
-            rank = self._direct_in.get(peer)
-            if rank is None:
-                return None
-            grads = self._input_grads(buffers[Buffer.RECEIVED, slot], peer)
-            return Outgoing(peer, rank, [grads[0].detach().reshape(-1)]) if len(grads) == 1 else None
-        return None
-
-    def _direct_incoming(self, kind, buffers, slot, peer, recvs: list, stores: list) -> bool:
-        """Add a receive on a direct edge to ``recvs`` and ``stores``: one whose message is one
-        tensor received into a tensor of its shape, an activation message of several tensors the
-        general way (its layout taken once); False where the general path receives it."""
-        device = self.transport.device
-        if kind is K.RECV_F:
-            rank = self._direct_in.get(peer)
-            if rank is None:
-                return False
-            layout = self.transport.layout((peer, self.stage_idx), rank)   # consumes an arrived layout
-            if layout.arity != (-1, ) or len(layout.specs) != 1:
-                self._receive(peer, (rank, ), (layout.specs, ), lambda ranks, parts: self._store_activations(
-                    buffers, slot, peer, layout.arity, parts), recvs, stores)
-                return True
-            shape, dtype = layout.specs[0]
-            got = Incoming(peer, rank, [torch.empty(_numel(shape), dtype=dtype, device=device)])
-            ref = self.in_edges[peer].tensors[0]
-            store = lambda t: self._store_activation(buffers, slot, peer, ref, t.view(shape))  # noqa: E731
-        elif kind is K.RECV_B:
-            rank = self._direct_out.get(peer)
-            if rank is None:
-                return False
-            outputs = flatten(buffers[Buffer.OUTPUTS, slot])
-            positions = self._grad_positions(outputs, peer)
-            if len(positions) != 1:
-                return False
-            out = outputs[0][positions[0]]
-            got = Incoming(peer, rank, [torch.empty(out.numel(), dtype=out.dtype, device=device)])
-            store = lambda g: self._store_grads(buffers, slot, peer, positions, [[g.view(out.shape)]])  # noqa: E731
-        else:
-            return False
-        if self.is_tp_leader:
-            recvs.append(got)
-        stores.append((store, (rank, ), [got], None))
-        return True
-
-    def _store_activation(self, buffers, slot, peer, ref, t) -> None:
-        t.requires_grad = t.is_floating_point() and torch.is_grad_enabled() and self.in_edges[peer].grad
-        received = buffers[Buffer.RECEIVED, slot] or {}
-        received[ref] = t
-        buffers[Buffer.RECEIVED, slot] = received
 
     # -- sends ------------------------------------------------------------------------------------
 

@@ -39,8 +39,8 @@ watchdog by those 30 s. Every rank therefore shares, at start-up, who it is as a
 a rank the watchdog stops first kills (``SIGKILL``) the failed rank if that rank runs on its own
 machine and is still the same process (a pid reused since is left alone). The failed rank's number
 travels in ``failed`` with the message, set once per job (the first report stands: a neighbour
-that fails next, of the first rank's closed connections, says so and names it); when the store itself is lost, the culprit is the rank
-that serves it. The launcher then sees a child die and ends the rest at once. A node whose every
+that fails next, of the first rank's closed connections, says so and names it); when the store
+itself is lost, the culprit is the rank that serves it. The launcher then sees a child die and ends the rest at once. A node whose every
 rank froze has no survivor to do this: its launcher waits until the job's scheduler ends it.
 
 **Exit code.** A rank the watchdog stops exits with :data:`EXIT_CODE` (75, ``EX_TEMPFAIL``): "a
