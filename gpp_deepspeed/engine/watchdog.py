@@ -40,8 +40,10 @@ a rank the watchdog stops first kills (``SIGKILL``) the failed rank if that rank
 machine and is still the same process (a pid reused since is left alone). The failed rank's number
 travels in ``failed`` with the message, set once per job (the first report stands: a neighbour
 that fails next, of the first rank's closed connections, says so and names it); when the store
-itself is lost, the culprit is the rank that serves it. The launcher then sees a child die and ends the rest at once. A node whose every
-rank froze has no survivor to do this: its launcher waits until the job's scheduler ends it.
+itself is lost, the culprit is the rank that serves it (a neighbour that fails of its closed
+connections then names that rank in its log too). The launcher then sees a child die and ends
+the rest at once. A node whose every rank froze has no survivor to do this: its launcher waits
+until the job's scheduler ends it.
 
 **Exit code.** A rank the watchdog stops exits with :data:`EXIT_CODE` (75, ``EX_TEMPFAIL``): "a
 peer failed, this rank did not". An elastic agent (``torchrun --max-restarts N``) restarts the
@@ -222,12 +224,10 @@ class Watchdog:
             if not issubclass(kind, (KeyboardInterrupt, SystemExit)):
                 self._died = True
                 mine = f"global rank {self.rank} ({self.describe(self.rank)}) failed: {kind.__name__}: {value}"[:2000]
-                first = self.report_failure(mine)
-                if first is not None and first != mine:
-                    # This rank most likely failed because of the first one (a neighbour's closed
-                    # connection): say what that one reported, so the root cause leads its log too.
+                cause = self.likely_cause(mine)
+                if cause is not None:
                     sys.stderr.write(f"\n[gpp_deepspeed watchdog t={time.time():.1f}] global rank {self.rank} "
-                                     f"({self.describe(self.rank)}) failed after another rank reported: {first}\n")
+                                     f"({self.describe(self.rank)}) failed {cause}\n")
             previous(kind, value, tb)
 
         sys.excepthook = hook
@@ -257,6 +257,25 @@ class Watchdog:
 
         _within(5 * self.heartbeat_s + 5.0, tell)
         return standing[0] if standing else None
+
+    def likely_cause(self, mine: str) -> str | None:
+        """Report this rank's failure ``mine``; if another failure probably caused it, a phrase
+        naming that one ("after another rank reported: ...") for this rank's log, else None.
+
+        A rank usually fails of a neighbour's closed connections, and its own error then names the
+        neighbour, not the root cause: the first report in the store is that cause. When the store
+        does not answer either, its host is gone or frozen, and a closed connection here most
+        likely followed from that (global rank 0 killed: rank 1's receive fails naming 0, rank 2's
+        then names 1), so the host is named."""
+        first = self.report_failure(mine)
+        if first is not None:
+            return None if first == mine else f"after another rank reported: {first}"
+        host = self.info.host_rank
+        if host is None or host == self.rank:
+            return None
+        return (f"while {self.info.where}, served by global rank {host} ({self.describe(host)}), does not "
+                f"answer either: global rank {host} was most likely killed or is frozen, and this rank's "
+                "error followed from it")
 
     def stop(self) -> None:
         """Stop beating; mark this rank done unless it died of an exception; on the store's host,
