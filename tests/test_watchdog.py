@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+from contextlib import contextmanager
 from datetime import timedelta
 
 import pytest
@@ -73,11 +74,11 @@ def test_the_first_failure_reported_stands_and_a_later_reporter_is_told_it():
     assert seen == [2], "the culprit travels with the first message"
 
 
-def test_a_rank_failing_while_the_store_is_gone_names_the_stores_host_as_the_likely_cause():
-    # Global rank 0 serves the store and is killed: rank 1's receive fails naming 0, then rank 2's
-    # fails naming 1 (1's connections closed). With no store to read the first report from, rank 2
-    # must still point at rank 0, and a rank failing with the store up must not blame its host.
-    port_file = f"/tmp/gpp_watchdog_test_gone_{os.getpid()}"
+@contextmanager
+def store_served_by_another_process(name):
+    """(the server's process, a client of its store): global rank 0's place, a process the test
+    can kill or freeze."""
+    port_file = f"/tmp/gpp_watchdog_test_{name}_{os.getpid()}"
     server = subprocess.Popen([sys.executable, "-c", (
         "import sys, time, torch.distributed as d\n"
         "s = d.TCPStore('127.0.0.1', 0, is_master=True, wait_for_workers=False)\n"
@@ -85,17 +86,24 @@ def test_a_rank_failing_while_the_store_is_gone_names_the_stores_host_as_the_lik
     try:
         while not (os.path.exists(port_file) and open(port_file).read()):
             time.sleep(0.1)
-        client = torch.distributed.TCPStore("127.0.0.1", int(open(port_file).read()), is_master=False,
-                                            wait_for_workers=False, timeout=timedelta(seconds=10))
-        rank2 = watchdog(client, rank=2, job="j", peers=[1, 3])
-        server.kill()
-        server.wait()
-        cause = rank2.likely_cause("global rank 2 (stage 2) failed: stage 2 waited for stage 1 (global rank 1)")
-        assert cause is not None and "global rank 0 (stage 0)" in cause and "does not answer" in cause, cause
+        yield server, torch.distributed.TCPStore("127.0.0.1", int(open(port_file).read()), is_master=False,
+                                                 wait_for_workers=False, timeout=timedelta(seconds=10))
     finally:
         server.kill()
         server.wait()
         os.unlink(port_file)
+
+
+def test_a_rank_failing_while_the_store_is_gone_names_the_stores_host_as_the_likely_cause():
+    # Global rank 0 serves the store and is killed: rank 1's receive fails naming 0, then rank 2's
+    # fails naming 1 (1's connections closed). With no store to read the first report from, rank 2
+    # must still point at rank 0, and a rank failing with the store up must not blame its host.
+    with store_served_by_another_process("gone") as (server, client):
+        rank2 = watchdog(client, rank=2, job="j", peers=[1, 3])
+        server.kill()
+        server.wait()
+        cause = rank2.likely_cause("global rank 2 (stage 2) failed: stage 2 waited for stage 1 (global rank 1)")
+    assert cause is not None and "global rank 0 (stage 0)" in cause and "does not answer" in cause, cause
     up = watchdog(served_store(), rank=2, job="j", peers=[1, 3])
     assert up.likely_cause("global rank 2 (stage 2) failed: boom") is None, "its own report stands: no other cause"
 
@@ -103,36 +111,24 @@ def test_a_rank_failing_while_the_store_is_gone_names_the_stores_host_as_the_lik
 def test_a_frozen_store_server_stops_the_watchdog_within_its_timeout_naming_the_host():
     # The server runs in another process that is then frozen (SIGSTOP), as when global rank 0,
     # which serves the rendezvous store, freezes: every store call of the watchdog then blocks.
-    port_file = f"/tmp/gpp_watchdog_test_{os.getpid()}"
-    server = subprocess.Popen([sys.executable, "-c", (
-        "import sys, time, torch.distributed as d\n"
-        "s = d.TCPStore('127.0.0.1', 0, is_master=True, wait_for_workers=False)\n"
-        f"open({port_file!r}, 'w').write(str(s.port)); time.sleep(600)\n")])
-    try:
-        while not (os.path.exists(port_file) and open(port_file).read()):
-            time.sleep(0.1)
-        port = int(open(port_file).read())
-        client = torch.distributed.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False,
-                                            timeout=timedelta(seconds=10))
+    with store_served_by_another_process("frozen") as (server, client):
         wd = watchdog(client, rank=1, job="j", peers=[0, 2], timeout_s=2.0)
         judged = threading.Event()
         wd._exit = lambda message, *, relayed, culprit=None: (wd.exits.append((message, time.monotonic())), judged.set())
         wd._thread.start()
         wd._judge.start()
-        time.sleep(1.0)   # a few good rounds
-        assert wd.exits == []
-        frozen_at = time.monotonic()
-        os.kill(server.pid, signal.SIGSTOP)
-        assert judged.wait(15), "the judge ended a watchdog whose store stopped answering"
-        message, at = wd.exits[0]
-        # the last complete round was at most one beat (0.1 s) before the freeze
-        assert 2.0 - 0.2 <= at - frozen_at < 2.0 + 5.0, at - frozen_at
-        assert "has not answered" in message and "global rank 0 (stage 0)" in message, message
-    finally:
-        wd._stop.set()
-        server.kill()
-        server.wait()
-        os.unlink(port_file)
+        try:
+            time.sleep(1.0)   # a few good rounds
+            assert wd.exits == []
+            frozen_at = time.monotonic()
+            os.kill(server.pid, signal.SIGSTOP)
+            assert judged.wait(15), "the judge ended a watchdog whose store stopped answering"
+        finally:
+            wd._stop.set()
+    message, at = wd.exits[0]
+    # the last complete round was at most one beat (0.1 s) before the freeze
+    assert 2.0 - 0.2 <= at - frozen_at < 2.0 + 5.0, at - frozen_at
+    assert "has not answered" in message and "global rank 0 (stage 0)" in message, message
 
 
 def test_a_wait_on_a_build_lock_ends_at_the_deadline_naming_the_lock(tmp_path, monkeypatch):
