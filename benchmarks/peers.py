@@ -455,10 +455,12 @@ def build_all(topology: str):
     return configs
 
 
-def timed_rounds(steps: dict, rounds: int, *, report: bool = False) -> dict[str, list[float]]:
+def timed_rounds(steps: dict, rounds: int, *, report: bool = False, cpu: dict | None = None) -> dict[str, list[float]]:
     """Each of ``steps`` (label -> a step on every rank) once per round, in turn, for ``rounds``
     rounds: label -> each round's step in seconds, fenced by barriers so every rank starts
-    together and the slowest one's finish ends it. ``report``: rank 0 prints each round.
+    together and the slowest one's finish ends it. ``report``: rank 0 prints each round. ``cpu``
+    (a dict): filled with label -> each round's CPU seconds on this rank inside the step, as
+    ``(main thread, whole process)`` (the process's also counts gloo's and the watchdog's threads).
 
     Every engine runs under one garbage-collection regime, as a torchtitan or Megatron-LM user
     runs theirs: the heap built so far frozen (``gc.freeze()``), the automatic collector off, and a
@@ -478,10 +480,13 @@ def timed_rounds(steps: dict, rounds: int, *, report: bool = False) -> dict[str,
             for label, step in steps.items():
                 gc.collect()
                 torch.distributed.barrier()
-                start = time.perf_counter()
+                start, thread, process = time.perf_counter(), time.thread_time(), time.process_time()
                 step()
+                spent = (time.thread_time() - thread, time.process_time() - process)
                 torch.distributed.barrier()
                 times[label].append(time.perf_counter() - start)
+                if cpu is not None:
+                    cpu.setdefault(label, []).append(spent)
             if report and torch.distributed.get_rank() == 0:
                 print(f"round {r}: " + " ".join(f"{k}={v[-1] * 1e3:.0f}" for k, v in times.items()), flush=True)
     finally:
@@ -495,8 +500,14 @@ def worker(topology: str, rounds: int, out: str) -> None:
 
     deepspeed.init_distributed(dist_backend="gloo")
     configs = build_all(topology)
+    spent = {}
     times = timed_rounds({label: step for label, (step, _) in configs.items() if step is not None}, rounds,
-                         report=True)
+                         report=True, cpu=spent)
+    # Each rank's median CPU a step, main thread and whole process, over the rounds the medians use.
+    mine = {label: [statistics.median(x[i] for x in per_round[WARM_UP:] or per_round) for i in (0, 1)]
+            for label, per_round in spent.items()}
+    every = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(every, mine)
     results = {}
     for label, (step, meta) in configs.items():
         engine = meta.pop("engine", None)
@@ -506,6 +517,8 @@ def worker(topology: str, rounds: int, out: str) -> None:
             meta["replayed"] = replayed(engine, label.split("/")[1])
             meta["fold"] = list(engine.placement.fold)
             meta["depth"] = engine.stage_graph.pipeline_depth
+        if label in mine:
+            meta["cpu_s"] = [rank_cpu[label] for rank_cpu in every]
         results[label] = {**meta, "times": times.get(label)}
     if torch.distributed.get_rank() == 0:
         Path(out).write_text(json.dumps(results))
@@ -590,8 +603,9 @@ def summary_rows(results: dict) -> list[str]:
 
 def detail_rows(results: dict) -> list[str]:
     rows = ["| model | system | schedule | stages per rank | median step (ms) | best step (ms) | simulated (ms) "
-            "| median / simulated | replayed (ms) | median / replayed | peak in flight, max over ranks | per rank |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+            "| median / simulated | replayed (ms) | median / replayed | peak in flight, max over ranks | per rank "
+            "| CPU a step, main thread (ms) | CPU a step, process (ms) |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     multi = {"Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV", "DualPipeVEngine",
              *OURS_FOLDED}
     for topology, by_label in results.items():
@@ -600,7 +614,7 @@ def detail_rows(results: dict) -> list[str]:
             per_rank = "-" if "refused" in r else 2 if variant(name)[0] in multi else 1
             head = f"| {TITLES.get(topology, topology)} | {system} | `{name}` | {per_rank} |"
             if "refused" in r:
-                rows.append(f"{head} refused: {r['refused'].replace('|', '/')} | | | | | | | |")
+                rows.append(f"{head} refused: {r['refused'].replace('|', '/')} | | | | | | | | | |")
                 continue
             sim = r.get("predicted")
             simulated = f"{sim * 1e3:,.0f} | {r['median_s'] / sim:.3f}" if sim else " | "
@@ -608,8 +622,15 @@ def detail_rows(results: dict) -> list[str]:
             simulated += f" | {rep * 1e3:,.0f} | {r['median_s'] / rep:.3f}" if rep else " | | "
             rows.append(f"{head} {r['median_s'] * 1e3:,.0f} | {min(r['times'][WARM_UP:] or r['times']) * 1e3:,.0f} | "
                         f"{simulated} | "
-                        f"{_fmt(max(r['in_flight']))} | {' '.join(map(_fmt, r['in_flight']))} |")
+                        f"{_fmt(max(r['in_flight']))} | {' '.join(map(_fmt, r['in_flight']))} | {_cpu(r, 0)} | {_cpu(r, 1)} |")
     return rows
+
+
+def _cpu(r: dict, which: int) -> str:
+    """A row's CPU a step (``which`` 0: main thread, 1: whole process), the mean over ranks in ms
+    (blank for a run from before the column)."""
+    per_rank = [c[which] for c in r.get("cpu_s", [])]
+    return f"{statistics.mean(per_rank) * 1e3:,.0f}" if per_rank else ""
 
 
 def write_table(results: dict, rounds: int, loads: dict) -> None:
@@ -638,7 +659,10 @@ def write_table(results: dict, rounds: int, loads: dict) -> None:
             "same sleeps, for torch's schedules of their `pipeline_order` (free messages, each rank's own "
             "stages handing over locally), so median over simulated compares the two runtimes; \"replayed\" is the same simulation with each compute action priced at what it took in "
             "the run (its sleep overshooting on a loaded machine, the layer's own Python), messages free: median "
-            "over replayed is what the runtime adds beyond compute. Ours also runs `1f1b` and `dualpipev` with "
+            "over replayed is what the runtime adds beyond compute. \"CPU a step\" is the CPU time a rank spends "
+            "inside the step (the sleeps spend none), the mean over ranks of each rank's median: the main "
+            "thread's (the runtime's Python, the layers' own, posting messages) and the whole process's (gloo's "
+            "threads and the watchdog's too). Ours also runs `1f1b` and `dualpipev` with "
             "every receive completed in place (`early_receives` false, the transport before issue 28's early "
             f"receives), in the same launch. A ratio below 1 means ours is faster.{load}\n\n"
             + "\n".join(summary_rows(results)) + "\n\n" + "\n".join(detail_rows(results)) + "\n")
