@@ -84,7 +84,9 @@ def store_served_by_another_process(name):
         "s = d.TCPStore('127.0.0.1', 0, is_master=True, wait_for_workers=False)\n"
         f"open({port_file!r}, 'w').write(str(s.port)); time.sleep(600)\n")])
     try:
+        deadline = time.monotonic() + 60
         while not (os.path.exists(port_file) and open(port_file).read()):
+            assert server.poll() is None and time.monotonic() < deadline, "the store's process did not start"
             time.sleep(0.1)
         yield server, torch.distributed.TCPStore("127.0.0.1", int(open(port_file).read()), is_master=False,
                                                  wait_for_workers=False, timeout=timedelta(seconds=10))

@@ -273,9 +273,8 @@ class Watchdog:
         host = self.info.host_rank
         if host is None or host == self.rank:
             return None
-        return (f"while {self.info.where}, served by global rank {host} ({self.describe(host)}), does not "
-                f"answer either: global rank {host} was most likely killed or is frozen, and this rank's "
-                "error followed from it")
+        return (f"while {self._the_store()} does not answer either: global rank {host} was most likely killed "
+                "or is frozen, and this rank's error followed from it")
 
     def stop(self) -> None:
         """Stop beating; mark this rank done unless it died of an exception; on the store's host,
@@ -370,16 +369,22 @@ class Watchdog:
                 return   # the host finished and waited for us as long as it could: stop watching
             self._exit(self._store_lost_message(silent), relayed=False, culprit=self.info.host_rank)
 
+    def _the_store(self) -> str:
+        """The store as messages name it: where it is and, when one of the job's ranks serves it,
+        which (a trailing comma closes that clause)."""
+        host = self.info.host_rank
+        if host is None:
+            return self.info.where
+        return f"{self.info.where}, served by global rank {host} ({self.describe(host)}),"
+
     def _store_lost_message(self, silent: float) -> str:
         host = self.info.host_rank
-        served = (f", served by global rank {host} ({self.describe(host)}),"
-                  if host is not None else "")
         culprit = (f"global rank {host} was killed or is frozen" if host is not None else
                    "its server was killed or is frozen")
         where = (f" while this rank waits in a batch for {time.monotonic() - self._batch_started:.0f} s"
                  if self._batch_started else "")
         error = f" ({type(self._last_error).__name__}: {str(self._last_error)[:200]})" if self._last_error else ""
-        return (f"{self.info.where}{served} has not answered for {silent:.0f} s (graph_pipeline."
+        return (f"{self._the_store()} has not answered for {silent:.0f} s (graph_pipeline."
                 f"watchdog_timeout_s = {self.timeout_s:g}){where}: {culprit}{error}")
 
     def _exit(self, message: str, *, relayed: bool, culprit: int | None = None) -> None:
