@@ -102,6 +102,17 @@ class GraphPipelineConfig(BaseModel):
     at ``initialize`` and again after the first step, when gradients, optimizer state and
     activations have been allocated. Gathering it is collective: every rank must have the same value."""
 
+    activation_meter_steps: PositiveInt | Literal["until_steady", "every_step"] = "until_steady"
+    """How many training steps (the first ones) the memory report's activation peak is measured
+    over, by saved-tensor hooks around every forward (:class:`~gpp_deepspeed.engine.memory.ActivationMeter`).
+    The hooks cost CPU time for every tensor autograd saves, in the forward and again in the
+    backward (``benchmarks/activation_meter.py``), so after these steps forwards run without them
+    and the peak stays what they measured. ``"until_steady"``: up to the first step that runs the
+    schedule's steady program, after which every step holds what it held (one step for a
+    synchronous schedule; an asynchronous one's first batches fill the never-draining pipeline),
+    and every step under ``dynamic_shape``, whose micro-batches may change shape. ``"every_step"``:
+    always (a model whose activations change from step to step in other ways)."""
+
     print_idle_fractions: bool = True
     """Every ``steps_per_print`` steps, print each stage's idle fraction in the last batch (time
     spent waiting for tensors or for sends to finish, over the batch's wall time) on global rank 0,

@@ -53,6 +53,8 @@ def test_parse_graph_pipeline_config_names_every_unknown_key():
     ({"validate_schedule": "maybe"}, "validate_schedule"),
     ({"print_stage_graph": [True]}, "print_stage_graph"),
     ({"gc_interval": -1}, "gc_interval"),
+    ({"activation_meter_steps": 0}, "activation_meter_steps"),
+    ({"activation_meter_steps": "first"}, "activation_meter_steps"),
 ])
 def test_parse_graph_pipeline_config_rejects_a_wrong_value_naming_the_field(section, field):
     with pytest.raises(GPPConfigError) as info:

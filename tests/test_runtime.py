@@ -28,7 +28,16 @@ FLOAT64 = case("four_branch", 4, 0, float64=True, clip=0.0)
 # DeepSpeed's automatic-collector switch with the engine's collections between batches; last in the
 # launch, since the collector is the process's (the worker turns it on again after the case).
 GC_BETWEEN_BATCHES = case("four_branch", 4, 1, disable_python_gc=True, gc_interval=2, steps=4)
-CASES = CKPT + DROP_IN + BF16 + [TRACED, ZB_BF16, ZB_TIMED, FLOAT64, GC_BETWEEN_BATCHES]
+# The activation meter (graph_pipeline.activation_meter_steps) left at its default, measuring until
+# the steady program, against the same run measuring every step: synchronous (one step), asynchronous
+# (PipeDream's first batches fill the pipeline) and micro-batches that change shape (every step).
+EVERY_STEP = {"activation_meter_steps": "every_step"}
+METERED = {name: [case(model, 4, 0, steps=steps, **extra, **more) for more in ({}, EVERY_STEP)]
+           for name, model, steps, extra in (("sync", "four_branch", 3, {}),
+                                             ("async", "four_branch", 5, {"schedule": "pipedream", "clip": 0.0}),
+                                             ("dynamic", "varlen", 3, {}))}
+CASES = CKPT + DROP_IN + BF16 + [TRACED, ZB_BF16, ZB_TIMED, FLOAT64] + [c for pair in METERED.values() for c in pair] \
+    + [GC_BETWEEN_BATCHES]
 
 
 @pytest.fixture(scope="module")
@@ -143,3 +152,21 @@ def test_with_disable_python_gc_every_rank_collects_only_between_batches_every_g
         assert [s["automatic"] for s in watched["steps"]] == [0, 0, 0, 0]
         assert [s["asked"] for s in watched["steps"]] == [0, 1, 0, 1]
         assert res["losses"] == pytest.approx(ref.losses, rel=1e-5)
+
+
+def test_the_activation_peak_measured_until_the_steady_program_is_the_peak_of_every_step(out):
+    for name, (metered, every) in METERED.items():
+        for r in range(4):
+            until, always = ranks(out, metered)[r]["meter"], ranks(out, every)[r]["meter"]
+            assert [steps for _, steps in always] == [1, 2, 3, 4, 5][:len(always)]
+            assert until[-1][0] == always[-1][0] > 0, (name, r)
+    sync, asynchronous, dynamic = ([steps for _, steps in ranks(out, METERED[n][0])[0]["meter"]]
+                                   for n in ("sync", "async", "dynamic"))
+    assert sync == [1, 1, 1]              # then forwards run without the saved-tensor hooks
+    assert 1 < asynchronous[-1] < 5       # PipeDream's steady batch, after the batches that fill it
+    assert dynamic == [1, 2, 3]           # shapes change: every step
+
+
+def test_the_memory_report_after_step_1_says_which_steps_its_activation_peak_covers(out):
+    log = (out / "logs" / "rank0.log").read_text()
+    assert "activation peak (of step 1), their sum" in log

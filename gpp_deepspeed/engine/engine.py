@@ -53,6 +53,7 @@ from ..config import GraphPipelineConfig, with_plan_schedule
 from ..errors import GPPConfigError
 from ..graph.stages import mark_gradient_flow
 from ..schedule import KINDS, Program, ProgramFactory, get_schedule
+from ..schedule.asynchronous import steady_batch_idx
 from ..schedule.greedy import Fold, stage_duration
 from ..schedule.ir import Action, ActionKind as K, Buffer
 from .flat import flatten
@@ -149,9 +150,22 @@ class GraphPipelineEngine(PipelineEngine):
             # host) and what a program refuses is refused here, on every rank alike.
             for layouts in {True, bool(self.dynamic_shape)}:
                 self._programs.program(self.micro_batches, train=True, layouts=layouts)
+        self.module.activations.limit = self._metered_steps()
         if self.gpp_config.print_stage_graph and self.global_rank == 0:
             print(self.module.partition.describe(), flush=True)
         self._print_memory("at initialize (gradients: to be allocated by the first backward)")
+
+    def _metered_steps(self) -> int | None:
+        """The first steps whose activations the memory report measures (``None``: every step):
+        ``graph_pipeline.activation_meter_steps``, where ``"until_steady"`` is up to the first
+        step of the steady program (an asynchronous schedule's batches before it fill the
+        pipeline: :func:`~gpp_deepspeed.schedule.asynchronous.steady_batch_idx`)."""
+        steps = self.gpp_config.activation_meter_steps
+        if steps == "every_step" or steps == "until_steady" and self.dynamic_shape:
+            return None
+        if steps != "until_steady":
+            return steps
+        return steady_batch_idx(self.stage_graph, self.micro_batches) + 1 if self._async is not None else 1
 
     def _trainable_layers(self) -> set[str]:
         """Every stage's layers with trainable parameters, gathered over the pipeline, so that all
@@ -331,6 +345,7 @@ class GraphPipelineEngine(PipelineEngine):
             self._async.in_batch = True
         with self._watched():
             loss = super().train_batch(data_iter)
+        self.module.activations.end_step()
         if self._async is not None:
             self._async.in_batch = False
             self._async.batches += 1

@@ -17,7 +17,9 @@ optimizer state
 activation peak
     The most bytes autograd held at once for backward passes still to run, over every micro-batch
     in flight (GraphPipe Sec. 3's stash), measured by saved-tensor hooks around the stage's forward;
-    parameters saved for backward are not counted, a tensor saved twice counts once.
+    parameters saved for backward are not counted, a tensor saved twice counts once. Measured over
+    the first ``graph_pipeline.activation_meter_steps`` training steps (one by default), since the
+    hooks cost CPU time on every saved tensor.
 process peak
     The rank's peak resident memory (``VmHWM``) on CPU, ``torch.cuda.max_memory_allocated`` on GPU:
     everything above, the runtime's own memory (torch, DeepSpeed, buffers) and transients.
@@ -57,6 +59,9 @@ class StageMemory:
     activation_peak_bytes: int
     process_peak_bytes: int
     tp: int = 1   # the stage's tensor-parallel degree: its split tensors are 1 / tp of the layer's
+    activation_steps: int = 0
+    """The training steps ``activation_peak_bytes`` was measured over: the first ones, up to
+    ``graph_pipeline.activation_meter_steps`` (:class:`ActivationMeter`)."""
     stages: tuple[int, ...] = ()
     """Every stage the rank holds when it holds several (a fold): the numbers are their sum."""
 
@@ -83,9 +88,15 @@ class MemoryReport:
         memory per rank (MiB): parameters, gradients, optimizer state, activation peak, their sum; process peak
           stage 0 (rank 0):      1.0      1.0      0.0      0.5      2.5;      4.0
           stages 1+2 (rank 1):      1.0      1.0      0.0      0.5      2.5;      4.0
+        >>> one = StageMemory(stage_idx=0, rank=0, param_bytes=0, grad_bytes=0, optimizer_bytes=0,
+        ...                   activation_peak_bytes=2**19, process_peak_bytes=2**22, activation_steps=1)
+        >>> print(MemoryReport((one, )).describe("after step 5").splitlines()[0])
+        memory per rank (MiB) after step 5: parameters, gradients, optimizer state, activation peak (of step 1), their sum; process peak
         """
+        steps = max((m.activation_steps for m in self.ranks), default=0)
+        peak = "activation peak" + (f" (of step{'s 1-' if steps > 1 else ' '}{steps})" if steps else "")
         lines = [f"memory per rank (MiB){' ' + when if when else ''}: parameters, gradients, optimizer state, "
-                 "activation peak, their sum; process peak"]
+                 f"{peak}, their sum; process peak"]
         for m in sorted(self.ranks, key=lambda m: (m.stage_idx, m.rank)):   # stage_idx: the pipeline rank
             cols = (m.param_bytes, m.grad_bytes, m.optimizer_bytes, m.activation_peak_bytes, m.model_bytes)
             what = f"stage {m.stage_idx}" if not m.stages else "stages " + "+".join(map(str, m.stages))
@@ -96,22 +107,42 @@ class MemoryReport:
 
 
 class ActivationMeter:
-    """Bytes autograd holds for backward: live now and the peak so far.
+    """Bytes autograd holds for backward: live now and the peak so far, over the first ``steps``
+    training steps (``None``: every step).
 
     :meth:`saving` installs saved-tensor hooks; each saved tensor is wrapped in a handle whose
     release (when autograd frees the graph after backward) gives its bytes back. Storages are
     counted once however often they are saved; the storages of ``parameters()`` are not counted.
+    The hooks cost CPU time on every saved tensor of every forward and backward, so the meter
+    stops after ``steps`` steps (:meth:`end_step`): a pipeline's steps run one program on
+    micro-batches of one shape, and the peak of its first step is that of every step. Handles
+    already made still give their bytes back after it stops.
     """
 
-    def __init__(self, parameters):
+    def __init__(self, parameters, steps: int | None = None):
         self._parameters = parameters
         self._params: list | None = None         # the parameters, listed at the first forward
         self._refs: dict[int, list[int]] = {}   # storage address -> [handles, bytes]
         self.live = 0
         self.peak = 0
+        self.limit = steps
+        self.steps = 0   # training steps measured so far
+
+    @property
+    def on(self) -> bool:
+        """Whether forwards are still measured."""
+        return self.limit is None or self.steps < self.limit
+
+    def end_step(self) -> None:
+        """A training step ended: count it if it was measured (the meter stops after the last)."""
+        if self.on:
+            self.steps += 1
 
     @contextlib.contextmanager
     def saving(self):
+        if not self.on:
+            yield
+            return
         # The stage's parameters are listed once (walking the module tree every forward cost
         # ~0.25 ms a micro-batch on a stage of 100 modules); their storages are read every time,
         # since ZeRO-3 and bf16 give a parameter new storage.
@@ -225,6 +256,7 @@ def stage_memory(engine) -> StageMemory:
     return StageMemory(stage_idx=engine.stage_id, rank=engine.global_rank, param_bytes=param_bytes,
                        grad_bytes=grad_bytes, optimizer_bytes=optimizer_bytes,
                        activation_peak_bytes=meter.peak if meter is not None else 0,
+                       activation_steps=meter.steps if meter is not None else 0,
                        process_peak_bytes=process_peak_bytes(engine.device),
                        tp=grid.get_slice_parallel_world_size() if grid is not None else 1,
                        stages=tuple(module.stages) if len(module.stages) > 1 else ())

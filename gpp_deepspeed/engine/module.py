@@ -179,6 +179,7 @@ class GraphPipelineModule(PipelineModule):
             self.activation_checkpoint_interval = len(self._local_entries)
             compat.precompute_checkpointable_values(self)
         # What autograd holds for this stage's backward passes (the memory report's activation peak).
+        # The engine sets the steps it measures (graph_pipeline.activation_meter_steps).
         self.activations = ActivationMeter(self.parameters)
         self.glue_placeholder: nn.Parameter | None = None
         if not any(p.requires_grad for p in self.parameters()):

@@ -34,7 +34,8 @@ def ds_config(case, dp):
         # No "schedule" in the case: the engine's default, or the schedule of the case's plan file.
         "graph_pipeline": {"print_stage_graph": False, **({"schedule": case["schedule"]} if "schedule" in case else {}),
                            **{k: case[k] for k in ("stages_per_rank", "fold", "early_receives", "stage_times",
-                                                    "max_in_flight", "gc_interval", "gc_freeze") if k in case}},
+                                                    "max_in_flight", "gc_interval", "gc_freeze", "activation_meter_steps")
+                              if k in case}},
         **{k: case[k] for k in ("disable_python_gc", ) if k in case},
     }
     if case.get("wall_clock"):
@@ -163,6 +164,9 @@ def train(engine, mc, case, steps):
         loss = engine.train_batch(data_iter=iter(to_model_dtype(batches, case)))
         engine.case_loss_dtype = str(loss.dtype)
         losses.append(loss.item())
+        meter = getattr(engine.module, "activations", None)
+        if meter is not None:   # the activation meter after each step: (peak bytes, steps measured)
+            engine.case_meter = [*getattr(engine, "case_meter", []), (meter.peak, meter.steps)]
     return losses
 
 
@@ -252,6 +256,8 @@ def run_case(case, out, rank, world_size):
             result["ties"], result["rank_stages"] = tie_users(module), list(module.stages)
     if hasattr(engine, "case_gc"):
         result["gc"] = engine.case_gc
+    if hasattr(engine, "case_meter"):
+        result["meter"] = engine.case_meter
     if case.get("fp16"):
         result["loss_scale"] = float(engine.optimizer.loss_scale)
     if hasattr(engine, "weight_version_memory"):
