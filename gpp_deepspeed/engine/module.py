@@ -31,7 +31,7 @@ from ..graph.placement import Placement
 from ..graph.stages import Partition, StageSpec
 from ..partitioning import (PARTITION_METHODS, FromPlan, GraphPipeSearch, ResolvedPartition, parse_partition_method,
                             resolve_partition)
-from ..nn.dag import port_leaves, resolve, run_layers
+from ..nn.dag import layer_refs, port_leaves, resolve, run_layer
 from ..spec import LayerEntry, normalize_layers
 from ..checkpoint import layer_model_file, layer_model_files
 from . import compat
@@ -134,6 +134,7 @@ class GraphPipelineModule(PipelineModule):
         self._stage_order = sorted(range(partition.num_stages), key=lambda s: (placement.position(s), s))
         # Plain attributes may be set before nn.Module.__init__; the parent's __init__ needs them.
         self.graph: LayerGraph = graph
+        self._output_ref = TensorRef(graph.output)
         self.partition: Partition = partition
         self._entries: list[LayerEntry] = [by_name[n] for s in self._stage_order for n in partition.stages[s].layers]
         self._list_index = {e.name: i for i, e in enumerate(entries)}   # DeepSpeed's layer_XX numbering
@@ -168,6 +169,7 @@ class GraphPipelineModule(PipelineModule):
         # This rank's stages, and the local layer indices of each (the engine selects one per action).
         self.stages: tuple[int, ...] = tuple(s for s in self._stage_order if placement.position(s) == self.stage_id)
         self._local_entries = self._entries[slice(*compat.local_layer_bounds(self))]
+        self._layer_refs = [layer_refs(e) for e in self._local_entries]   # parsed once, run every micro-batch
         first = [0]
         for s in self.stages:
             first.append(first[-1] + len(partition.stages[s].layers))
@@ -297,15 +299,23 @@ class GraphPipelineModule(PipelineModule):
         flat = (inputs, ) if torch.is_tensor(inputs) else tuple(inputs)
         arity = self.in_arity or [-1] * len(flat)
         env: dict[TensorRef, Any] = dict(zip(self.stage_spec.in_ports, unflatten(flat, arity)))
-        self.micro_offset += 1
-        with self.activations.saving():
-            if self.activation_checkpoint_interval > 0:
-                self._run_checkpointed(env)
-            else:
-                self._run(env, self._stage_idxs[self.stage])
+        # Per micro-batch: plain attributes go past nn.Module.__setattr__, and the meter's context
+        # is entered only while it measures (see rooms.set_plain, memory.ActivationMeter).
+        set_plain(self, micro_offset=self.micro_offset + 1)
+        if self.activations.on:
+            with self.activations.saving():
+                self._run_stage(env)
+        else:
+            self._run_stage(env)
         if self.is_output_stage:
-            return self._touch_placeholder(resolve(env, TensorRef(self.graph.output)))
+            return self._touch_placeholder(resolve(env, self._output_ref))
         return self._touch_placeholder(tuple(port_leaves(ref, resolve(env, ref)) for ref in self.stage_spec.out_ports))
+
+    def _run_stage(self, env: dict) -> None:
+        if self.activation_checkpoint_interval > 0:
+            self._run_checkpointed(env)
+        else:
+            self._run(env, self._stage_idxs[self.stage])
 
     def _touch_placeholder(self, outputs):
         """``outputs`` (a tensor, or tuples / lists of tensors) with
@@ -327,14 +337,12 @@ class GraphPipelineModule(PipelineModule):
         # A recomputed chunk runs during a later backward: it seeds with the forward's micro_offset.
         micro_offset = self.micro_offset if micro_offset is None else micro_offset
 
-        def seeded_layers():   # each layer seeded as the interpreter reaches it
-            for i in local_idxs:
-                if self.seed_layers:
-                    seed = self.base_seed * (micro_offset + 1) + i + compat.local_layer_bounds(self)[0]
-                    (self.seed_fn or torch.manual_seed)(seed)
-                yield self._local_entries[i], self.forward_funcs[i]
-
-        run_layers(env, seeded_layers())
+        entries, funcs, refs = self._local_entries, self.forward_funcs, self._layer_refs
+        for i in local_idxs:
+            if self.seed_layers:   # each layer seeded as the interpreter reaches it
+                seed = self.base_seed * (micro_offset + 1) + i + compat.local_layer_bounds(self)[0]
+                (self.seed_fn or torch.manual_seed)(seed)
+            run_layer(env, entries[i], funcs[i], refs=refs[i])
 
     def _run_checkpointed(self, env: dict) -> None:
         """Run chunks of ``activation_checkpoint_interval`` consecutive layers under the checkpoint

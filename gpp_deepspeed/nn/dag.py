@@ -36,17 +36,26 @@ from torch.utils._pytree import tree_flatten_with_path
 from ..errors import GPPConfigError, GraphError
 from ..graph.ir import TensorRef
 
-__all__ = ["run_layer", "run_layers", "call_layer", "resolve", "tensors_in", "port_leaves"]
+__all__ = ["run_layer", "run_layers", "layer_refs", "call_layer", "resolve", "tensors_in", "port_leaves"]
 
 
-def run_layer(env: dict[TensorRef, Any], entry: Any, fn: Callable, *, call: Callable | None = None) -> Any:
+def layer_refs(entry: Any) -> tuple[TensorRef, tuple[TensorRef, ...]]:
+    """Where ``entry``'s output goes in an environment and the references it reads: what
+    :func:`run_layer` works out at each call, made once by a caller that runs the same layers
+    for every micro-batch (a pipeline stage)."""
+    return TensorRef(entry.name), tuple(TensorRef.parse(r) for r in entry.inputs)
+
+
+def run_layer(env: dict[TensorRef, Any], entry: Any, fn: Callable, *, call: Callable | None = None,
+              refs: tuple[TensorRef, tuple[TensorRef, ...]] | None = None) -> Any:
     """Run one layer on ``env``: look its inputs up, call it, store its output under its name.
 
     Returns the output. ``call(entry, fn, args)`` runs the layer; by default :func:`call_layer`
-    (the profiler passes one that also times it).
+    (the profiler passes one that also times it). ``refs``: the entry's :func:`layer_refs`, if
+    the caller keeps them.
     """
-    args = [resolve(env, TensorRef.parse(r)) for r in entry.inputs]
-    env[TensorRef(entry.name)] = value = (call or call_layer)(entry, fn, args)
+    out, reads = refs or layer_refs(entry)
+    env[out] = value = (call or call_layer)(entry, fn, [resolve(env, r) for r in reads])
     return value
 
 
