@@ -39,6 +39,7 @@ bench: setup
 	$(PY) benchmarks/step_time.py
 	$(PY) benchmarks/overhead.py
 	$(PY) benchmarks/activation_meter.py
+	$(PY) benchmarks/compute_stack.py
 	$(PY) benchmarks/plan_compare.py
 	$(PY) benchmarks/branch_scaling.py
 	$(PY) benchmarks/search_speed.py
