@@ -11,7 +11,9 @@ line's time includes the lines under it, so the difference between two lines is 
 them. The three runtimes take one step each per round, in turn; medians over the calls of 20
 rounds after 3, per rank (rank 1 holds the loss).
 
-    python benchmarks/compute_stack.py      # writes benchmarks/results/compute_stack.{json,md}
+    python benchmarks/compute_stack.py            # writes benchmarks/results/compute_stack.{json,md}
+    python benchmarks/compute_stack.py --ab DIR   # the before/after table of DIR/{before,after}_<i>.json
+                                                  # (compute_stack.json of alternating launches of two commits)
 """
 
 from __future__ import annotations
@@ -142,6 +144,8 @@ def worker(out: str) -> None:
 def main() -> None:
     if "--worker" in sys.argv:
         return worker(sys.argv[sys.argv.index("--out") + 1])
+    if "--ab" in sys.argv:
+        return print(ab_table(Path(sys.argv[sys.argv.index("--ab") + 1])))
     sys.path.insert(0, str(ROOT / "tests"))
     from dist import launch
 
@@ -188,6 +192,30 @@ def write_section(ranks: list[dict]) -> None:
                   f"{us('ours', r, ROWS[1][0]) - us('ours', r, ROWS[2][0]):.0f} around that; our handler "
                   f"{us('ours', r, f) - us('ours', r, ROWS[1][0]):.0f}."]
     (ROOT / "benchmarks" / "results" / "compute_stack.md").write_text("\n".join(lines) + "\n")
+
+
+def ab_table(folder: Path) -> str:
+    """Before against after: for each of ``folder``'s ``{before,after}_<i>.json`` launches, our
+    forward's and backward's CPU time and their ratio to DeepSpeed's engine in the same launch;
+    medians over the launches, and the range of the ratio."""
+    lines = ["| code | rank | launches | forward: ours (us) | DeepSpeed's | ours / DeepSpeed's (range) "
+             "| stage module's forward: ours | DeepSpeed's | backward: ours | DeepSpeed's | ours / DeepSpeed's (range) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for code in ("before", "after"):
+        runs = [json.loads(f.read_text()) for f in sorted(folder.glob(f"{code}_*.json"))]
+        for r in (0, 1):
+            def med(runtime, row):
+                return 1e6 * statistics.median(run[r][runtime][row][1] for run in runs)
+
+            def ratio(row):
+                each = [run[r]["ours"][row][1] / run[r]["deepspeed"][row][1] for run in runs]
+                return f"{statistics.median(each):.3f} ({min(each):.3f}-{max(each):.3f})"
+
+            f, m, b = ROWS[0][0], ROWS[3][0], ROWS[4][0]
+            lines.append(f"| {code} | {r} | {len(runs)} | {med('ours', f):.0f} | {med('deepspeed', f):.0f} | {ratio(f)} "
+                         f"| {med('ours', m):.0f} | {med('deepspeed', m):.0f} | {med('ours', b):.0f} | "
+                         f"{med('deepspeed', b):.0f} | {ratio(b)} |")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
