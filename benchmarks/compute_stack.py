@@ -41,6 +41,10 @@ ROWS = [("FORWARD: the handler", "ours: `GraphPipelineEngine._exec_forward_pass`
          "hooks, timers)"),
         ("torch.autograd.backward", "autograd itself, from the received gradients or the loss")]
 RUNTIMES = ("ours", "deepspeed", "torch")
+# Every call that posts, completes or waits for a message, summed over a step: ours, the transfer
+# actions and their waits; DeepSpeed's, its four send / receive instructions (each blocking);
+# torch's, its stage's P2P ops built and its batches posted and waited for.
+TRANSFERS = "transfers"
 
 
 def _timed(fn, calls: dict, phase: list, label: str):
@@ -77,10 +81,12 @@ def worker(out: str) -> None:
     from deepspeed.runtime.pipe.engine import PipelineEngine
     from deepspeed.runtime.pipe import schedule as ds
     from torch.distributed.pipelining import PipelineStage, ScheduleInterleaved1F1B
+    from torch.distributed.pipelining import schedules as torch_schedules
+    from gpp_deepspeed.engine.instructions import Transfers, WaitReceives, WaitSends
 
     deepspeed.init_distributed(dist_backend="gloo")
     rank = torch.distributed.get_rank()
-    calls = {runtime: {label: [] for label, _ in ROWS} for runtime in RUNTIMES}
+    calls = {runtime: {label: [] for label in [*(label for label, _ in ROWS), TRANSFERS]} for runtime in RUNTIMES}
     phase = ["ours"]
     timed = lambda fn, label: _timed(fn, calls, phase, label)  # noqa: E731
     torch.manual_seed(0)
@@ -94,6 +100,8 @@ def worker(out: str) -> None:
         handler = timed(getattr(PipelineEngine, name), row)
         setattr(PipelineEngine, name, handler)
         PipelineEngine._INSTRUCTION_MAP[instruction] = handler
+    for instruction in (ds.SendActivation, ds.RecvActivation, ds.SendGrad, ds.RecvGrad):
+        PipelineEngine._INSTRUCTION_MAP[instruction] = timed(PipelineEngine._INSTRUCTION_MAP[instruction], TRANSFERS)
     DeepSpeedEngine.forward = timed(DeepSpeedEngine.forward, ROWS[2][0])
     torch.autograd.backward = timed(torch.autograd.backward, ROWS[6][0])   # every runtime's backward calls it
 
@@ -105,6 +113,8 @@ def worker(out: str) -> None:
     table[ds.ForwardPass] = timed(table[ds.ForwardPass], ROWS[0][0])
     module.forward = timed(module.forward, ROWS[3][0])
     engine.stage_backward.full = timed(engine.stage_backward.full, ROWS[4][0])
+    for instruction in (Transfers, WaitReceives, WaitSends):
+        table[instruction] = timed(table[instruction], TRANSFERS)
 
     # DeepSpeed's own engine on the same layers: its handlers are the rows above
     torch.manual_seed(0)
@@ -121,6 +131,10 @@ def worker(out: str) -> None:
     schedule = ScheduleInterleaved1F1B([stage], n_microbatches=M, loss_fn=nn.MSELoss())
     stage.forward_one_chunk = timed(stage.forward_one_chunk, ROWS[0][0])
     stage.backward_one_chunk = timed(stage.backward_one_chunk, ROWS[4][0])
+    for name in ("get_fwd_recv_ops", "get_bwd_recv_ops", "get_fwd_send_ops", "get_bwd_send_ops"):
+        setattr(stage, name, timed(getattr(stage, name), TRANSFERS))
+    for name in ("_batch_p2p", "_wait_batch_p2p"):   # module globals, looked up at every call
+        setattr(torch_schedules, name, timed(getattr(torch_schedules, name), TRANSFERS))
     x, y = torch.cat([d[0] for d in data]), torch.cat([d[1] for d in data])
 
     def torch_step():
@@ -134,6 +148,8 @@ def worker(out: str) -> None:
     calls["deepspeed"][ROWS[4][0]] = calls["deepspeed"][ROWS[5][0]]
     medians = {runtime: {k: (len(v) / STEPS, statistics.median(v) if v else None) for k, v in by_label.items()}
                for runtime, by_label in calls.items()}
+    for runtime, by_label in calls.items():   # transfers: calls and CPU seconds a step
+        medians[runtime][TRANSFERS] = (len(by_label[TRANSFERS]) / STEPS, sum(by_label[TRANSFERS]) / STEPS)
     every = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(every, medians)
     if rank == 0:
@@ -182,6 +198,15 @@ def write_section(ranks: list[dict]) -> None:
     for label, what in ROWS:
         lines.append(f"| {label} | {what} | " + " | ".join(cell(rt, r, label) for rt in RUNTIMES for r in (0, 1))
                      + " |")
+    lines += ["", "Transfers: the CPU time a step of every call that posts, completes or waits for a message, in ms "
+              "(calls a step): ours, the transfer actions and their waits; DeepSpeed's, its send and receive "
+              "instructions (each blocks until its message is done); torch's, the stage's P2P ops built and its "
+              "batches posted and waited for.", "",
+              "| transfers a step | ours, rank 0 | ours, rank 1 | DeepSpeed's, rank 0 | DeepSpeed's, rank 1 "
+              "| torch's, rank 0 | torch's, rank 1 |", "|---|---|---|---|---|---|---|",
+              "| CPU, ms (calls) | " + " | ".join(
+                  f"{1e3 * ranks[r][rt][TRANSFERS][1]:.2f} ({ranks[r][rt][TRANSFERS][0]:.0f})"
+                  for rt in RUNTIMES for r in (0, 1)) + " |"]
     f, b = ROWS[0][0], ROWS[4][0]
     for r in (0, 1):
         lines += ["", f"Rank {r}: a forward costs {us('ours', r, f):.0f} us of CPU on ours, "
