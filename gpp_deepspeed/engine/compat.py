@@ -334,12 +334,13 @@ def pipeline_backward_pass(engine, buffer_id: int) -> None:
 @contextlib.contextmanager
 def engine_backward(engine):
     """While active, DeepSpeed's module hooks treat a backward as the engine's own
-    (``DeepSpeedEngine.backward`` sets ``_running_engine_backward`` around ``loss.backward()``)."""
-    engine._running_engine_backward = True
+    (``DeepSpeedEngine.backward`` sets ``_running_engine_backward`` around ``loss.backward()``).
+    A plain flag, set past ``nn.Module.__setattr__``'s registry checks (twice a backward)."""
+    object.__setattr__(engine, "_running_engine_backward", True)
     try:
         yield
     finally:
-        engine._running_engine_backward = False
+        object.__setattr__(engine, "_running_engine_backward", False)
 
 
 def _backward_timers(engine):
