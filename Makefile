@@ -40,6 +40,7 @@ bench: setup
 	$(PY) benchmarks/overhead.py
 	$(PY) benchmarks/activation_meter.py
 	$(PY) benchmarks/compute_stack.py
+	$(PY) benchmarks/compute_stack.py --sleeping 10
 	$(PY) benchmarks/plan_compare.py
 	$(PY) benchmarks/branch_scaling.py
 	$(PY) benchmarks/search_speed.py

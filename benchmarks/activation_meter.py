@@ -24,13 +24,13 @@ backward pass through unwrapped, as before).
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
+
+import peers
 
 ROOT = Path(__file__).resolve().parent.parent
 M, MBS = 16, 4
@@ -109,22 +109,16 @@ def worker(rounds: int, out: str) -> None:
         engine.train_batch(iter(data))       # the meter's own first step (the default measures it)
         saved = wrapped[0] / M
         meter._pack = pack
-        times = {"on": [], "off": []}
-        cpu = {"on": [], "off": []}
-        gc.collect()
-        gc.freeze()
-        gc.disable()
-        for r in range(rounds):
-            for label in ("on", "off") if r % 2 == 0 else ("off", "on"):
-                meter.limit = None if label == "on" else 0      # every step, or none after this one
-                gc.collect()   # peers.py's regime: no collection inside a timed step
-                torch.distributed.barrier()
-                start, thread = time.perf_counter(), time.thread_time()
+
+        def metered(limit, engine=engine):
+            def step():
+                meter.limit = limit      # every step (None), or none after the meter's first (0)
                 engine.train_batch(iter(data))
-                cpu[label].append(time.thread_time() - thread)
-                torch.distributed.barrier()
-                times[label].append(time.perf_counter() - start)
-        gc.enable()
+            return step
+
+        cpu = {}
+        times = peers.timed_rounds({"on": metered(None), "off": metered(0)}, rounds, cpu=cpu, alternate=True)
+        cpu = {label: [main for main, _ in spent] for label, spent in cpu.items()}   # the main thread's
         mine = {"saved": saved, **{f"cpu_{k}": statistics.median(v[WARM_UP:]) for k, v in cpu.items()}}
         every = [None] * torch.distributed.get_world_size()
         torch.distributed.all_gather_object(every, mine)

@@ -18,6 +18,9 @@ median step over the rounds after the first, the simulator's step for the same s
 messages) and their ratio; "wait" is the share of the step the fan-in (output) stage spent in its
 transfer actions, and "messages" how many it posted per step. The ratio is what the runtime and the
 machine add to the schedule; the fan-in row against the chain row is what a fan-in adds.
+"Replayed" prices each compute action at what it took in the last step (``peers.replayed``), so
+measured over replayed is what the runtime adds between compute. Torch's ``Schedule1F1B`` runs
+the same chain in the same launch, the reference for measured over simulated.
 
     python benchmarks/fanin.py [--branches 4] [--rounds 8] [--strict]   # results/fanin_<N>.json, fanin.md
 """
@@ -38,6 +41,11 @@ ROOT = Path(__file__).resolve().parent.parent
 # Each also with its receives completed in place (graph_pipeline.early_receives false), the
 # transport before lowering.post_early: posted as their message is sent, waited for at their use.
 VARIANTS = ("fanin", "chain", "fanin" + peers.IN_PLACE_SUFFIX, "chain" + peers.IN_PLACE_SUFFIX)
+# The reference: torch.distributed.pipelining's Schedule1F1B on the same chain, one layer per rank,
+# in the same launch. Its simulated step is the chain's 1F1B (the same order on the same sleeps;
+# torch's own pipeline_order is refused, peers.torch_predicted), so measured over simulated compares
+# the two runtimes.
+TORCH = "chain, torch 1F1B"
 
 
 def topology(name: str, branches: int) -> str:
@@ -133,8 +141,11 @@ def worker(branches: int, rounds: int, out: str, profile: bool = False) -> None:
         strict_p2p.install()
     unit = peers.sleep_unit_class()
     built = {name: build(name, branches, unit) for name in VARIANTS}
-    times = {name: [] for name in VARIANTS}
-    costs = {name: [] for name in VARIANTS}
+    chain = topology("chain", branches)
+    peers.RANKS = torch.distributed.get_world_size()   # torch's stage-to-rank map: one layer per rank here
+    built[TORCH] = (peers.build_torch(chain, "1F1B", unit, peers.batches(1)[2])[0], None)
+    times = {name: [] for name in built}
+    costs = {name: [] for name in built}
     profiler = cProfile.Profile() if profile and torch.distributed.get_rank() == branches else None
     for r in range(rounds):
         for name, (step, engine) in built.items():
@@ -147,7 +158,8 @@ def worker(branches: int, rounds: int, out: str, profile: bool = False) -> None:
                 profiler.disable()
             torch.distributed.barrier()
             times[name].append(time.perf_counter() - start)
-            costs[name].append(stage_costs(engine))
+            if engine is not None:
+                costs[name].append(stage_costs(engine))
         if torch.distributed.get_rank() == 0:
             print(f"round {r}: " + " ".join(f"{k}={v[-1] * 1e3:.0f}" for k, v in times.items()), flush=True)
     if profiler is not None:   # the output stage's own time per step, sleeps left out
@@ -157,10 +169,14 @@ def worker(branches: int, rounds: int, out: str, profile: bool = False) -> None:
         stats.sort_stats("tottime").print_stats(25)
     results = {}
     for name, (_, engine) in built.items():
+        if engine is None:   # torch's: its step and the chain's simulated one (above)
+            results[name] = {"times": times[name], "predicted": results["chain"]["predicted"]}
+            continue
         gathered = [None] * torch.distributed.get_world_size()
         torch.distributed.all_gather_object(gathered, costs[name][1:] or costs[name])
         suffix = name[len(peers.variant(name)[0]):]   # the variant's receives, on the schedule it runs
         results[name] = {"times": times[name], "predicted": peers.predicted(engine, "1f1b" + suffix, topology(peers.variant(name)[0], branches)),
+                         "replayed": peers.replayed(engine, "1f1b" + suffix),
                          "depth": engine.stage_graph.pipeline_depth, "costs": gathered,
                          "output_stage": engine.stage_graph.num_stages - 1}
     if torch.distributed.get_rank() == 0:
@@ -173,9 +189,14 @@ def summarize(results: dict) -> dict:
     rows = {}
     for name, r in results.items():
         median = statistics.median(r["times"][1:] or r["times"])
+        if "costs" not in r:   # torch's row: its step only
+            rows[name] = {"median_ms": 1e3 * median, "predicted_ms": 1e3 * r["predicted"],
+                          "ratio": median / r["predicted"]}
+            continue
         out = [c for c in next(cs for cs in r["costs"] if cs and cs[0]) if c]
         med = lambda key: 1e3 * statistics.median(c[key] for c in out)  # noqa: E731
         rows[name] = {"median_ms": 1e3 * median, "predicted_ms": 1e3 * r["predicted"], "ratio": median / r["predicted"],
+                      "replayed_ms": 1e3 * r["replayed"] if "replayed" in r else None,
                       "depth": r["depth"], "transfer_ms": med("transfer_s"), "waiting_ms": med("waiting_s"),
                       "working_ms": med("working_s"), "messages": out[0]["messages"],
                       "us_per_message": 1e3 * med("working_s") / out[0]["recv_group_messages"]}
@@ -183,12 +204,18 @@ def summarize(results: dict) -> dict:
 
 
 def table(rows: dict) -> str:
-    lines = ["| variant | depth | median step (ms) | simulated (ms) | measured / simulated | output stage: in transfers "
-             "(ms) | of which waiting for a peer's send | of which after every send was posted | per message (us) "
-             "| messages |", "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| variant | depth | median step (ms) | simulated (ms) | measured / simulated | replayed (ms) "
+             "| measured / replayed | output stage: in transfers (ms) | of which waiting for a peer's send "
+             "| of which after every send was posted | per message (us) | messages |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, r in rows.items():
-        lines.append(f"| {name} | {r['depth']} | {r['median_ms']:.1f} | {r['predicted_ms']:.1f} | {r['ratio']:.3f} | "
-                     f"{r['transfer_ms']:.1f} | {r['waiting_ms']:.1f} | {r['working_ms']:.1f} | "
+        replayed = r.get("replayed_ms")   # runs saved before the column have none, torch's row neither
+        head = f"| {name} | {r.get('depth', '')} | {r['median_ms']:.1f} | {r['predicted_ms']:.1f} | {r['ratio']:.3f} | "
+        if "transfer_ms" not in r:
+            lines.append(head + " | | | | | | |")
+            continue
+        lines.append(head + (f"{replayed:.1f} | {r['median_ms'] / replayed:.3f} | " if replayed else " | | ")
+                     + f"{r['transfer_ms']:.1f} | {r['waiting_ms']:.1f} | {r['working_ms']:.1f} | "
                      f"{r['us_per_message']:.0f} | {r['messages']} |")
     return "\n".join(lines)
 
@@ -248,13 +275,22 @@ def write_section() -> None:
              "early receives, each variant also runs with its receives completed in place (`early_receives` false, "
              "the transport before); with receives posted early, the output stage's transfer time counts its waits "
              "(`WAIT_F`), and a wait's time after every send was posted is what was left of the messages once the "
-             "compute before it ended.", ""]
+             "compute before it ended. Since 2026-12-02: \"replayed\" is the simulator's step for the program with "
+             "each compute action priced at what it took in the last step (`peers.replayed`: the layers' sleeps as "
+             "they overshot, their own Python, DeepSpeed's and our wrappers), so measured over replayed is what the "
+             "runtime adds between compute; and torch.distributed.pipelining's `Schedule1F1B` runs the chain in the "
+             "same launch (one layer per rank; simulated: the chain's 1F1B, the same order on the same sleeps), the "
+             "reference for measured over simulated.", ""]
     for path in sorted((ROOT / "benchmarks" / "results").glob("fanin_*.json")):
         branches = int(path.stem.split("_")[1])
         for label, run in json.loads(path.read_text()).items():
             lines += [f"{branches} branches, {label} ({run['rounds']} rounds, load average "
                       f"{run['load_average']:.1f} at the start):", "", table(run["rows"]), ""]
-    (ROOT / "benchmarks" / "results" / "fanin.md").write_text("\n".join(lines))
+    notes = ROOT / "benchmarks" / "results" / "fanin_notes.md"   # what the tables say, written by hand
+    text = "\n".join(lines)
+    if notes.exists():
+        text = text.rstrip("\n") + "\n\n" + notes.read_text()
+    (ROOT / "benchmarks" / "results" / "fanin.md").write_text(text)
 
 
 if __name__ == "__main__":

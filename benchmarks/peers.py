@@ -455,10 +455,13 @@ def build_all(topology: str):
     return configs
 
 
-def timed_rounds(steps: dict, rounds: int, *, report: bool = False, cpu: dict | None = None) -> dict[str, list[float]]:
+def timed_rounds(steps: dict, rounds: int, *, report: bool = False, cpu: dict | None = None,
+                 alternate: bool = False) -> dict[str, list[float]]:
     """Each of ``steps`` (label -> a step on every rank) once per round, in turn, for ``rounds``
     rounds: label -> each round's step in seconds, fenced by barriers so every rank starts
-    together and the slowest one's finish ends it. ``report``: rank 0 prints each round. ``cpu``
+    together and the slowest one's finish ends it. ``alternate``: every other round runs them in
+    the reverse order (an A/B of two steps, so neither always follows the other). ``report``: rank
+    0 prints each round. ``cpu``
     (a dict): filled with label -> each round's CPU seconds on this rank inside the step, as
     ``(main thread, whole process)`` (the process's also counts gloo's and the watchdog's threads).
 
@@ -477,7 +480,7 @@ def timed_rounds(steps: dict, rounds: int, *, report: bool = False, cpu: dict | 
     gc.disable()
     try:
         for r in range(rounds):
-            for label, step in steps.items():
+            for label, step in (reversed(steps.items()) if alternate and r % 2 else steps.items()):
                 gc.collect()
                 torch.distributed.barrier()
                 start, thread, process = time.perf_counter(), time.thread_time(), time.process_time()

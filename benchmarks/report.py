@@ -10,7 +10,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
-ORDER = ("plan_compare", "plan_compare_memory", "branch_scaling", "search_speed", "step_time", "overhead", "action_cost", "compute_stack", "activation_meter",
+ORDER = ("plan_compare", "plan_compare_memory", "branch_scaling", "search_speed", "step_time", "overhead", "action_cost", "compute_stack", "compute_stack_sleeping", "activation_meter",
          "stage_switch", "schedules", "peers", "gc_pauses", "zbv_in_flight", "zbv_order", "fanin", "async_convergence", "planned_runs", "device_profiles", "large_models",
          "zero_memory", "tp_memory", "tp_planning", "checkpoint_save",
          "elastic_recovery")
