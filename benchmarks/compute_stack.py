@@ -19,7 +19,7 @@ in the loop without compute). A row minus the row under it is then that layer's 
 transfers table gives only the calls that post messages (a wait's wall time is the peer's).
 
     python benchmarks/compute_stack.py            # writes benchmarks/results/compute_stack.{json,md}
-    python benchmarks/compute_stack.py --sleeping 20   # compute_stack_sleeping.{json,md}
+    python benchmarks/compute_stack.py --sleeping 10   # compute_stack_sleeping.{json,md} (20 ms a stage, as peers.py)
     python benchmarks/compute_stack.py --ab DIR   # the before/after table of DIR/{before,after}_<i>.json
                                                   # (compute_stack.json of alternating launches of two commits)
 """
