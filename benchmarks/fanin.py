@@ -23,6 +23,8 @@ measured over replayed is what the runtime adds between compute. Torch's ``Sched
 the same chain in the same launch, the reference for measured over simulated.
 
     python benchmarks/fanin.py [--branches 4] [--rounds 8] [--strict]   # results/fanin_<N>.json, fanin.md
+    python benchmarks/fanin.py --skip-deepspeed-forward ...   # an experiment: ours without DeepSpeed's
+                                                             # forward wrapper (skip_deepspeed_forward)
 """
 
 from __future__ import annotations
@@ -127,6 +129,16 @@ def stage_costs(engine) -> dict:
             "messages": sum(len(a.transfers) for a, _, _ in transfers if a.kind.is_transfer), "actions": len(mine)}
 
 
+def skip_deepspeed_forward() -> None:
+    """An experiment, not a way to train: ``DeepSpeedEngine.forward`` replaced by the bare call of
+    the module's ``forward`` (no DeepSpeed hooks, timers, autocast or output hooks), in this
+    process, to measure what DeepSpeed's forward wrapper costs a step of ours. Right only for what
+    this benchmark runs (fp32, no ZeRO, no profiler): ``--skip-deepspeed-forward``."""
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    DeepSpeedEngine.forward = lambda self, *inputs, **kwargs: self.module.forward(*inputs, **kwargs)
+
+
 def worker(branches: int, rounds: int, out: str, profile: bool = False) -> None:
     import cProfile
     import pstats
@@ -139,6 +151,8 @@ def worker(branches: int, rounds: int, out: str, profile: bool = False) -> None:
         import strict_p2p
 
         strict_p2p.install()
+    if os.environ.get("GPP_BENCH_SKIP_DS_FORWARD") == "1":
+        skip_deepspeed_forward()
     unit = peers.sleep_unit_class()
     built = {name: build(name, branches, unit) for name in VARIANTS}
     chain = topology("chain", branches)
@@ -227,6 +241,8 @@ def main() -> None:
     parser.add_argument("--label", default="", help="a name for this run in the results file")
     parser.add_argument("--table-only", action="store_true", help="rewrite results/fanin.md from the saved runs")
     parser.add_argument("--strict", action="store_true", help="run under tests/strict_p2p.py (NCCL's semantics)")
+    parser.add_argument("--skip-deepspeed-forward", action="store_true",
+                        help="an experiment: our engine without DeepSpeed's forward wrapper (skip_deepspeed_forward)")
     parser.add_argument("--profile", action="store_true", help="cProfile the output stage (printed in its log)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
@@ -244,7 +260,8 @@ def main() -> None:
     res = launch(args.branches + 1, Path(__file__), "--worker", "--branches", str(args.branches), "--rounds",
                  str(args.rounds), "--out", str(out), *(["--profile"] if args.profile else []),
                  timeout=900 + 60 * args.rounds, log_dir=tmp / "logs" / "fanin",
-                 env={"GPP_STRICT_P2P": "1"} if args.strict else None)
+                 env={**({"GPP_STRICT_P2P": "1"} if args.strict else {}),
+                      **({"GPP_BENCH_SKIP_DS_FORWARD": "1"} if args.skip_deepspeed_forward else {})} or None)
     if args.profile:
         print(res.outputs[args.branches][-6000:])
     if not res.ok:
