@@ -33,6 +33,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import report
+
 ROOT = Path(__file__).resolve().parent.parent
 M, MBS, DIM, STEPS, WARM_UP = 16, 2, 8, 20, 3
 
@@ -242,49 +244,42 @@ def write_section(ranks: list[dict], sleep_ms: float = 0.0) -> None:
     for label, text in ROWS:
         lines.append(f"| {label} | {text} | " + " | ".join(cell(rt, r, label) for rt in RUNTIMES for r in (0, 1))
                      + " |")
-    if sleep_ms:
-        lines += ["", "Posting messages: the wall time a step of the calls that post them, in ms (calls a step): ours, "
-                  "the transfer actions (a receive they complete in place waits there); torch's, the stage's P2P "
-                  "ops built and its batches posted. DeepSpeed's send and receive instructions block until their "
-                  "message is done, so their wall time is the peer's too: not shown.", "",
-                  "| posting a step | ours, rank 0 | ours, rank 1 | torch's, rank 0 | torch's, rank 1 |",
-                  "|---|---|---|---|---|",
-                  "| wall, ms (calls) | " + " | ".join(
-                      f"{1e3 * ranks[r][rt][POSTING][1]:.2f} ({ranks[r][rt][POSTING][0]:.0f})"
-                      for rt in ("ours", "torch") for r in (0, 1)) + " |"]
-    else:
-        lines += ["", "Transfers: the CPU time a step of every call that posts, completes or waits for a message, in "
-                  "ms (calls a step): ours, the transfer actions and their waits; DeepSpeed's, its send and receive "
-                  "instructions (each blocks until its message is done); torch's, the stage's P2P ops built and its "
-                  "batches posted and waited for.", "",
-                  "| transfers a step | ours, rank 0 | ours, rank 1 | DeepSpeed's, rank 0 | DeepSpeed's, rank 1 "
-                  "| torch's, rank 0 | torch's, rank 1 |", "|---|---|---|---|---|---|---|",
-                  "| CPU, ms (calls) | " + " | ".join(
-                      f"{1e3 * ranks[r][rt][TRANSFERS][1]:.2f} ({ranks[r][rt][TRANSFERS][0]:.0f})"
-                      for rt in RUNTIMES for r in (0, 1)) + " |"]
+    # Messages: with sleeping layers only the calls that post them (a wait's wall time is the peer's),
+    # so not DeepSpeed's, whose instructions block until their message is done.
+    key, shown, intro = (POSTING, ("ours", "torch"), "Posting messages: the wall time a step of the calls that post "
+                         "them, in ms (calls a step): ours, the transfer actions (a receive they complete in place "
+                         "waits there); torch's, the stage's P2P ops built and its batches posted. DeepSpeed's send "
+                         "and receive instructions block until their message is done, so their wall time is the "
+                         "peer's too: not shown.") if sleep_ms else (
+        TRANSFERS, RUNTIMES, "Transfers: the CPU time a step of every call that posts, completes or waits for a "
+        "message, in ms (calls a step): ours, the transfer actions and their waits; DeepSpeed's, its send and "
+        "receive instructions (each blocks until its message is done); torch's, the stage's P2P ops built and its "
+        "batches posted and waited for.")
+    names = {"ours": "ours", "deepspeed": "DeepSpeed's", "torch": "torch's"}
+    lines += ["", intro, "", f"| {key} a step | " + " | ".join(f"{names[rt]}, rank {r}" for rt in shown for r in (0, 1))
+              + " |", "|---|" + "---|" * (2 * len(shown)),
+              f"| {'wall' if sleep_ms else 'CPU'}, ms (calls) | " + " | ".join(
+                  f"{1e3 * ranks[r][rt][key][1]:.2f} ({ranks[r][rt][key][0]:.0f})" for rt in shown for r in (0, 1))
+              + " |"]
     f, m, b, g = ROWS[0][0], ROWS[3][0], ROWS[4][0], ROWS[6][0]
     for r in (0, 1):
         if sleep_ms:   # what each runtime adds around the same layers and the same autograd pass
             adds = {rt: (us(rt, r, f) - us(rt, r, m), us(rt, r, b) - us(rt, r, g)) for rt in RUNTIMES}
-            lines += ["", f"Rank {r}: around the stage's layers a forward adds {adds['ours'][0]:.0f} us of wall time on "
-                      f"ours, {adds['deepspeed'][0]:.0f} on DeepSpeed's engine and {adds['torch'][0]:.0f} on torch's; "
-                      f"around autograd's pass a backward adds {adds['ours'][1]:.0f}, {adds['deepspeed'][1]:.0f} and "
-                      f"{adds['torch'][1]:.0f}. Inside ours, DeepSpeed's `DeepSpeedEngine.forward` adds "
-                      f"{us('ours', r, ROWS[2][0]) - us('ours', r, m):.0f} us around the layers and its "
-                      f"`PipelineEngine._exec_forward_pass` {us('ours', r, ROWS[1][0]) - us('ours', r, ROWS[2][0]):.0f}"
-                      f" around that; our handler {us('ours', r, f) - us('ours', r, ROWS[1][0]):.0f}."]
-            continue
-        lines += ["", f"Rank {r}: a forward costs {us('ours', r, f):.0f} us of CPU on ours, "
-                  f"{us('deepspeed', r, f):.0f} on DeepSpeed's engine and {us('torch', r, f):.0f} on torch's; a "
-                  f"backward {us('ours', r, b):.0f}, {us('deepspeed', r, b):.0f} and {us('torch', r, b):.0f}. Inside "
-                  f"ours, DeepSpeed's `DeepSpeedEngine.forward` adds {us('ours', r, ROWS[2][0]) - us('ours', r, m):.0f} "
-                  "us around the stage's layers and its `PipelineEngine._exec_forward_pass` "
-                  f"{us('ours', r, ROWS[1][0]) - us('ours', r, ROWS[2][0]):.0f} around that; our handler "
-                  f"{us('ours', r, f) - us('ours', r, ROWS[1][0]):.0f}."]
+            costs = (f"around the stage's layers a forward adds {adds['ours'][0]:.0f} us of wall time on ours, "
+                     f"{adds['deepspeed'][0]:.0f} on DeepSpeed's engine and {adds['torch'][0]:.0f} on torch's; around "
+                     f"autograd's pass a backward adds {adds['ours'][1]:.0f}, {adds['deepspeed'][1]:.0f} and "
+                     f"{adds['torch'][1]:.0f}")
+        else:
+            costs = (f"a forward costs {us('ours', r, f):.0f} us of CPU on ours, {us('deepspeed', r, f):.0f} on "
+                     f"DeepSpeed's engine and {us('torch', r, f):.0f} on torch's; a backward {us('ours', r, b):.0f}, "
+                     f"{us('deepspeed', r, b):.0f} and {us('torch', r, b):.0f}")
+        lines += ["", f"Rank {r}: {costs}. Inside ours, DeepSpeed's `DeepSpeedEngine.forward` adds "
+                  f"{us('ours', r, ROWS[2][0]) - us('ours', r, m):.0f} us around the stage's layers and its "
+                  f"`PipelineEngine._exec_forward_pass` {us('ours', r, ROWS[1][0]) - us('ours', r, ROWS[2][0]):.0f} "
+                  f"around that; our handler {us('ours', r, f) - us('ours', r, ROWS[1][0]):.0f}."]
     name = "compute_stack_sleeping" if sleep_ms else "compute_stack"
-    notes = ROOT / "benchmarks" / "results" / f"{name}_notes.md"   # what the tables say, written by hand
-    if notes.exists():
-        lines += ["", notes.read_text().rstrip("\n")]
+    if report.notes(name):
+        lines += ["", report.notes(name).rstrip("\n")]
     (ROOT / "benchmarks" / "results" / f"{name}.md").write_text("\n".join(lines) + "\n")
 
 

@@ -38,6 +38,7 @@ import time
 from pathlib import Path
 
 import peers
+import report
 
 ROOT = Path(__file__).resolve().parent.parent
 # Each also with its receives completed in place (graph_pipeline.early_receives false), the
@@ -303,10 +304,9 @@ def write_section() -> None:
         for label, run in json.loads(path.read_text()).items():
             lines += [f"{branches} branches, {label} ({run['rounds']} rounds, load average "
                       f"{run['load_average']:.1f} at the start):", "", table(run["rows"]), ""]
-    notes = ROOT / "benchmarks" / "results" / "fanin_notes.md"   # what the tables say, written by hand
     text = "\n".join(lines)
-    if notes.exists():
-        text = text.rstrip("\n") + "\n\n" + notes.read_text()
+    if report.notes("fanin"):
+        text = text.rstrip("\n") + "\n\n" + report.notes("fanin")
     (ROOT / "benchmarks" / "results" / "fanin.md").write_text(text)
 
 

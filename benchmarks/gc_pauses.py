@@ -40,6 +40,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT / "tests"))
 import peers  # noqa: E402
+import report  # noqa: E402
 
 TOPO = "four_branches"
 SCHEDULES = ("zbv", )
@@ -159,9 +160,8 @@ if __name__ == "__main__":
     for setting, ranks in results.items():
         table += rows(setting, ranks)
     text = "\n".join(table)
-    notes = OUT.with_name("gc_pauses_notes.md")
     doc = " ".join(__doc__.split("\n\n")[1].split()).replace("``", "`").rstrip(":")
     OUT.with_suffix(".md").write_text(SECTION.format(
         doc=doc, rounds=args.rounds, load=" to ".join(f"{x:.1f}" for x in loads), table=text,
-        notes=notes.read_text() if notes.exists() else ""))
+        notes=report.notes("gc_pauses")))
     print(text)

@@ -669,12 +669,12 @@ def write_table(results: dict, rounds: int, loads: dict) -> None:
             "every receive completed in place (`early_receives` false, the transport before issue 28's early "
             f"receives), in the same launch. A ratio below 1 means ours is faster.{load}\n\n"
             + "\n".join(summary_rows(results)) + "\n\n" + "\n".join(detail_rows(results)) + "\n")
-    notes = ROOT / "benchmarks" / "results" / "peers_notes.md"   # what the tables say, written by hand
-    if notes.exists():
-        text += "\n" + notes.read_text()
-    (ROOT / "benchmarks" / "results" / "peers.md").write_text(text)
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import report
+
+    if report.notes("peers"):
+        text += "\n" + report.notes("peers")
+    (ROOT / "benchmarks" / "results" / "peers.md").write_text(text)
     report.main()
 
 

@@ -23,6 +23,13 @@ in `benchmarks/results/<name>.json`.
 """
 
 
+def notes(name: str) -> str:
+    """The hand-written reading of a section, ``benchmarks/results/<name>_notes.md`` (what its
+    tables say, kept apart from what the script regenerates), or ``""`` if it has none."""
+    path = RESULTS / f"{name}_notes.md"
+    return path.read_text() if path.exists() else ""
+
+
 def main() -> None:
     sections = [HEADER]
     for name in ORDER:
