@@ -157,7 +157,6 @@ def worker(branches: int, rounds: int, out: str, profile: bool = False) -> None:
     unit = peers.sleep_unit_class()
     built = {name: build(name, branches, unit) for name in VARIANTS}
     chain = topology("chain", branches)
-    peers.RANKS = torch.distributed.get_world_size()   # torch's stage-to-rank map: one layer per rank here
     built[TORCH] = (peers.build_torch(chain, "1F1B", unit, peers.batches(1)[2])[0], None)
     times = {name: [] for name in built}
     costs = {name: [] for name in built}

@@ -294,8 +294,10 @@ def torch_schedule_names() -> list[str]:
     raise AssertionError("get_schedule_class accepted '?'")
 
 
-def build_torch(topology: str, name: str, unit, batch):
-    """One torch schedule over the chain: (step, pipeline_order, layers per stage)."""
+def build_torch(topology: str, name: str, unit, batch, *, took: dict | None = None):
+    """One torch schedule over the chain, its stages mapped over the launch's ranks: (step,
+    pipeline_order, layers per stage). With ``took`` (a dict, :func:`time_torch_compute`
+    installed), each step leaves in it what each of its compute calls took on this rank."""
     import inspect
     import torch
     from torch import nn
@@ -308,7 +310,8 @@ def build_torch(topology: str, name: str, unit, batch):
                            "(no schedule of its own)")
     multi = issubclass(cls, schedules.PipelineScheduleMulti)
     units = chain_units(topology, 2 if multi else 1)
-    mapping = generate_stage_to_rank_mapping(RANKS, len(units), style="v" if name in TORCH_V else "loop")
+    mapping = generate_stage_to_rank_mapping(torch.distributed.get_world_size(), len(units),
+                                             style="v" if name in TORCH_V else "loop")
     rank = torch.distributed.get_rank()
     mine = [s for s in range(len(units)) if mapping[s] == rank]
     stages = [PipelineStage(unit(*units[s]), s, len(units), torch.device("cpu")) for s in mine]
@@ -320,17 +323,84 @@ def build_torch(topology: str, name: str, unit, batch):
     target = y if len(units) - 1 in mine else None
 
     def step():
+        _TORCH_CALLS.clear()
         schedule.step(*args, target=target)
         optimizer.step()
         optimizer.zero_grad()
+        if took is not None:
+            took.clear()
+            took.update(((s, kind, mb), seconds) for s, kind, mb, seconds in _TORCH_CALLS)
 
     return step, schedule.pipeline_order, 1 / (2 if multi else 1)
+
+
+_TORCH_CALLS: list[tuple[int, str, int, float]] = []   # this rank's torch compute calls since its last step began
+
+
+def time_torch_compute() -> None:
+    """Record in ``_TORCH_CALLS`` what every compute call of torch's pipeline stages takes, as our
+    engine records its compute actions (``last_timeline``): ``forward_one_chunk`` (``F``, with the
+    schedule's ``_maybe_compute_loss`` after it, which ours computes inside the last stage's
+    forward), ``backward_one_chunk`` (``B``, or ``I`` with ``full_backward=False``) and
+    ``backward_weight_one_chunk`` (``W``); a perf_counter pair each, as ours. Installed once per
+    process, before the schedules run; the runtime around them (waits, sends, its bookkeeping) is
+    what torch's replayed step leaves out."""
+    from torch.distributed.pipelining import schedules, stage
+
+    base = stage._PipelineStageBase
+    if getattr(base, "_gpp_timed", False):
+        return
+
+    def timed(method, kind):
+        def run(self, chunk, *args, **kwargs):
+            start = time.perf_counter()
+            out = method(self, chunk, *args, **kwargs)
+            _TORCH_CALLS.append((self.stage_index, kind(args, kwargs), chunk, time.perf_counter() - start))
+            return out
+        return run
+
+    # backward_one_chunk(chunk, loss=None, full_backward=True, last_backward=False)
+    full = lambda args, kwargs: kwargs.get("full_backward", args[1] if len(args) > 1 else True)  # noqa: E731
+    base.forward_one_chunk = timed(base.forward_one_chunk, lambda *_: "F")
+    base.backward_one_chunk = timed(base.backward_one_chunk, lambda a, k: "B" if full(a, k) else "I")
+    base.backward_weight_one_chunk = timed(base.backward_weight_one_chunk, lambda *_: "W")
+    compute_loss = schedules._PipelineSchedule._maybe_compute_loss
+
+    def with_loss(self, stage_, output, target_mbs, mb_index, *args, **kwargs):
+        start = time.perf_counter()
+        compute_loss(self, stage_, output, target_mbs, mb_index, *args, **kwargs)
+        if _TORCH_CALLS and _TORCH_CALLS[-1][:3] == (stage_.stage_index, "F", mb_index):
+            s, kind, mb, seconds = _TORCH_CALLS[-1]
+            _TORCH_CALLS[-1] = (s, kind, mb, seconds + time.perf_counter() - start)
+
+    schedules._PipelineSchedule._maybe_compute_loss = with_loss
+    base._gpp_timed = True
 
 
 def torch_predicted(topology: str, order, per_layer: int) -> float | None:
     """Our simulator's step for a torch schedule's action lists (its ``pipeline_order``, overlapped
     pairs taken apart) on the chain of ``per_layer`` stages a layer, priced with the sleeps of
     those stages, messages free: the step torch's runtime would give if it added nothing."""
+    units = chain_units(topology, per_layer)
+    return _torch_simulated(topology, order, per_layer, lambda a: layer_sleep(a.kind, *units[a.stage_idx][4:6]))
+
+
+def torch_replayed(topology: str, order, per_layer: int, took: dict) -> float | None:
+    """:func:`torch_predicted` with each compute action priced at what it took in the schedule's
+    last step (``took``: this rank's, from :func:`build_torch`; gathered over the ranks here, so
+    every rank calls it), as :func:`replayed` prices ours: measured over it is what torch's runtime
+    adds between compute."""
+    import torch
+
+    gathered = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(gathered, took)
+    every = {k: v for part in gathered for k, v in part.items()}
+    return _torch_simulated(topology, order, per_layer,
+                            lambda a: every.get((a.stage_idx, a.kind.value, a.mb_idx), 0.0))
+
+
+def _torch_simulated(topology: str, order, per_layer: int, duration) -> float | None:
+    """Our simulator's makespan for torch's ``order`` on the chain, compute priced by ``duration``."""
     from gpp_deepspeed.errors import ScheduleError
     from gpp_deepspeed.graph.stages import StageGraph
     from gpp_deepspeed.schedule import Action, ActionKind as K
@@ -343,8 +413,7 @@ def torch_predicted(topology: str, order, per_layer: int) -> float | None:
                      if a.computation_type.value in kind]   # compute only (not REDUCE_GRAD, UNSHARD, ...)
               for rank, actions in order.items()}
     try:
-        return rank_makespan(orders, StageGraph.chain(len(units)),
-                             lambda a: layer_sleep(a.kind, *units[a.stage_idx][4:6]))
+        return rank_makespan(orders, StageGraph.chain(len(units)), duration)
     except ScheduleError:   # torch 2.13's Schedule1F1B.pipeline_order skips micro-batch 0 on the last rank
         return None         # (its IR only; the runtime runs it): no simulated step for that order
 
@@ -443,10 +512,13 @@ def build_all(topology: str):
     configs = {}
     for name, (step, engine) in build_ours(topology, unit, dag_data).items():
         configs[f"ours/{name}"] = (step, {"engine": engine})
+    time_torch_compute()
     for name in torch_schedule_names():
-        built, reason = _attempt(lambda: build_torch(topology, name, unit, batch))
+        took = {}
+        built, reason = _attempt(lambda: build_torch(topology, name, unit, batch, took=took))
         meta = {"refused": reason} if reason else {"in_flight": torch_in_flight(built[1], built[2]),
-                                                   "predicted": torch_predicted(topology, built[1], round(1 / built[2]))}
+                                                   "predicted": torch_predicted(topology, built[1], round(1 / built[2])),
+                                                   "replay": (built[1], round(1 / built[2]), took)}
         configs[f"torch/{name}"] = (built and built[0], meta)
     for name in DEEPSPEED:
         step, reason = _attempt(lambda: build_deepspeed(topology, name, unit, chain_data))
@@ -520,6 +592,9 @@ def worker(topology: str, rounds: int, out: str) -> None:
             meta["replayed"] = replayed(engine, label.split("/")[1])
             meta["fold"] = list(engine.placement.fold)
             meta["depth"] = engine.stage_graph.pipeline_depth
+        if "replay" in meta:  # torch's: its last step's compute calls, priced on its own order
+            order, per_layer, took = meta.pop("replay")
+            meta["replayed"] = torch_replayed(topology, order, per_layer, took)
         if label in mine:
             meta["cpu_s"] = [rank_cpu[label] for rank_cpu in every]
         results[label] = {**meta, "times": times.get(label)}
@@ -662,7 +737,9 @@ def write_table(results: dict, rounds: int, loads: dict) -> None:
             "same sleeps, for torch's schedules of their `pipeline_order` (free messages, each rank's own "
             "stages handing over locally), so median over simulated compares the two runtimes; \"replayed\" is the same simulation with each compute action priced at what it took in "
             "the run (its sleep overshooting on a loaded machine, the layer's own Python), messages free: median "
-            "over replayed is what the runtime adds beyond compute. \"CPU a step\" is the CPU time a rank spends "
+            "over replayed is what the runtime adds beyond compute (torch's: each stage's `forward_one_chunk` "
+            "with the loss after it, `backward_one_chunk` and `backward_weight_one_chunk` timed as ours times "
+            "its compute actions, on the schedule's `pipeline_order`). \"CPU a step\" is the CPU time a rank spends "
             "inside the step (the sleeps spend none), the mean over ranks of each rank's median: the main "
             "thread's (the runtime's Python, the layers' own, posting messages) and the whole process's (gloo's "
             "threads and the watchdog's too). Ours also runs `1f1b` and `dualpipev` with "
