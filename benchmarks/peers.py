@@ -34,7 +34,11 @@ collector off, a collection before each step outside its timing). "Peak in fligh
 most micro-batch activations a rank holds at once (forward run, its ``B`` or ``W`` not yet run), in
 units of one layer's activation (a half-layer stage counts a half): ours from the instructions the
 engine executed (``engine.last_timeline``), torch's from its schedule's ``pipeline_order``,
-DeepSpeed's from its instruction schedule. "Simulated" is our schedule simulator's step for ours.
+DeepSpeed's from its instruction schedule. "Simulated" is our schedule simulator's step for our
+programs and for torch's ``pipeline_order`` s, priced with the sleeps; "replayed" the same with each
+compute action priced at what it took in the last step (ours from ``engine.last_timeline``,
+torch's from its stages' compute calls, :func:`time_torch_compute`), so median over replayed is what
+each runtime adds between compute.
 
     python benchmarks/peers.py            # writes benchmarks/results/peers.{json,md} + docs table
     python benchmarks/peers.py --quick    # 3 rounds: checks that every peer runs (minutes)
