@@ -386,7 +386,7 @@ def torch_predicted(topology: str, order, per_layer: int) -> float | None:
     pairs taken apart) on the chain of ``per_layer`` stages a layer, priced with the sleeps of
     those stages, messages free: the step torch's runtime would give if it added nothing."""
     units = chain_units(topology, per_layer)
-    return _torch_simulated(topology, order, per_layer, lambda a: layer_sleep(a.kind, *units[a.stage_idx][4:6]))
+    return _torch_simulated(order, len(units), lambda a: layer_sleep(a.kind, *units[a.stage_idx][4:6]))
 
 
 def torch_replayed(topology: str, order, per_layer: int, took: dict) -> float | None:
@@ -399,25 +399,27 @@ def torch_replayed(topology: str, order, per_layer: int, took: dict) -> float | 
     gathered = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(gathered, took)
     every = {k: v for part in gathered for k, v in part.items()}
-    return _torch_simulated(topology, order, per_layer,
+    if not every:   # nothing timed (time_torch_compute not installed): no replayed step, not a zero one
+        return None
+    return _torch_simulated(order, len(chain_units(topology, per_layer)),
                             lambda a: every.get((a.stage_idx, a.kind.value, a.mb_idx), 0.0))
 
 
-def _torch_simulated(topology: str, order, per_layer: int, duration) -> float | None:
-    """Our simulator's makespan for torch's ``order`` on the chain, compute priced by ``duration``."""
+def _torch_simulated(order, num_stages: int, duration) -> float | None:
+    """Our simulator's makespan for torch's ``order`` on a chain of ``num_stages`` stages, compute
+    priced by ``duration``."""
     from gpp_deepspeed.errors import ScheduleError
     from gpp_deepspeed.graph.stages import StageGraph
     from gpp_deepspeed.schedule import Action, ActionKind as K
     from gpp_deepspeed.schedule.virtual import rank_makespan
 
-    units = chain_units(topology, per_layer)
     kind = {"F": K.FORWARD, "I": K.BACKWARD_INPUT, "W": K.BACKWARD_WEIGHT, "B": K.BACKWARD}
     orders = {rank: [Action(a.stage_index, kind[a.computation_type.value], a.microbatch_index)
                      for action in actions if action is not None for a in (action.sub_actions or (action, ))
                      if a.computation_type.value in kind]   # compute only (not REDUCE_GRAD, UNSHARD, ...)
               for rank, actions in order.items()}
     try:
-        return rank_makespan(orders, StageGraph.chain(len(units)), duration)
+        return rank_makespan(orders, StageGraph.chain(num_stages), duration)
     except ScheduleError:   # torch 2.13's Schedule1F1B.pipeline_order skips micro-batch 0 on the last rank
         return None         # (its IR only; the runtime runs it): no simulated step for that order
 
