@@ -59,6 +59,19 @@ def test_strict_transport_runs_a_send_and_its_receive_posted_in_one_batch(tmp_pa
     assert "received [1.0, 1.0, 1.0, 1.0]" in result.outputs[0] and "'single_ops': 0" in result.outputs[0]
 
 
+def test_the_engines_transport_posts_one_by_one_on_gloo_and_every_batch_through_a_replaced_batch_isend_irecv(
+        tmp_path):
+    # On gloo, torch's batch_isend_irecv is a loop of isend / irecv, which the transport runs itself;
+    # the strict transport (a replacement) must still see each transfer action as one batch.
+    plain = _control("transport", tmp_path / "plain", strict=False)
+    assert plain.ok and "one by one=True" in plain.outputs[0], plain.report()
+    assert "received [1.0, 1.0, 1.0, 1.0] strict=None" in plain.outputs[0], plain.report()
+    strict = _control("transport", tmp_path / "strict", strict=True)
+    assert strict.ok and "one by one=False" in strict.outputs[0], strict.report()
+    assert "received [1.0, 1.0, 1.0, 1.0]" in strict.outputs[0], strict.report()
+    assert "'batched_ops': 2, 'single_ops': 0" in strict.outputs[0], strict.report()
+
+
 @pytest.mark.parametrize("scenario,stuck", [("cross_send", "[send 4 float32 to 1]"),
                                             ("mixed", "[send 4 float32 to 1]")])
 def test_strict_transport_reports_a_hang_where_nccl_hangs_and_plain_gloo_does_not(tmp_path, scenario, stuck):

@@ -67,7 +67,7 @@ __all__ = ["DEEPSPEED_VERSION", "is_model_parallel_parameter", "pipeline_grid", 
            "hand_grads_to_master", "stage_local_norm", "OVERRIDDEN", "scale_loss_by_gas", "next_batch",
            "tied_weight_grad", "pipeline_backward_pass", "engine_backward", "stop_started_backward_timers",
            "start_stopped_backward_timers", "backward_epilogue", "backward_graph_tracker",
-           "hp_grads_deferred", "comms_logging_enabled", "configure_python_gc", "set_layer_bounds", "local_layer_bounds", "layer_specs",
+           "hp_grads_deferred", "comms_logging_enabled", "coalesces_p2p", "configure_python_gc", "set_layer_bounds", "local_layer_bounds", "layer_specs",
            "precompute_checkpointable_values", "pipeline_assert_stage", "reduce_micro_batch_gradients",
            "finish_gradient_accumulation", "optimizer_gradient_tensors", "zero3_trace_checked_within",
            "zero3_stage_partitions"]
@@ -386,6 +386,15 @@ def comms_logging_enabled() -> bool:
     """Whether DeepSpeed's communication logger (``"comms_logger": {"enabled": true}``) times
     ``deepspeed.comm`` calls."""
     return dist.comms_logger.enabled
+
+
+def coalesces_p2p(device) -> bool:
+    """Whether the default process group's backend for ``device`` coalesces a batch of
+    point-to-point ops into one group (NCCL: ``supports_coalescing``; gloo: no, and torch's
+    ``batch_isend_irecv`` then posts them one by one). A private name of torch's, not DeepSpeed's;
+    kept here, with the others a backend detail needs."""
+    group = torch.distributed.distributed_c10d._get_default_group()
+    return bool(group._get_backend(torch.device(device)).supports_coalescing)
 
 
 def configure_python_gc(engine) -> None:

@@ -52,7 +52,9 @@ Posting: one ``torch.distributed.batch_isend_irecv`` of ``torch.distributed.P2PO
 ``deepspeed.comm.batch_isend_irecv`` calls after converting its own ``P2POp`` s and timing the
 call for DeepSpeed's communication logger; that wrapper's work (a third of the Python a message
 costs on a CPU host) is done only while the logger is on (``"comms_logger": {"enabled": true}``),
-so the logger still sees every transfer when asked to.
+so the logger still sees every transfer when asked to. On a backend that does not coalesce
+(gloo), where ``batch_isend_irecv`` is a loop of ``isend`` / ``irecv``, the transport runs that
+loop itself, without the ``P2POp`` s (:meth:`EdgeTransport._post`).
 
 Communicators: NCCL creates the communicator of a pair of ranks on its first transfer, a blocking
 collective of the two; :meth:`EdgeTransport.warm_up` makes one exchange over every stage edge, in
@@ -70,10 +72,16 @@ import torch.distributed
 from deepspeed import comm as dist
 
 from ..errors import GPPError
-from .compat import comms_logging_enabled
+from .compat import coalesces_p2p, comms_logging_enabled
 
 __all__ = ["Layout", "EdgeTransport", "Outgoing", "Incoming", "encode_layout", "decode_layout", "encode_header",
            "decode_header", "header_capacity", "HEADER_INTS_PER_PORT", "pack", "unpack", "receive_buffers"]
+
+# torch's own ``batch_isend_irecv``, to tell it from a replacement (``EdgeTransport._post``); None
+# if this module was imported after one was installed, so that every batch then goes through it.
+_TORCH_BATCH_ISEND_IRECV = (torch.distributed.distributed_c10d.batch_isend_irecv
+                            if torch.distributed.distributed_c10d.batch_isend_irecv.__module__
+                            == "torch.distributed.distributed_c10d" else None)
 
 ID_TO_DTYPE = [
     torch.float32, torch.float64, torch.complex64, torch.complex128, torch.float16, torch.bfloat16, torch.uint8,
@@ -257,6 +265,7 @@ class EdgeTransport:
         # Keyed by (edge, peer rank): with per-stage degrees an edge has several peer ranks.
         self._arrived: dict[tuple[tuple[int, int], int], deque[Layout]] = {}   # received, not used yet
         self._layouts: dict[tuple[tuple[int, int], int], Layout] = {}           # the last one used
+        self._coalesces: bool | None = None   # whether the backend coalesces a batch (set at the first post)
 
     def reset_layouts(self) -> None:
         """Forget received layouts (call on every rank when activation shapes change: the next
@@ -285,14 +294,22 @@ class EdgeTransport:
                            "called on every rank)")
         return self._layouts[key]
 
-    @staticmethod
-    def _post(ops: list[tuple[bool, torch.Tensor, int]]) -> list:
+    def _post(self, ops: list[tuple[bool, torch.Tensor, int]]) -> list:
         """Post ``(is_send, tensor, global rank)`` s as one batch (module docstring: through
-        DeepSpeed's communication wrapper only while its logger is on)."""
+        DeepSpeed's communication wrapper only while its logger is on). On a backend that does not
+        coalesce (gloo) the ops go out one by one, as torch's ``batch_isend_irecv`` posts them
+        there, without building its ``P2POp`` s and checking the list (a third of what posting a
+        message costs in Python); while ``batch_isend_irecv`` is not torch's own (a test's strict
+        transport, a tracer), every batch goes through it."""
         if comms_logging_enabled():
             return dist.batch_isend_irecv([dist.P2POp(dist.isend if send else dist.irecv, t, r) for send, t, r in ops])
-        isend, irecv, op = torch.distributed.isend, torch.distributed.irecv, torch.distributed.P2POp
-        return torch.distributed.batch_isend_irecv([op(isend if send else irecv, t, r) for send, t, r in ops])
+        c10d = torch.distributed
+        if self._coalesces is None:
+            self._coalesces = coalesces_p2p(self.device)
+        if not self._coalesces and c10d.batch_isend_irecv is _TORCH_BATCH_ISEND_IRECV:
+            isend, irecv = c10d.isend, c10d.irecv
+            return [(isend if send else irecv)(t, r) for send, t, r in ops]
+        return c10d.batch_isend_irecv([c10d.P2POp(c10d.isend if send else c10d.irecv, t, r) for send, t, r in ops])
 
     def warm_up(self, pairs) -> None:
         """Exchange one element over every rank pair of every stage edge, in the order of

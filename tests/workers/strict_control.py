@@ -9,7 +9,11 @@ Each rank sends a tensor of its rank to the other and prints what it received:
 ``mixed``
     rank 0 sends in a batch, rank 1 receives with a single ``irecv`` (different NCCL communicators);
 ``grouped``
-    each rank posts its send and its receive in one batch: safe everywhere.
+    each rank posts its send and its receive in one batch: safe everywhere;
+``transport``
+    the same batch through the engine's transport (``EdgeTransport.start`` / ``finish``), which
+    also prints whether it posts one by one (torch's own ``batch_isend_irecv`` on gloo) or through
+    ``batch_isend_irecv`` (a replacement installed).
 """
 
 import os
@@ -39,6 +43,13 @@ def main():
         else:
             works = [dist.irecv(got, peer)]
             works += dist.batch_isend_irecv([dist.P2POp(dist.isend, out, peer)])
+    elif scenario == "transport":
+        from gpp_deepspeed.engine import p2p
+
+        transport = p2p.EdgeTransport(None, torch.device("cpu"), stage=rank, timeout_s=30)
+        recv = p2p.Incoming(peer, peer, [got])
+        works = [w for ws in transport.start([p2p.Outgoing(peer, peer, [out])], [recv]) for w in ws]
+        print(f"one by one={not transport._coalesces and dist.batch_isend_irecv is p2p._TORCH_BATCH_ISEND_IRECV}")
     elif scenario == "grouped":
         works = dist.batch_isend_irecv([dist.P2POp(dist.isend, out, peer), dist.P2POp(dist.irecv, got, peer)])
     else:
